@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .capture import capture
+from .determinism import print_options
 
 _THIS_FILE = os.path.abspath(__file__)
 _PACKAGE_DIR = os.path.dirname(_THIS_FILE) + os.sep
@@ -205,6 +206,7 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname
     sys.path[:] = list(dict.fromkeys(sys_path + sys.path))
     torch.set_num_threads(1)  # world_size ranks share a laptop's few cores
+    print_options()
     me = _Rank(rank, conn, kernel_pid, tmpdir)
     threading.Thread(target=me.reader, name="reducelab-reader", daemon=True).start()
     threading.Thread(target=me.watchdog, name="reducelab-watchdog", daemon=True).start()
