@@ -25,6 +25,7 @@ import atexit
 import html
 import linecache
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import pickle
 import shutil
@@ -324,6 +325,9 @@ class LocalGroup:
         tmpdir = tempfile.mkdtemp(prefix="reducelab-")  # mode 0700
         ctx = _context()
         ifname = loopback_interface()
+        # multiprocessing's own temp dir (the forkserver's socket): if the kernel is
+        # killed, no finalizer runs, so the ranks remove it along with ours.
+        mp_tmp = mp.util.get_temp_dir()
         procs = []
         try:
             for rank in range(self._world_size):
@@ -331,7 +335,8 @@ class LocalGroup:
                 proc = ctx.Process(
                     target=_rank_main, name=f"reducelab-rank-{rank}", daemon=True,
                     args=(rank, self._world_size, self._backend, tmpdir,
-                          self._timeout + 5.0, child, os.getpid(), ifname, list(sys.path)))
+                          self._timeout + 5.0, child, os.getpid(), ifname, list(sys.path),
+                          mp_tmp))
                 proc.start()
                 child.close()
                 procs.append(_Proc(rank, proc, parent))

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 
 import cloudpickle
@@ -79,7 +80,8 @@ def _after_launcher(frames: list[traceback.FrameSummary]) -> list[traceback.Fram
 
 
 class _Rank:
-    def __init__(self, rank: int, conn, kernel_pid: int, tmpdir: str):
+    def __init__(self, rank: int, conn, kernel_pid: int, tmpdir: str, mp_tmpdir: str = ""):
+        self.mp_tmpdir = mp_tmpdir
         self.rank = rank
         self.conn = conn
         self.kernel_pid = kernel_pid
@@ -89,6 +91,7 @@ class _Rank:
         self.main_ident = threading.get_ident()
         self.output = None  # the RankOutput of the call in progress
         self.sending = 0  # bytes of a return value being sent, 0 when not sending
+        self.namespace: dict = {"__builtins__": __builtins__, "__name__": "__rank__"}
 
     # --- the pipe -------------------------------------------------------------------
     def send(self, msg: tuple) -> None:
@@ -99,6 +102,8 @@ class _Rank:
     def kernel_gone(self) -> None:
         """The kernel exited or was killed: remove the group's files and leave now."""
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if self.mp_tmpdir and os.path.basename(self.mp_tmpdir).startswith("pymp-"):
+            shutil.rmtree(self.mp_tmpdir, ignore_errors=True)
         os._exit(0)
 
     def reader(self) -> None:
@@ -152,6 +157,7 @@ class _Rank:
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         if cwd and os.path.isdir(cwd):
             os.chdir(cwd)
+        fn = self.persistent(fn)
         self.output = None
         with capture() as self.output:
             try:
@@ -178,6 +184,28 @@ class _Rank:
         self.sending = len(data)
         return ("done", data, out, err)
 
+    def persistent(self, fn):
+        """Give a function sent by value (defined in a cell) this rank's lasting globals.
+
+        cloudpickle rebuilds such a function with a fresh dict of the globals it uses, so
+        ``global x`` on a rank would be forgotten by the next call. Here the shipped
+        globals are copied into one namespace that lives as long as the rank, and the
+        function runs with that namespace: the kernel's current values win for the names
+        it sends, and names a rank function assigns with ``global`` persist.
+        """
+        if not isinstance(fn, types.FunctionType):
+            return fn
+        module = sys.modules.get(fn.__module__ or "")
+        if module is not None and fn.__globals__ is vars(module):
+            return fn  # imported from a module: its globals already persist
+        ns = self.namespace
+        ns.update((k, v) for k, v in fn.__globals__.items() if k != "__builtins__")
+        new = types.FunctionType(fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__)
+        new.__kwdefaults__ = fn.__kwdefaults__
+        new.__qualname__ = fn.__qualname__
+        new.__module__ = fn.__module__
+        return new
+
     def loop(self) -> None:
         while True:
             msg = self.jobs.get()
@@ -196,7 +224,8 @@ class _Rank:
 
 
 def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, conn,
-         kernel_pid: int, loopback_ifname: str, sys_path: list[str]) -> None:
+         kernel_pid: int, loopback_ifname: str, sys_path: list[str],
+         mp_tmpdir: str = "") -> None:
     """Entry point of rank ``rank``; called by ``multiprocessing`` in a fresh process.
 
     Joins the default process group (``FileStore`` rendezvous in ``tmpdir``), reports
@@ -207,7 +236,7 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
     sys.path[:] = list(dict.fromkeys(sys_path + sys.path))
     torch.set_num_threads(1)  # world_size ranks share a laptop's few cores
     print_options()
-    me = _Rank(rank, conn, kernel_pid, tmpdir)
+    me = _Rank(rank, conn, kernel_pid, tmpdir, mp_tmpdir)
     threading.Thread(target=me.reader, name="reducelab-reader", daemon=True).start()
     threading.Thread(target=me.watchdog, name="reducelab-watchdog", daemon=True).start()
     try:

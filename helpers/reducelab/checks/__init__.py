@@ -62,11 +62,11 @@ def reveal(prediction, actual, why: str, same=None) -> Verdict:
         A :class:`Verdict`; ``passed`` is ``False`` when there was no prediction.
     """
     if prediction is None:
-        return failed(f"No prediction yet. The ranks hold {actual!r}. {why}")
+        return failed(f"No prediction yet. The real run gives {actual!r}. {why}")
     ok = (same or _close)(prediction, actual)
     if ok:
-        return passed(f"You predicted {prediction!r}, and the ranks hold {actual!r}. {why}")
-    return failed(f"You predicted {prediction!r}, but the ranks hold {actual!r}. {why}")
+        return passed(f"You predicted {prediction!r}, and the real run gives {actual!r}. {why}")
+    return failed(f"You predicted {prediction!r}, but the real run gives {actual!r}. {why}")
 
 
 def _close(a, b) -> bool:

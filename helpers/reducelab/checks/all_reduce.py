@@ -1,0 +1,67 @@
+"""Checks for notebook 01 (all_reduce and the reduce ops).
+
+Source: ``torch.distributed.all_reduce``,
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import RankError
+from ..group import LocalGroup
+from . import Verdict, failed, passed
+
+
+def _reference_mean(world_size: int, n: int) -> torch.Tensor:
+    # what each rank's local_values(rank, n) holds, averaged over ranks, in one process
+    return torch.stack([local_values(r, n) for r in range(world_size)]).mean(dim=0)
+
+
+def local_values(rank: int, n: int = 4) -> torch.Tensor:
+    """The tensor rank ``rank`` holds in the exercise: float32, shape ``(n,)``.
+
+    Element ``i`` is ``(rank + 1) * (i + 1)``, so ranks differ and averages are not whole.
+    """
+    return (rank + 1.0) * torch.arange(1, n + 1, dtype=torch.float32)
+
+
+def check_mean_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4)) -> Verdict:
+    """Exercise 1 of notebook 01: ``fn(n)`` must return the element-wise mean over ranks
+    of ``local_values(rank, n)``, on every rank, using only ``ReduceOp.SUM``.
+
+    Runs ``fn`` on real ranks at each world size in ``world_sizes`` (the group is resized,
+    then restored), and compares with a single-process reference (tolerance 1e-6).
+
+    Returns:
+        A :class:`~reducelab.checks.Verdict` that explains a wrong answer.
+    """
+    original = group.world_size
+    try:
+        for ws in world_sizes:
+            group.resize(ws)
+            try:
+                out = group.run(fn, 4)
+            except RankError as e:
+                return failed(f"With world_size={ws} your function raised on the ranks: "
+                              f"{e.headline}. {e.reports[0].summary if e.reports else ''}")
+            want = _reference_mean(ws, 4)
+            for r, got in enumerate(out):
+                if not isinstance(got, torch.Tensor):
+                    return failed(f"With world_size={ws}, rank {r} returned {got!r}; "
+                                  f"expected a tensor like {want}.")
+                if got.shape != want.shape or not torch.allclose(got.float(), want, atol=1e-6):
+                    hint = ""
+                    if got.shape == want.shape and torch.allclose(got.float(), want * ws, atol=1e-5):
+                        hint = (f" That is the SUM, {ws} times too big: all_reduce(SUM) adds "
+                                f"the ranks' tensors, so divide by dist.get_world_size().")
+                    elif got.shape == want.shape and torch.allclose(
+                            got.float(), local_values(r, 4), atol=1e-6):
+                        hint = (" That is the rank's own input: did you call all_reduce on a "
+                                "copy and return the original? all_reduce works in place.")
+                    return failed(f"With world_size={ws}, rank {r} returned {got}, expected "
+                                  f"{want}.{hint}")
+        return passed(f"Every rank returned the mean over ranks at world sizes "
+                      f"{', '.join(map(str, world_sizes))}: all_reduce(SUM) then / world_size "
+                      f"is what ReduceOp.AVG computes, and what DDP does to gradients.")
+    finally:
+        group.resize(original)

@@ -1,0 +1,123 @@
+"""The all_reduce explorer of notebook 01: pick a ReduceOp, world size, input and dtype.
+
+Source: ``torch.distributed.all_reduce`` and ``ReduceOp``,
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; the
+learner question is seed 001 ("Why do values increase after all_reduce?").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ipywidgets as W
+import numpy as np
+
+from ..errors import RankError
+from ..group import LocalGroup
+from ..plots import RankHeatmaps, fmt_value
+from . import Explorer
+
+REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
+"""The ``dist.ReduceOp`` names the explorer offers (PREMUL_SUM is NCCL/XCCL only)."""
+PATTERNS = ("rank+1", "random ints", "one-hot")
+"""Input patterns: ``rank+1`` everywhere; ints 0..7 seeded by rank; 1 at element ``rank``."""
+DTYPES = ("float32", "int64")
+BITWISE = ("BAND", "BOR", "BXOR")
+
+
+def refusal(op: str, dtype: str, err: RankError | None = None) -> str:
+    """One sentence on why gloo refuses ``op`` on ``dtype``, or the rank's own message."""
+    if op in BITWISE and dtype != "int64":
+        return (f"gloo refuses {op} on {dtype}: bitwise AND/OR/XOR combine the bits of "
+                f"integers, so they are defined for integer dtypes only. Pick int64.")
+    if op == "AVG" and dtype == "int64":
+        return ("gloo refuses AVG on int64: the average of integers is a fraction, and it "
+                "cannot be written back into an int64 tensor in place. Pick float32, or "
+                "use SUM and divide yourself.")
+    if err is not None:
+        first = next((r.summary for r in err.reports if r.state == "raised"), err.headline)
+        return f"gloo refused {op} on {dtype}: {first}"
+    return f"gloo refused {op} on {dtype}."
+
+
+@dataclass
+class AllReduceResult:
+    """Per-rank tensors before and after one all_reduce.
+
+    Attributes:
+        op, pattern, dtype: the settings used.
+        before, after: ``numpy`` arrays of shape ``(world_size, n)``, the input and the
+            result on each rank (dtype float64 or int64 as computed).
+    """
+
+    op: str
+    pattern: str
+    dtype: str
+    before: np.ndarray
+    after: np.ndarray
+
+    @property
+    def world_size(self) -> int:
+        return self.before.shape[0]
+
+
+class AllReduceExplorer(Explorer):
+    """Widget: run ``fn(op, pattern, dtype, n)`` on every rank and plot before/after.
+
+    Args:
+        group: the :class:`~reducelab.LocalGroup` to run on; the world-size slider
+            resizes it.
+        fn: the rank function from the notebook. Called on every rank as
+            ``fn(op, pattern, dtype, n)`` with ``op`` a name from :data:`REDUCE_OPS`,
+            ``pattern`` from :data:`PATTERNS`, ``dtype`` from :data:`DTYPES`; it must
+            return ``(before, after)``, two 1-D tensors of length ``n``.
+        n: elements per rank (int, 1..16).
+        op, world_size, pattern, dtype: initial control values.
+
+    Raises:
+        ValueError: an initial value outside the choices above.
+    """
+
+    def __init__(self, group: LocalGroup, fn, n: int = 6, op: str = "SUM",
+                 world_size: int | None = None, pattern: str = "rank+1",
+                 dtype: str = "float32"):
+        for name, value, choices in (("op", op, REDUCE_OPS), ("pattern", pattern, PATTERNS),
+                                     ("dtype", dtype, DTYPES)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        if not isinstance(n, int) or not 1 <= n <= 16:
+            raise ValueError(f"n must be an int from 1 to 16, got {n!r}")
+        self.group, self.fn, self.n = group, fn, n
+        self.plot = RankHeatmaps(("before all_reduce", "after all_reduce"))
+        world_size = world_size or group.world_size
+        super().__init__({
+            "op": W.Dropdown(options=REDUCE_OPS, value=op, description="ReduceOp"),
+            "world_size": W.IntSlider(value=world_size, min=1, max=8, description="world_size",
+                                      continuous_update=False),
+            "pattern": W.Dropdown(options=PATTERNS, value=pattern, description="input"),
+            "dtype": W.ToggleButtons(options=DTYPES, value=dtype, description="dtype"),
+        })
+        self.refresh()
+
+    def compute(self, op, world_size, pattern, dtype) -> AllReduceResult:
+        if self.group.world_size != world_size:
+            self.group.resize(world_size)
+        out = self.group.run(self.fn, op, pattern, dtype, self.n)
+        before = np.stack([b.numpy() for b, _ in out])
+        after = np.stack([a.numpy() for _, a in out])
+        return AllReduceResult(op, pattern, dtype, before, after)
+
+    def draw(self, result: AllReduceResult) -> bytes:
+        return self.plot.draw([result.before, result.after],
+                              title=f"all_reduce(op=ReduceOp.{result.op}) on "
+                                    f"{result.world_size} ranks, {result.dtype}")
+
+    def describe(self, result: AllReduceResult) -> str:
+        same = bool((result.after == result.after[0]).all())
+        row = ", ".join(fmt_value(v) for v in result.after[0])
+        where = "every rank holds" if same else "rank 0 holds"
+        grew = float(np.abs(result.after).sum()) / max(float(np.abs(result.before[0]).sum()), 1e-12)
+        return (f"After all_reduce({result.op}) {where} [{row}]; "
+                f"|after| / |rank 0 before| = {grew:.3g}.")
+
+    def explain_error(self, values: dict, err: RankError) -> str:
+        return refusal(values["op"], values["dtype"], err)

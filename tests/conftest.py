@@ -1,0 +1,52 @@
+"""Shared fixtures. Every group a test opens is closed, and no rank outlives the tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from reducelab import LocalGroup
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A 4-rank gloo group shared by the tests of one module (timeout 10 s)."""
+    g = LocalGroup(world_size=4, timeout=10)
+    yield g
+    g.close()
+
+
+def run_python(code: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python process (a stand-in for a notebook kernel)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def start_python(code: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def gone(pids, within: float) -> bool:
+    """True when none of ``pids`` is alive (zombies count as gone) within ``within`` seconds."""
+    import time
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+os.environ.setdefault("PYTHONUNBUFFERED", "1")

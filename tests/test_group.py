@@ -1,0 +1,191 @@
+"""Unit tests of LocalGroup: results, closures, output capture, failures, input, cleanup."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import gone
+from reducelab import LocalGroup, RankError
+
+
+def rank_and_size():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_results_come_back_by_rank(group):
+    assert group.run(rank_and_size) == [(r, 4) for r in range(4)]
+
+
+def test_all_reduce_sums_on_every_rank(group):
+    def f():
+        t = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(t)
+        return t
+    out = group.run(f)
+    assert all(torch.equal(t, torch.tensor([10.0])) for t in out)
+
+
+def test_lambdas_closures_and_captured_tensors(group):
+    scale = torch.tensor([2.0, 3.0])
+
+    def make(k):
+        return lambda: scale * (dist.get_rank() + k)
+
+    out = group.run(make(1))
+    assert [t.tolist() for t in out] == [[2.0 * (r + 1), 3.0 * (r + 1)] for r in range(4)]
+    assert group.run(lambda x, y=0: x + y + dist.get_rank(), 10, y=5) == [15, 16, 17, 18]
+
+
+def test_state_persists_on_ranks_between_calls(group):
+    def store():
+        globals()["reducelab_test_value"] = dist.get_rank() * 7
+    group.run(store)
+    assert group.run(lambda: globals()["reducelab_test_value"]) == [0, 7, 14, 21]
+
+
+def test_large_tensors_round_trip(group):
+    def big():
+        return torch.full((5_000_000,), float(dist.get_rank()))   # 20 MB per rank
+    out = group.run(big)
+    assert [float(t[123]) for t in out] == [0.0, 1.0, 2.0, 3.0]
+    assert out[3].numel() == 5_000_000
+
+
+def test_tensor_results_outlive_the_sender(group):
+    out = group.run(lambda: torch.arange(3) + dist.get_rank())
+    group.resize(2)  # the ranks that made those tensors are gone
+    try:
+        assert out[3].tolist() == [3, 4, 5]
+    finally:
+        group.resize(4)
+
+
+def test_output_is_printed_in_rank_order_with_prefixes(group, capsys):
+    def chatty():
+        r = dist.get_rank()
+        time.sleep(0.05 * (3 - r))   # rank 3 prints first
+        print(f"hello from {r}")
+        print(f"second line {r}")
+        import sys
+        print(f"warn {r}", file=sys.stderr)
+    group.run(chatty)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [line for r in range(4) for line in
+                                (f"[rank {r}] hello from {r}", f"[rank {r}] second line {r}")]
+    assert err.splitlines() == [f"[rank {r}] warn {r}" for r in range(4)]
+
+
+def test_exception_names_the_rank_and_carries_the_traceback(group):
+    def fails_on_two():
+        if dist.get_rank() == 2:
+            raise ValueError("bad value on purpose")
+        return dist.get_rank()
+    with pytest.raises(RankError) as info:
+        group.run(fails_on_two)
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert err.ranks == [2]
+    assert "rank 2 raised ValueError" in str(err)
+    assert "bad value on purpose" in err.tracebacks[2]
+    assert "fails_on_two" in err.tracebacks[2]
+    assert group.run(rank_and_size)[2] == (2, 4)
+
+
+def test_rank_that_never_joins_a_collective_is_reported_within_timeout():
+    with LocalGroup(world_size=3, timeout=3) as g:
+        def skip_on_one():
+            if dist.get_rank() != 1:
+                dist.all_reduce(torch.ones(1))
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as info:
+            g.run(skip_on_one)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 3 + 2.5
+        text = str(info.value)
+        assert "did not finish within 3 s" in text
+        assert "rank 0: was waiting in all_reduce" in text
+        assert "rank 1: skip_on_one returned" in text
+        assert g.run(lambda: dist.get_rank()) == [0, 1, 2]
+
+
+def test_dead_rank_is_reported_not_waited_on():
+    with LocalGroup(world_size=3, timeout=60) as g:
+        def exits_on_zero():
+            if dist.get_rank() == 0:
+                os._exit(7)
+            dist.barrier()
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as info:
+            g.run(exits_on_zero)
+        assert time.monotonic() - t0 < 10
+        assert info.value.ranks[0] == 0
+        assert "exited with code 7" in str(info.value)
+        assert g.run(rank_and_size) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_keyboard_interrupt_reaches_the_caller_and_the_group_runs_again():
+    with LocalGroup(world_size=2, timeout=60) as g:
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            g.run(lambda: time.sleep(30))
+        assert time.monotonic() - t0 < 3
+        assert g.run(rank_and_size) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("world_size, error", [
+    (0, ValueError), (65, ValueError), (-1, ValueError),
+    ("4", TypeError), (2.0, TypeError), (True, TypeError), (None, TypeError)])
+def test_bad_world_size(world_size, error):
+    with pytest.raises(error, match="world_size must be"):
+        LocalGroup(world_size=world_size)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "mpi", "GLOO", ""])
+def test_bad_backend_names_the_choices(backend):
+    with pytest.raises(ValueError, match="'gloo'"):
+        LocalGroup(world_size=2, backend=backend)
+
+
+@pytest.mark.parametrize("timeout, error", [
+    (0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    ("30", TypeError), (None, TypeError)])
+def test_bad_timeout(timeout, error):
+    with pytest.raises(error, match="timeout must be"):
+        LocalGroup(world_size=2, timeout=timeout)
+
+
+def test_bad_input_to_run_and_resize_keeps_the_group(group):
+    with pytest.raises(TypeError, match="needs a function"):
+        group.run(42)
+    with pytest.raises(ValueError, match="world_size must be"):
+        group.resize(0)
+    with pytest.raises(TypeError, match="cannot send"):
+        group.run(lambda lock: None, threading.Lock())
+    assert group.world_size == 4 and group.run(rank_and_size)[3] == (3, 4)
+
+
+def test_close_is_idempotent_and_leaves_no_process_or_directory():
+    g = LocalGroup(world_size=3)
+    pids, tmpdir = g.pids, g._tmpdir
+    assert os.path.isdir(tmpdir)
+    g.close()
+    g.close()
+    assert gone(pids, within=5)
+    assert not os.path.exists(tmpdir)
+    assert g.state == "closed"
+    with pytest.raises(RuntimeError, match="closed"):
+        g.run(rank_and_size)
+
+
+def test_repr_shows_backend_world_size_and_state(group):
+    text = repr(group)
+    assert "world_size=4" in text and "'gloo'" in text and "alive=4/4" in text
+    assert "idle" in group._repr_html_()
