@@ -47,6 +47,7 @@ BACKENDS = ("gloo",)
 
 MAX_WORLD_SIZE = 64
 _GRACE = 1.0  # seconds the other ranks get to report once one rank has failed
+_DEATH_GRACE = 0.3  # seconds the other ranks get to report once a rank has died
 _STACK_WAIT = 1.0  # seconds to wait for stuck ranks to say where they are
 
 
@@ -264,13 +265,22 @@ class LocalGroup:
         except Exception as e:
             raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments "
                             f"to the ranks: {type(e).__name__}: {e}") from None
+        if self._state == "idle":
+            dead = {p.rank: p.process.exitcode for p in self._procs if not p.process.is_alive()}
+            if dead:
+                print(f"Note: {'; '.join(f'rank {r} {_describe_exit(c)}' for r, c in dead.items())}"
+                      f" while idle; starting {self._world_size} fresh ranks.", file=sys.stderr)
+                self._shutdown()
         if self._state != "idle":
             self._start()
         name = getattr(fn, "__name__", "fn")
         self._state = "running"
         try:
             for p in self._procs:
-                p.send(("run", payload))
+                try:
+                    p.send(("run", payload))
+                except OSError:
+                    pass  # the rank died just now: _gather sees its sentinel and reports it
             return self._collect_results(name)
         finally:
             if self._state == "running":
@@ -419,7 +429,9 @@ class LocalGroup:
                 proc.process.join(0.5)
                 died[r] = proc.process.exitcode
                 pending.discard(r)
-                cut = time.monotonic()  # a dead rank: report now, do not wait on the rest
+                # a dead rank: do not wait on the rest, but let the ranks it left inside a
+                # collective report the error gloo gives them (a closed connection)
+                cut = min(cut, time.monotonic() + _DEATH_GRACE)
         return replies, died, pending
 
     def _where(self, ranks: set[int]) -> dict[int, tuple]:

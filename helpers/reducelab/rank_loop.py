@@ -141,6 +141,8 @@ class _Rank:
         if self.sending:
             return ("stack", "", "<sending>",
                     f"was sending its return value ({self.sending / 1e6:.0f} MB)", out, err)
+        if self.output is None:
+            return ("stack", "", None, "was between calls (had not started fn yet)", out, err)
         frame = sys._current_frames().get(self.main_ident)
         frames = _after_launcher(traceback.extract_stack(frame)) if frame else []
         collective, summary = where(frames)
