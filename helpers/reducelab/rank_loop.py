@@ -91,6 +91,7 @@ class _Rank:
         self.main_ident = threading.get_ident()
         self.output = None  # the RankOutput of the call in progress
         self.sending = 0  # bytes of a return value being sent, 0 when not sending
+        self.phase = "idle"  # idle -> loading -> running -> (sending) -> idle
         self.namespace: dict = {"__builtins__": __builtins__, "__name__": "__rank__"}
 
     # --- the pipe -------------------------------------------------------------------
@@ -141,8 +142,11 @@ class _Rank:
         if self.sending:
             return ("stack", "", "<sending>",
                     f"was sending its return value ({self.sending / 1e6:.0f} MB)", out, err)
-        if self.output is None:
-            return ("stack", "", None, "was between calls (had not started fn yet)", out, err)
+        if self.phase != "running":
+            return ("stack", "", None, {
+                "idle": "was between calls (had not received fn)",
+                "loading": "was still loading fn (unpickling it, importing its modules)",
+            }.get(self.phase, f"was {self.phase}"), out, err)
         frame = sys._current_frames().get(self.main_ident)
         frames = _after_launcher(traceback.extract_stack(frame)) if frame else []
         collective, summary = where(frames)
@@ -150,6 +154,7 @@ class _Rank:
 
     # --- jobs -----------------------------------------------------------------------
     def run_job(self, payload: bytes) -> tuple:
+        self.phase = "loading"
         try:
             fn, args, kwargs, cwd, sources = cloudpickle.loads(payload)
         except BaseException as e:  # e.g. a module the kernel has and the rank has not
@@ -161,6 +166,7 @@ class _Rank:
             os.chdir(cwd)
         fn = self.persistent(fn)
         self.output = None
+        self.phase = "running"
         with capture() as self.output:
             try:
                 result = fn(*args, **kwargs)
@@ -223,6 +229,7 @@ class _Rank:
                 finally:
                     self.sending = 0
                     self.output = None
+                    self.phase = "idle"
 
 
 def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, conn,

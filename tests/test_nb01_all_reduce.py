@@ -1,0 +1,140 @@
+"""Notebook 01: the all_reduce explorer (headless), the exercise check, and the facts taught."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import cloudpickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reducelab.checks import reveal
+from reducelab.checks.all_reduce import check_mean_over_ranks, local_values
+from reducelab.widgets.all_reduce import AllReduceExplorer
+
+# Send this module's functions by value, as a notebook cell's are: the ranks then need
+# not import the test module (and everything it imports) before they can run them.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SOLUTIONS = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
+
+
+def load_solution(name):
+    spec = importlib.util.spec_from_file_location(name, SOLUTIONS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def demo(op, pattern, dtype, n):
+    """The notebook's rank function, in short: rank+1 or one-hot inputs."""
+    rank = dist.get_rank()
+    if pattern == "one-hot":
+        x = torch.zeros(n)
+        x[rank % n] = 1.0
+    else:
+        x = torch.full((n,), rank + 1.0)
+    x = x.to(getattr(torch, dtype))
+    before = x.clone()
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+    return before, x
+
+
+@pytest.fixture()
+def explorer(group):
+    group.resize(4)
+    return AllReduceExplorer(group, demo, n=4)
+
+
+def reference(op, world_size, n=4):
+    xs = torch.stack([torch.full((n,), r + 1.0) for r in range(world_size)])
+    return {"SUM": xs.sum(0), "PRODUCT": xs.prod(0), "MIN": xs.min(0).values,
+            "MAX": xs.max(0).values, "AVG": xs.mean(0)}[op]
+
+
+@pytest.mark.parametrize("op", ["SUM", "PRODUCT", "MIN", "MAX", "AVG"])
+def test_changing_the_op_reruns_the_collective(explorer, op):
+    explorer.controls["op"].value = op
+    assert explorer.error is None
+    want = reference(op, 4).numpy()
+    assert (explorer.result.after == want).all()
+    assert explorer.result.before[:, 0].tolist() == [1, 2, 3, 4]
+    assert bytes(explorer.image.value[:4]) == b"\x89PNG"
+    assert f"all_reduce({op})" in explorer.message.value
+
+
+def test_world_size_slider_resizes_the_group(explorer, group):
+    explorer.controls["world_size"].value = 7
+    assert group.world_size == 7
+    assert explorer.result.world_size == 7
+    assert (explorer.result.after == 28).all()          # 1 + ... + 7
+    explorer.controls["world_size"].value = 4
+
+
+def test_refused_combination_shows_a_sentence_and_recovers(explorer):
+    explorer.controls["dtype"].value = "int64"
+    explorer.controls["op"].value = "AVG"
+    assert explorer.result is None and explorer.error is not None
+    assert "refuses AVG on int64" in explorer.message.value
+    assert "Long" in explorer.error.reports[0].summary      # gloo's own words are kept
+    explorer.controls["op"].value = "BXOR"                  # 1^2^3^4 = 4
+    assert explorer.error is None and (explorer.result.after == 4).all()
+    explorer.controls["dtype"].value = "float32"
+    assert "refuses BXOR on float32" in explorer.message.value
+
+
+def test_one_hot_sum_tells_every_rank_who_set_what(explorer):
+    explorer.controls["pattern"].value = "one-hot"
+    assert (explorer.result.after == 1).all()
+    assert "every rank holds [1, 1, 1, 1]" in explorer.text()
+
+
+def test_bad_initial_values_name_the_choices(group):
+    with pytest.raises(ValueError, match="SUM, PRODUCT"):
+        AllReduceExplorer(group, demo, op="MEAN")
+    with pytest.raises(ValueError, match="n must be"):
+        AllReduceExplorer(group, demo, n=0)
+
+
+def test_solution_passes_and_the_stub_fails_with_an_explanation(group):
+    group.resize(4)
+    solution = load_solution("01_mean_over_ranks").mean_over_ranks
+    assert check_mean_over_ranks(group, solution)
+    assert group.world_size == 4
+
+    def stub(n):
+        return local_values(dist.get_rank(), n)
+    verdict = check_mean_over_ranks(group, stub)
+    assert not verdict and "own input" in verdict.message
+
+    def forgot_to_divide(n):
+        x = local_values(dist.get_rank(), n)
+        dist.all_reduce(x)
+        return x
+    verdict = check_mean_over_ranks(group, forgot_to_divide)
+    assert not verdict and "2 times too big" in verdict.message
+
+
+def test_reveal_explains_with_and_without_a_prediction():
+    assert not reveal(None, 36.0, "why")
+    assert "No prediction" in repr(reveal(None, 36.0, "why"))
+    assert reveal(36, 36.0, "why")
+    assert "but the real run gives 36.0" in repr(reveal(20, 36.0, "why"))
+
+
+def test_gloo_avg_on_float_and_refusals_as_the_notebook_says(group):
+    group.resize(4)
+    from reducelab import RankError
+
+    def op_on(op, dtype):
+        x = torch.tensor([dist.get_rank() + 1], dtype=dtype)
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+        return x.item()
+    assert group.run(op_on, "AVG", torch.float32) == [2.5] * 4
+    for op, dtype in [("AVG", torch.int64), ("BAND", torch.float32)]:
+        with pytest.raises(RankError):
+            group.run(op_on, op, dtype)
+    assert group.run(op_on, "BAND", torch.int64) == [0] * 4
