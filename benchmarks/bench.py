@@ -1,0 +1,330 @@
+"""Reduce Lab benchmark: LocalGroup against what learners would pick instead.
+
+One run measures, for the same work (an all_reduce of a one-element tensor, returning
+the value) at each world size:
+
+* LocalGroup: cold start (the first group in a fresh kernel: forkserver + torch
+  preload), warm start (later groups), time per interaction (``run()`` round trip),
+  memory per rank (USS, MB);
+* ``torch.multiprocessing.spawn`` per call (start processes, init, work, exit);
+* accelerate's ``notebook_launcher`` per call (if accelerate is installed);
+* the widget round trip: notebook 01's explorer, one control change (run + redraw);
+
+and records where the alternatives fail: notebook_launcher returns no values, it hangs
+after the kernel has used OpenMP (it forks the kernel), and spawn cannot pickle a
+function defined in ``__main__`` (a notebook cell).
+
+Usage: ``python benchmarks/bench.py [--world-sizes 2 4 8 16] [--quick]``. Results go to
+``benchmarks/results/latest.json`` and ``latest.md``. Timings are medians of repeated
+calls in this one run; compare ratios, not absolute numbers, across machines.
+
+This is a benchmark, not a test: nothing here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from reducelab import LocalGroup
+
+OUT = pathlib.Path(__file__).resolve().parent / "results"
+HANG_LIMIT = 60.0  # seconds before a hung alternative is declared hung
+
+
+def work():
+    """The unit of work every launcher does: one all_reduce, value returned."""
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _spawn_entry(rank, world_size, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    work()
+    dist.destroy_process_group()
+
+
+def _launcher_entry():
+    dist.init_process_group("gloo")
+    value = work()
+    dist.destroy_process_group()
+    return value
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def max_child_uss(stop: threading.Event, out: list) -> None:
+    me = psutil.Process()
+    peak = 0.0
+    while not stop.is_set():
+        kids = me.children(recursive=True)
+        total, n = 0.0, 0
+        for k in kids:
+            try:
+                total += k.memory_full_info().uss
+                n += 1
+            except psutil.Error:
+                pass
+        if n:
+            peak = max(peak, total / n)
+        time.sleep(0.05)
+    out.append(peak / 1e6)
+
+
+def cold_start(world_size: int) -> float:
+    code = textwrap.dedent(f"""
+        import time, torch
+        import reducelab
+        t = time.perf_counter()
+        g = reducelab.LocalGroup(world_size={world_size})
+        print(time.perf_counter() - t)
+        g.close()
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+def bench_localgroup(world_size: int, repeat: int) -> dict:
+    LocalGroup(world_size=1).close()  # the forkserver starts once per kernel: not "warm"
+    starts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        g = LocalGroup(world_size=world_size)
+        starts.append(time.perf_counter() - t)
+        g.close()
+    with LocalGroup(world_size=world_size) as g:
+        for _ in range(5):
+            g.run(work)
+        rts = []
+        for _ in range(50):
+            t = time.perf_counter()
+            g.run(work)
+            rts.append(time.perf_counter() - t)
+        uss = [psutil.Process(pid).memory_full_info().uss / 1e6 for pid in g.pids]
+    return {"cold_start_s": cold_start(world_size), "warm_start_s": median(starts),
+            "round_trip_s": median(rts), "memory_per_rank_mb": statistics.mean(uss)}
+
+
+def bench_spawn(world_size: int, repeat: int) -> dict:
+    times, mem = [], []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as d:
+            stop, out = threading.Event(), []
+            th = threading.Thread(target=max_child_uss, args=(stop, out))
+            th.start()
+            t = time.perf_counter()
+            tmp.spawn(_spawn_entry, args=(world_size, os.path.join(d, "init")),
+                      nprocs=world_size)
+            times.append(time.perf_counter() - t)
+            stop.set()
+            th.join()
+            mem.append(out[0])
+    return {"per_call_s": median(times), "memory_per_rank_mb": max(mem)}
+
+
+def bench_launcher(world_size: int, repeat: int) -> dict:
+    try:
+        from accelerate import notebook_launcher
+    except ImportError:
+        return {"skipped": "accelerate is not installed (pip install accelerate)"}
+    times, mem, returned = [], [], None
+    for _ in range(repeat):
+        stop, out = threading.Event(), []
+        th = threading.Thread(target=max_child_uss, args=(stop, out))
+        th.start()
+        t = time.perf_counter()
+        returned = notebook_launcher(_launcher_entry, num_processes=world_size)
+        times.append(time.perf_counter() - t)
+        stop.set()
+        th.join()
+        mem.append(out[0])
+    return {"per_call_s": median(times), "memory_per_rank_mb": max(mem),
+            "returned": repr(returned)}
+
+
+def bench_widget(world_size: int = 4, repeat: int = 12) -> dict:
+    from reducelab.widgets.all_reduce import AllReduceExplorer
+
+    def demo(op, pattern, dtype, n):
+        x = torch.full((n,), dist.get_rank() + 1.0).to(getattr(torch, dtype))
+        before = x.clone()
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+        return before, x
+
+    with LocalGroup(world_size=world_size) as g:
+        ex = AllReduceExplorer(g, demo)
+        totals, computes = [], []
+        ops = ["MAX", "MIN", "SUM", "AVG", "PRODUCT"]
+        for i in range(repeat):
+            ex.controls["op"].value = ops[i % len(ops)]
+            totals.append(ex.seconds)
+            t = time.perf_counter()
+            ex.compute(**ex.values)
+            computes.append(time.perf_counter() - t)
+    return {"world_size": world_size, "change_to_figure_s": median(totals),
+            "run_only_s": median(computes)}
+
+
+FAILURES = {
+    "notebook_launcher_returns": """
+        import torch.distributed as dist
+        from accelerate import notebook_launcher
+        def f():
+            dist.init_process_group("gloo"); r = dist.get_rank(); dist.destroy_process_group()
+            return r
+        print("RESULT", repr(notebook_launcher(f, num_processes=2)))
+    """,
+    "notebook_launcher_after_openmp": """
+        import torch, torch.distributed as dist
+        from accelerate import notebook_launcher
+        torch.set_num_threads(2)
+        a = torch.randn(2000, 2000); a @ a          # the kernel has run an OpenMP op
+        def f():
+            b = torch.randn(2000, 2000); b @ b      # the forked child's matmul
+        notebook_launcher(f, num_processes=2)
+        print("RESULT finished")
+    """,
+    "localgroup_after_openmp": """
+        import torch, torch.distributed as dist
+        from reducelab import LocalGroup
+        torch.set_num_threads(2)
+        a = torch.randn(2000, 2000); a @ a
+        with LocalGroup(world_size=2) as g:
+            print("RESULT", g.run(lambda: float((torch.randn(2000, 2000) @ torch.randn(2000, 2000)).shape[0])))
+    """,
+    "spawn_cell_function": """
+        import torch.multiprocessing as mp
+        def f(rank):                                 # defined in __main__, like a cell
+            pass
+        if __name__ == "__main__":
+            mp.spawn(f, nprocs=2)
+            print("RESULT finished")
+    """,
+    "localgroup_cell_function": """
+        from reducelab import LocalGroup
+        def f():                                     # defined in __main__, like a cell
+            import torch.distributed as dist
+            return dist.get_rank()
+        with LocalGroup(world_size=2) as g:
+            print("RESULT", g.run(f))
+    """,
+}
+
+
+def run_failure_case(name: str, code: str) -> dict:
+    if "accelerate" in code:
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            return {"outcome": "skipped (accelerate not installed)"}
+    t = time.perf_counter()
+    # "-c" code has no file: like a notebook cell, spawn's children cannot re-import it
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=HANG_LIMIT)
+    except subprocess.TimeoutExpired:
+        for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.communicate()
+        return {"outcome": f"hung: no result after {HANG_LIMIT:.0f} s, killed"}
+    took = time.perf_counter() - t
+    result = [line for line in out.splitlines() if line.startswith("RESULT")]
+    if proc.returncode == 0 and result:
+        return {"outcome": f"{result[-1][7:]} ({took:.1f} s)"}
+    last = [line for line in err.strip().splitlines() if line.strip()]
+    return {"outcome": f"failed: {last[-1] if last else 'exit ' + str(proc.returncode)}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, no failure cases")
+    args = ap.parse_args()
+    rep = 2 if args.quick else 5
+    results = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, "
+                          f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
+               "torch": torch.__version__, "python": platform.python_version(),
+               "work": "one all_reduce of a 1-element float32 tensor, value returned",
+               "by_world_size": {}}
+    for ws in args.world_sizes:
+        print(f"world_size {ws}: LocalGroup ...", flush=True)
+        row = {"localgroup": bench_localgroup(ws, rep)}
+        print(f"world_size {ws}: torch.multiprocessing.spawn ...", flush=True)
+        row["spawn"] = bench_spawn(ws, 2 if ws >= 8 or args.quick else 3)
+        print(f"world_size {ws}: accelerate.notebook_launcher ...", flush=True)
+        row["notebook_launcher"] = bench_launcher(ws, 2 if ws >= 8 or args.quick else 3)
+        lg = row["localgroup"]
+        row["spawn_per_call_over_round_trip"] = row["spawn"]["per_call_s"] / lg["round_trip_s"]
+        if "per_call_s" in row["notebook_launcher"]:
+            row["launcher_per_call_over_round_trip"] = (row["notebook_launcher"]["per_call_s"]
+                                                        / lg["round_trip_s"])
+        results["by_world_size"][str(ws)] = row
+    print("widget round trip ...", flush=True)
+    results["widget"] = bench_widget()
+    if not args.quick:
+        results["failures"] = {}
+        for name, code in FAILURES.items():
+            print(f"failure case {name} ...", flush=True)
+            results["failures"][name] = run_failure_case(name, code)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    md = report(results)
+    (OUT / "latest.md").write_text(md)
+    print(md)
+
+
+def report(r: dict) -> str:
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    lines = [f"Benchmark of {r['when']} on {r['machine']}, torch {r['torch']}.",
+             f"Work per call: {r['work']}. Medians.", "",
+             "| world size | LocalGroup cold start | warm start | run() round trip | "
+             "spawn per call | notebook_launcher per call | spawn / round trip | "
+             "launcher / round trip | MB per rank: LocalGroup / spawn / launcher |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for ws, row in r["by_world_size"].items():
+        lg, sp, nl = row["localgroup"], row["spawn"], row["notebook_launcher"]
+        nl_t = f"{nl['per_call_s']:.2f} s" if "per_call_s" in nl else "n/a"
+        nl_r = f"{row['launcher_per_call_over_round_trip']:,.0f}x" if "per_call_s" in nl else "n/a"
+        nl_m = f"{nl['memory_per_rank_mb']:.0f}" if "per_call_s" in nl else "n/a"
+        lines.append(f"| {ws} | {lg['cold_start_s']:.2f} s | {ms(lg['warm_start_s'])} | "
+                     f"{ms(lg['round_trip_s'])} | {sp['per_call_s']:.2f} s | {nl_t} | "
+                     f"{row['spawn_per_call_over_round_trip']:,.0f}x | {nl_r} | "
+                     f"{lg['memory_per_rank_mb']:.0f} / {sp['memory_per_rank_mb']:.0f} / {nl_m} |")
+    w = r["widget"]
+    lines += ["", f"Widget round trip (notebook 01 explorer, world size {w['world_size']}, one "
+                  f"control change to new figure bytes): {ms(w['change_to_figure_s'])}, of which "
+                  f"the run on the ranks is {ms(w['run_only_s'])}."]
+    if "failures" in r:
+        lines += ["", "| case | outcome |", "|---|---|"]
+        lines += [f"| {k} | {v['outcome']} |" for k, v in r["failures"].items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
