@@ -189,3 +189,30 @@ def test_repr_shows_backend_world_size_and_state(group):
     text = repr(group)
     assert "world_size=4" in text and "'gloo'" in text and "alive=4/4" in text
     assert "idle" in group._repr_html_()
+
+
+def test_progress_reports_each_rank_joining_on_start_and_resize():
+    calls = []
+    with LocalGroup(world_size=3, progress=lambda up, n: calls.append((up, n))) as g:
+        assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+        calls.clear()
+        g.resize(2)
+        assert calls == [(0, 2), (1, 2), (2, 2)]
+
+
+def test_progress_line_in_a_kernel_ends_as_a_stable_sentence(monkeypatch):
+    import reducelab.progress as progress
+    shown = []
+
+    class Handle:
+        def update(self, bundle, raw):
+            shown.append(bundle["text/plain"])
+
+    monkeypatch.setattr(progress, "_in_kernel", lambda: True)
+    monkeypatch.setattr("IPython.display.display",
+                        lambda bundle, raw, display_id: shown.append(bundle["text/plain"]) or Handle())
+    with LocalGroup(world_size=2):
+        pass
+    assert shown[0] == "Starting 2 gloo ranks: 0/2 up"
+    assert "Starting 2 gloo ranks: 2/2 up" in shown
+    assert shown[-1] == "2/2 ranks up: a gloo process group of world_size 2"

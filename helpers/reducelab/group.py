@@ -41,6 +41,7 @@ import psutil
 
 from .capture import print_rank_outputs
 from .errors import RankError, RankReport
+from .progress import StartProgress
 
 BACKENDS = ("gloo",)
 """Backends LocalGroup can start. gloo is the one torch backend that runs on any CPU."""
@@ -139,6 +140,13 @@ def _stop(procs: list[_Proc], tmpdir: str | None, polite: bool = False) -> None:
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
+_LATEST: list = []  # [weakref to the LocalGroup made last]
+
+
+def current_group() -> "LocalGroup | None":
+    """The LocalGroup made most recently in this kernel, if it is still open."""
+    g = _LATEST[0]() if _LATEST else None
+    return g if g is not None and g.state != "closed" else None
 
 
 @atexit.register
@@ -168,6 +176,9 @@ class LocalGroup:
         backend: the ``torch.distributed`` backend; only ``"gloo"`` (CPU).
         timeout: seconds (``float``) that bound every wait: starting the ranks, each
             :meth:`run` call, and each collective inside it.
+        progress: how to show ranks joining while the group starts (here and in
+            :meth:`resize`): ``None`` shows a status line in a Jupyter kernel,
+            ``False`` shows nothing, a callable gets ``(up, world_size)``.
 
     Raises:
         TypeError, ValueError: bad ``world_size``, ``backend`` or ``timeout``; nothing
@@ -184,8 +195,10 @@ class LocalGroup:
     https://pytorch.org/docs/stable/distributed.html
     """
 
-    def __init__(self, world_size: int = 2, backend: str = "gloo", timeout: float = 30.0):
+    def __init__(self, world_size: int = 2, backend: str = "gloo", timeout: float = 30.0,
+                 progress=None):
         _validate(world_size, backend, timeout)
+        self._progress = progress
         self._world_size = world_size
         self._backend = backend
         self._timeout = float(timeout)
@@ -198,7 +211,8 @@ class LocalGroup:
         """How many times the ranks were (re)started, the first start included."""
         self._finalizer = None
         _LIVE.add(self)
-        self._start()
+        _LATEST[:] = [weakref.ref(self)]
+        self._start(announce=True)
 
     # --- public -----------------------------------------------------------------------
     @property
@@ -297,7 +311,7 @@ class LocalGroup:
             return
         self._shutdown(polite=True)
         self._world_size = world_size
-        self._start()
+        self._start(announce=True)
 
     def close(self) -> None:
         """Stop every rank and remove the group's temporary directory. Idempotent."""
@@ -330,7 +344,12 @@ class LocalGroup:
                 f'<span style="color:{colour.get(self._state, "#888")}">{self._state}</span></div>')
 
     # --- lifecycle --------------------------------------------------------------------
-    def _start(self) -> None:
+    def _start(self, announce: bool = False) -> None:
+        """Start ``world_size`` ranks and wait until all joined the process group.
+
+        ``announce`` shows the progress line (explicit starts); restarts after a failure
+        are quiet, since the error already said the ranks restart.
+        """
         self._shutdown()
         tmpdir = tempfile.mkdtemp(prefix="reducelab-")  # mode 0700
         ctx = _context()
@@ -357,13 +376,16 @@ class LocalGroup:
         self._sent_sources = set()
         self._finalizer = weakref.finalize(self, _stop, procs, tmpdir)
         self.restarts += 1
+        progress = StartProgress(self._world_size, self._backend,
+                                 self._progress if announce else False)
         try:
             replies, died, pending = self._gather(time.monotonic() + self._timeout,
-                                                  stop_on_error=True)
+                                                  stop_on_error=True, on_reply=progress.update)
         except KeyboardInterrupt:
             self._shutdown()
             raise
         errors = {r: m for r, m in replies.items() if m[0] != "ready"}
+        progress.done(len(replies) - len(errors), ok=not (errors or died or pending))
         if errors or died or pending:
             reports = [RankReport(r, "raised", m[1], m[2]) for r, m in errors.items()]
             reports += [RankReport(r, "died", _describe_exit(c)) for r, c in died.items()]
@@ -396,13 +418,14 @@ class LocalGroup:
         return new
 
     # --- waiting ----------------------------------------------------------------------
-    def _gather(self, deadline: float, stop_on_error: bool, state=None):
+    def _gather(self, deadline: float, stop_on_error: bool, state=None, on_reply=None):
         """Wait for one message from every rank, or until ``deadline`` (monotonic seconds).
 
         Returns ``(replies, died, pending)``: messages by rank, exit codes of the ranks
         that died, and the ranks that had not answered. Once a rank fails, the others
-        get ``_GRACE`` seconds; a death ends the wait at once. Pass a previous return
-        value as ``state`` to go on waiting.
+        get ``_GRACE`` seconds; a death ends the wait soon after. Pass a previous return
+        value as ``state`` to go on waiting; ``on_reply(n)`` is called with the number of
+        replies after each one.
         """
         replies, died, pending = state or ({}, {}, set(range(len(self._procs))))
         cut = deadline
@@ -421,6 +444,8 @@ class LocalGroup:
                     try:
                         replies[r] = proc.recv()
                         pending.discard(r)
+                        if on_reply is not None:
+                            on_reply(len(replies))
                         if stop_on_error and replies[r][0] == "error":
                             cut = min(cut, time.monotonic() + _GRACE)
                         continue

@@ -46,6 +46,10 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 
 
+NAMESPACE: dict = {"__builtins__": __builtins__, "__name__": "__rank__"}
+"""This rank's lasting namespace: the globals of cell-defined functions and of %%ranks cells."""
+
+
 def _is_dist_frame(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_DIST_DIR)
 
@@ -92,7 +96,7 @@ class _Rank:
         self.output = None  # the RankOutput of the call in progress
         self.sending = 0  # bytes of a return value being sent, 0 when not sending
         self.phase = "idle"  # idle -> loading -> running -> (sending) -> idle
-        self.namespace: dict = {"__builtins__": __builtins__, "__name__": "__rank__"}
+        self.namespace = NAMESPACE
 
     # --- the pipe -------------------------------------------------------------------
     def send(self, msg: tuple) -> None:

@@ -1,0 +1,67 @@
+"""The status line shown while ranks start (issue 6: "how many ranks are up").
+
+In an IPython kernel the line is one display that is updated in place as each rank
+joins the process group, and ends as a stable sentence (no timings, so nbval can
+compare it). Elsewhere nothing is shown unless a callback is given.
+"""
+from __future__ import annotations
+
+import html
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+class StartProgress:
+    """Show ``up/world_size`` ranks while a group starts.
+
+    Args:
+        world_size: ranks being started.
+        backend: the backend name, for the text.
+        callback: ``None`` (a display in IPython kernels, else nothing), ``False``
+            (nothing), or a callable ``callback(up: int, world_size: int)`` called at 0
+            and after each rank joins.
+    """
+
+    def __init__(self, world_size: int, backend: str, callback=None):
+        self.world_size, self.backend = world_size, backend
+        self.callback = callback
+        self.handle = None
+        if callback is None and _in_kernel():
+            from IPython.display import display
+            self.handle = display(self._bundle(0), raw=True, display_id=True)
+        self.update(0)
+
+    def _bundle(self, up: int, final: str | None = None) -> dict:
+        n = self.world_size
+        if final is not None:
+            text = final
+        else:
+            text = f"Starting {n} {self.backend} rank{'s' if n > 1 else ''}: {up}/{n} up"
+        bar = "".join("●" if i < up else "○" for i in range(n))
+        colour = "#2a7" if final is not None and up == n else "#888"
+        return {"text/plain": text,
+                "text/html": f'<div style="font-family:monospace;color:{colour}">'
+                             f'{bar} {html.escape(text)}</div>'}
+
+    def update(self, up: int) -> None:
+        """Record that ``up`` ranks have joined."""
+        if callable(self.callback):
+            self.callback(up, self.world_size)
+        if self.handle is not None:
+            self.handle.update(self._bundle(up), raw=True)
+
+    def done(self, up: int, ok: bool) -> None:
+        """Replace the line with its final sentence."""
+        if self.handle is None:
+            return
+        n = self.world_size
+        final = (f"{n}/{n} ranks up: a {self.backend} process group of world_size {n}" if ok
+                 else f"{up}/{n} ranks joined before the start failed")
+        self.handle.update(self._bundle(up, final), raw=True)
