@@ -200,7 +200,7 @@ def test_progress_reports_each_rank_joining_on_start_and_resize():
         assert calls == [(0, 2), (1, 2), (2, 2)]
 
 
-def test_progress_line_in_a_kernel_ends_as_a_stable_sentence(monkeypatch):
+def test_progress_line_in_a_kernel_counts_ranks_then_empties(monkeypatch):
     import reducelab.progress as progress
     shown = []
 
@@ -213,6 +213,5 @@ def test_progress_line_in_a_kernel_ends_as_a_stable_sentence(monkeypatch):
                         lambda bundle, raw, display_id: shown.append(bundle["text/plain"]) or Handle())
     with LocalGroup(world_size=2):
         pass
-    assert shown[0] == "Starting 2 gloo ranks: 0/2 up"
-    assert "Starting 2 gloo ranks: 2/2 up" in shown
-    assert shown[-1] == "2/2 ranks up: a gloo process group of world_size 2"
+    assert shown[0] == "" and shown[-1] == ""     # nbval sees the first, stores the last
+    assert shown[1:-1] == [f"Starting 2 gloo ranks: {k}/2 up" for k in range(3)]

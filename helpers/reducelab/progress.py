@@ -1,12 +1,18 @@
 """The status line shown while ranks start (issue 6: "how many ranks are up").
 
 In an IPython kernel the line is one display that is updated in place as each rank
-joins the process group, and ends as a stable sentence (no timings, so nbval can
-compare it). Elsewhere nothing is shown unless a callback is given.
+joins the process group, and is emptied once all have joined (the group's own repr
+says how many ranks are up). It starts and ends empty because nbval compares a
+display's first version with the stored last one: updates are not replayed. If the
+start fails, the line ends as a sentence saying how many ranks joined. Elsewhere
+nothing is shown unless a callback is given.
 """
 from __future__ import annotations
 
 import html
+
+
+_EMPTY = {"text/plain": ""}
 
 
 def _in_kernel() -> bool:
@@ -35,7 +41,7 @@ class StartProgress:
         self.handle = None
         if callback is None and _in_kernel():
             from IPython.display import display
-            self.handle = display(self._bundle(0), raw=True, display_id=True)
+            self.handle = display(_EMPTY, raw=True, display_id=True)
         self.update(0)
 
     def _bundle(self, up: int, final: str | None = None) -> dict:
@@ -58,10 +64,11 @@ class StartProgress:
             self.handle.update(self._bundle(up), raw=True)
 
     def done(self, up: int, ok: bool) -> None:
-        """Replace the line with its final sentence."""
+        """Empty the line (all joined) or leave a sentence saying the start failed."""
         if self.handle is None:
             return
-        n = self.world_size
-        final = (f"{n}/{n} ranks up: a {self.backend} process group of world_size {n}" if ok
-                 else f"{up}/{n} ranks joined before the start failed")
-        self.handle.update(self._bundle(up, final), raw=True)
+        if ok:
+            self.handle.update(_EMPTY, raw=True)
+        else:
+            final = f"{up}/{self.world_size} ranks joined before the start failed"
+            self.handle.update(self._bundle(up, final), raw=True)
