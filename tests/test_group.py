@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import gone
-from reducelab import LocalGroup, RankError
+from reducelab import GroupClosedError, LocalGroup, RankError
 
 
 def rank_and_size():
@@ -181,7 +181,7 @@ def test_close_is_idempotent_and_leaves_no_process_or_directory():
     assert gone(pids, within=5)
     assert not os.path.exists(tmpdir)
     assert g.state == "closed"
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(GroupClosedError, match="closed"):
         g.run(rank_and_size)
 
 

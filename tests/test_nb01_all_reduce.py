@@ -138,3 +138,12 @@ def test_gloo_avg_on_float_and_refusals_as_the_notebook_says(group):
         with pytest.raises(RankError):
             group.run(op_on, op, dtype)
     assert group.run(op_on, "BAND", torch.int64) == [0] * 4
+
+
+def test_explorer_on_a_closed_group_says_so():
+    from reducelab import LocalGroup
+    g = LocalGroup(world_size=2)
+    ex = AllReduceExplorer(g, demo, n=2)
+    g.close()
+    ex.controls["op"].value = "MAX"
+    assert "closed" in ex.message.value and "setup cell" in ex.message.value

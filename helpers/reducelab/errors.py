@@ -82,3 +82,7 @@ class RankError(RuntimeError):
 
     def _render_traceback_(self) -> list[str]:  # IPython hook: show this, not run()'s frames
         return [f"RankError: {self._text()}"]
+
+
+class GroupClosedError(RuntimeError):
+    """:meth:`reducelab.LocalGroup.run` was called after :meth:`~reducelab.LocalGroup.close`."""

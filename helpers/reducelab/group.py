@@ -40,7 +40,7 @@ import cloudpickle
 import psutil
 
 from .capture import print_rank_outputs
-from .errors import RankError, RankReport
+from .errors import GroupClosedError, RankError, RankReport
 from .progress import StartProgress
 
 BACKENDS = ("gloo",)
@@ -263,6 +263,7 @@ class LocalGroup:
                 not be pickled, or the call did not finish within ``timeout`` seconds (the
                 message says which collective each rank was waiting in).
             TypeError: ``fn`` or its arguments cannot be pickled; nothing was run.
+            GroupClosedError: the group was closed (a ``RuntimeError``).
             KeyboardInterrupt: the kernel was interrupted; the ranks are stopped and
                 restart at the next call.
 
@@ -270,7 +271,8 @@ class LocalGroup:
         prefixed ``[rank N]``, also when the call fails.
         """
         if self._closed:
-            raise RuntimeError("this LocalGroup is closed; create a new one")
+            raise GroupClosedError("this LocalGroup is closed; create a new one "
+                                   "(in a notebook: run the setup cell again)")
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
         try:

@@ -16,7 +16,7 @@ import time
 
 import ipywidgets as W
 
-from ..errors import RankError
+from ..errors import GroupClosedError, RankError
 
 
 class Explorer:
@@ -76,6 +76,9 @@ class Explorer:
         values = self.values
         try:
             result = self.compute(**values)
+        except GroupClosedError as err:
+            self.result, self.error = None, None
+            self.message.value = f'<span style="color:#b3261e">⛔ {html.escape(str(err))}</span>'
         except RankError as err:
             self.result, self.error = None, err
             self.message.value = (f'<span style="color:#b3261e">⛔ '
