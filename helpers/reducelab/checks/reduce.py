@@ -1,0 +1,101 @@
+"""Checks for notebook 02 (reduce, in-place buffers and aliasing).
+
+Source: ``torch.distributed.reduce``,
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce ("Input and
+output of the collective. The function operates in-place."); the learner question is
+seed 002 ("Why does reduce change tensors on ranks other than dst?").
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import RankError
+from ..group import LocalGroup
+from . import Verdict, failed, passed
+
+SIZES = (4, 16)
+"""Tensor sizes (elements) the exercise check tries; at both, gloo's reduce changes every
+non-dst rank's tensor at world_size 2..4."""
+
+
+def exercise_input(rank: int, n: int) -> torch.Tensor:
+    """The tensor rank ``rank`` passes to the learner's function: float32, shape ``(n,)``.
+
+    Every element is ``10.0 ** rank`` (1, 10, 100, ...), so the digits of a sum say which
+    ranks are in it: 1101 holds ranks 0, 2 and 3.
+    """
+    return torch.full((n,), 10.0 ** rank)
+
+
+def _on_rank(fn, n: int, dst: int):
+    # Runs on every rank: hand the learner's function a fresh input and report what happened.
+    import torch.distributed as dist
+    x = exercise_input(dist.get_rank(), n)
+    before = x.clone()
+    result = fn(x, dst)
+    return before, x.clone(), result.clone() if isinstance(result, torch.Tensor) else result
+
+
+def check_reduce_keep_input(fn, group: LocalGroup) -> Verdict:
+    """Exercise of notebook 02: ``fn(x, dst)`` must return the sum over ranks of ``x`` on
+    rank ``dst`` and leave every rank's ``x`` as it was.
+
+    Runs ``fn`` on the group's real ranks with ``x = exercise_input(rank, n)`` for ``n`` in
+    :data:`SIZES` and ``dst`` in ``{0, world_size - 1}``, and compares with a
+    single-process reference: on ``dst`` the returned tensor must equal
+    ``sum(exercise_input(r, n) for r in ranks)``; on every rank ``x`` must be unchanged.
+    What ``fn`` returns on other ranks is not checked (the docs promise nothing there).
+
+    Args:
+        fn: the learner's function, run on every rank as ``fn(x, dst)`` with ``x`` a
+            float32 tensor of shape ``(n,)`` and ``dst`` an int.
+        group: a :class:`~reducelab.LocalGroup` with world_size >= 2.
+
+    Returns:
+        A :class:`~reducelab.checks.Verdict` that says what was expected and why.
+    """
+    ws = group.world_size
+    if ws < 2:
+        return failed(f"The group has world_size={ws}; with one rank reduce has no other "
+                      f"rank to change. Run the check on a group with 2 or more ranks.")
+    for n in SIZES:
+        want = sum(exercise_input(r, n) for r in range(ws))
+        for dst in sorted({0, ws - 1}):
+            try:
+                out = group.run(_on_rank, fn, n, dst)
+            except RankError as e:
+                first = next((r.summary for r in e.reports if r.state == "raised"), "")
+                return failed(f"With world_size={ws}, dst={dst} and {n} elements your "
+                              f"function failed on the ranks: {e.headline}. {first}")
+            changed = [r for r, (before, after, _) in enumerate(out)
+                       if not torch.equal(before, after)]
+            if changed:
+                # show a non-dst rank first: that is the surprise this exercise is about
+                r = next((r for r in changed if r != dst), changed[0])
+                before, after, _ = out[r]
+                where = "dst" if r == dst else "not dst"
+                return failed(
+                    f"With world_size={ws}, dst={dst} and {n} elements, x changed on "
+                    f"{'rank' if len(changed) == 1 else 'ranks'} "
+                    f"{', '.join(map(str, changed))}; expected it unchanged everywhere. "
+                    f"On rank {r} ({where}) x was {before.tolist()} before your function "
+                    f"and {after.tolist()} after it. dist.reduce works in place on every "
+                    f"rank: it writes the sum into dst's tensor, and gloo uses the other "
+                    f"ranks' tensors as work buffers for partial sums. Reduce a clone "
+                    f"instead: out = x.clone(); dist.reduce(out, dst=dst); return out.")
+            got = out[dst][2]
+            if not isinstance(got, torch.Tensor):
+                return failed(f"With world_size={ws}, dst={dst}, rank {dst} (dst) returned "
+                              f"{got!r}; expected a tensor holding the sum over ranks, "
+                              f"{want.tolist()}. Return the tensor you reduced.")
+            if got.shape != want.shape or not torch.allclose(got.float(), want):
+                hint = ""
+                if got.shape == want.shape and torch.equal(got.float(), out[dst][0]):
+                    hint = (" That is dst's own input: did you reduce a clone but return x? "
+                            "The sum is in the tensor you passed to dist.reduce.")
+                return failed(f"With world_size={ws}, dst={dst} and {n} elements, rank {dst} "
+                              f"(dst) returned {got.tolist()}; expected the sum over ranks, "
+                              f"{want.tolist()}.{hint}")
+    return passed(f"dst got the sum and every rank's x was unchanged, at world_size={ws}, "
+                  f"dst in {sorted({0, ws - 1})} and {' and '.join(map(str, SIZES))} elements. "
+                  f"clone() costs one copy of the tensor, the price of keeping the input.")

@@ -1,0 +1,301 @@
+"""Tests of notebook 02 (reduce, in-place buffers and aliasing): the facts it teaches,
+its explorer, its check and its solution.
+
+The reference for what gloo leaves in every rank's tensor is a single-process replay of
+gloo's ring reduce (gloo/reduce.cc), written here from the algorithm, not from torch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from reducelab.checks.reduce import SIZES, check_reduce_keep_input, exercise_input
+from reducelab.plots.reduce import FULL, PARTIAL, UNCHANGED, ReduceGrid, cell_label, sweep_figure
+from reducelab.widgets.reduce import (PATTERNS, ReduceExplorer, buffer_status,
+                                      contributors)
+
+# Send this module's rank functions by value: importing the test module on every rank
+# (matplotlib, ipywidgets) would cost seconds per fresh group.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_solution():
+    path = ROOT / "notebooks" / "solutions" / "02_reduce_keep_input.py"
+    spec = importlib.util.spec_from_file_location("nb02_solution", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gloo_reduce_reference(inputs: list[np.ndarray], dst: int) -> list[np.ndarray]:
+    """Every rank's buffer after gloo's ring reduce (SUM), replayed in one process.
+
+    gloo cuts the tensor into >= 2 * world_size segments of ceil(n / (2 * world_size))
+    elements; at step i rank r sends segment ((r + 1) * spr + i) of its buffer to rank
+    r - 1, which adds it into its own buffer; then every rank sends its chunk r to dst.
+    """
+    bufs = [np.array(x, dtype=float) for x in inputs]
+    ws, n = len(bufs), len(bufs[0])
+    if ws == 1:
+        return bufs
+    seg = -(-n // (2 * ws))
+    num = max(-(-n // seg), 2 * ws)
+    num = -(-num // ws) * ws
+    spr = num // ws
+    for i in range(num - 2):
+        msgs = []
+        for r in range(ws):
+            off = (((r + 1) * spr + i) * seg) % (num * seg)
+            if off < n:
+                msgs.append(((r - 1) % ws, off, bufs[r][off:off + seg].copy()))
+        for to, off, data in msgs:
+            bufs[to][off:off + len(data)] += data
+    chunk = spr * seg
+    for r in range(ws):
+        if r != dst and r * chunk < n:
+            bufs[dst][r * chunk:(r + 1) * chunk] = bufs[r][r * chunk:(r + 1) * chunk]
+    return bufs
+
+
+# --- rank functions (the notebook's, in the form the explorer calls) -------------------
+def reduce_once(n, dst, pattern="10**rank"):
+    rank = dist.get_rank()
+    if pattern == "10**rank":
+        x = torch.full((n,), 10.0 ** rank)
+    elif pattern == "rank + 1":
+        x = torch.full((n,), rank + 1.0)
+    else:
+        torch.manual_seed(rank)
+        x = torch.randint(1, 10, (n,)).float()
+    before = x.clone()
+    dist.reduce(x, dst=dst)
+    return before, x
+
+
+def many_reduces(configs):
+    rank = dist.get_rank()
+    out = []
+    for n, dst in configs:
+        x = torch.full((n,), 10.0 ** rank)
+        dist.reduce(x, dst=dst)
+        out.append(x)
+    return out
+
+
+def inputs_10(ws, n):
+    return [np.full(n, 10.0 ** r) for r in range(ws)]
+
+
+# --- the fact the notebook is about -------------------------------------------------------
+@pytest.mark.parametrize("ws", [1, 2, 3, 4, 5, 8])
+def test_gloo_reduce_matches_ring_replay(group, ws):
+    group.resize(ws)
+    configs = [(n, dst) for n in (1, 2, 3, 4, 5, 7, 8, 13, 16, 32)
+               for dst in sorted({0, ws // 2, ws - 1})]
+    out = group.run(many_reduces, configs)
+    for k, (n, dst) in enumerate(configs):
+        want = gloo_reduce_reference(inputs_10(ws, n), dst)
+        for r in range(ws):
+            np.testing.assert_array_equal(out[r][k].numpy(), want[r],
+                                          err_msg=f"ws={ws} n={n} dst={dst} rank={r}")
+        np.testing.assert_array_equal(out[dst][k].numpy(), np.full(n, sum(10.0 ** r for r in range(ws))))
+
+
+def test_non_dst_ranks_change_and_layout_depends_on_size(group):
+    group.resize(4)
+    out = group.run(many_reduces, [(4, 0), (8, 0)])
+    for r in (1, 2, 3):
+        assert not torch.equal(out[r][0], torch.full((4,), 10.0 ** r))  # every non-dst rank changed
+    # rank 1 after n=8 holds ranks {1,2,3}, {0..3}, {1} (untouched), {1,2}
+    assert out[1][1].tolist() == [1110, 1110, 1111, 1111, 10, 10, 110, 110]
+    # which elements change depends on the size: n=4 changes all of rank 1, n=8 not all
+    assert (out[1][0] != 10).all() and not (out[1][1] != 10).all()
+
+
+def aliases():
+    rank = dist.get_rank()
+    x = torch.full((4,), 10.0 ** rank)
+    view, grid, y, copy = x[:2], x.view(2, 2), x + 1, x.clone()
+    snap = [t.clone() for t in (view, grid, y, copy)]
+    dist.reduce(x, dst=0)
+    return [not torch.equal(t, s) for t, s in zip((view, grid, y, copy), snap)]
+
+
+def test_views_follow_x_new_tensors_do_not(group):
+    group.resize(4)
+    out = group.run(aliases)
+    assert out[2] == [True, True, False, False]  # rank 2, not dst: view, grid change; y, copy not
+    assert all(not y and not c for _, _, y, c in out)
+
+
+def read_before_wait(late):
+    rank = dist.get_rank()
+    x = torch.full((4,), 10.0 ** rank)
+    if rank == 1:
+        time.sleep(late)
+    work = dist.reduce(x, dst=0, async_op=True)
+    early = x.clone()
+    work.wait()
+    return early, x.clone(), work.is_completed()
+
+
+def test_async_result_only_after_wait(group):
+    group.resize(2)
+    out = group.run(read_before_wait, 1.0)
+    early, late, done = out[0]
+    assert early.tolist() == [1.0] * 4   # rank 1 had not joined: dst still held its input
+    assert late.tolist() == [11.0] * 4 and done
+
+
+def test_docs_promise_dst_only_and_in_place():
+    doc = " ".join(dist.reduce.__doc__.split())
+    assert "Only the process with rank ``dst`` is going to receive the final result." in doc
+    assert "The function operates in-place." in doc
+
+
+# --- helpers ------------------------------------------------------------------------------
+def test_buffer_status_and_contributors():
+    before = np.array([[1.0, 1.0], [10.0, 10.0], [100.0, 100.0]])
+    after = np.array([[111.0, 111.0], [110.0, 10.0], [111.0, 100.0]])
+    assert buffer_status(before, after).tolist() == [[FULL, FULL], [PARTIAL, UNCHANGED],
+                                                     [FULL, UNCHANGED]]
+    assert contributors(1101.0, 4) == [0, 2, 3]
+    assert contributors(10.0, 2) == [1]
+    for bad in (12.0, 0.0, 11111.0, 1.5):
+        with pytest.raises(ValueError):
+            contributors(bad, 4)
+    with pytest.raises(ValueError):
+        buffer_status(before, after[:2])
+    assert cell_label(11111111.0) == "11111111" and cell_label(2.5) == "2.5"
+
+
+def test_plots_reject_bad_shapes_and_draw_png():
+    grid = ReduceGrid()
+    b = np.ones((2, 3))
+    with pytest.raises(ValueError, match="shape"):
+        grid.draw(b, np.ones((2, 4)), np.zeros((2, 3), int), 0)
+    with pytest.raises(ValueError, match="dst"):
+        grid.draw(b, b, np.zeros((2, 3), int), 2)
+    assert grid.draw(b, b * 2, np.full((2, 3), FULL), 1).startswith(PNG_MAGIC)
+    with pytest.raises(ValueError, match="empty"):
+        sweep_figure({}, 0)
+    with pytest.raises(ValueError, match="world_size"):
+        sweep_figure({1: np.zeros((2, 1)), 2: np.zeros((3, 2))}, 0)
+    assert sweep_figure({1: np.zeros((2, 1)), 3: np.ones((2, 3))}, 0).startswith(PNG_MAGIC)
+
+
+# --- the explorer -------------------------------------------------------------------------
+def test_explorer_matches_reference_and_follows_controls(group):
+    e = ReduceExplorer(group, reduce_once, world_size=4, dst=0, n=8)
+    assert e.error is None and bytes(e.image.value).startswith(PNG_MAGIC)
+    want = gloo_reduce_reference(inputs_10(4, 8), 0)
+    np.testing.assert_array_equal(e.result.after, np.stack(want))
+    assert e.result.changed_ranks() == [1, 2, 3]
+    assert "ranks 1, 2, 3 changed (6, 6, 6 of 8 elements" in e.message.value
+
+    e.controls["world_size"].value = 3
+    e.controls["dst"].value = 2
+    e.controls["n"].value = 5
+    assert group.world_size == 3
+    np.testing.assert_array_equal(e.result.after, np.stack(gloo_reduce_reference(inputs_10(3, 5), 2)))
+    assert e.result.after[2].tolist() == [111.0] * 5
+
+    e.controls["world_size"].value = 2          # dst=2 is no rank any more: clamped to 1
+    assert e.controls["dst"].value == 1 and e.controls["dst"].max == 1
+    assert e.result.dst == 1 and e.result.world_size == 2
+
+    e.controls["pattern"].value = "random ints"
+    inputs = []
+    for r in range(2):
+        torch.manual_seed(r)
+        inputs.append(torch.randint(1, 10, (5,)).float().numpy())
+    np.testing.assert_array_equal(e.result.before, np.stack(inputs))
+    np.testing.assert_array_equal(e.result.after, np.stack(gloo_reduce_reference(inputs, 1)))
+
+    e.controls["world_size"].value = 1
+    assert e.controls["dst"].value == 0
+    np.testing.assert_array_equal(e.result.after, e.result.before)
+    assert "nothing to reduce" in e.text()
+    group.resize(4)
+
+
+def test_explorer_rejects_bad_settings(group):
+    for kwargs in (dict(world_size=9), dict(dst=4, world_size=4), dict(n=0), dict(n=33),
+                   dict(pattern="zeros")):
+        with pytest.raises(ValueError):
+            ReduceExplorer(group, reduce_once, **kwargs)
+    assert "10**rank" in PATTERNS
+
+
+def test_explorer_explains_a_failing_rank_function(group):
+    def broken(n, dst, pattern):
+        raise ZeroDivisionError("boom")
+
+    group.resize(2)
+    e = ReduceExplorer(group, broken, world_size=2)
+    assert e.result is None and "ZeroDivisionError: boom" in e.message.value
+    assert "could not run reduce" in e.text()
+
+
+# --- the exercise check and its solution --------------------------------------------------
+def test_solution_passes(group):
+    group.resize(4)
+    verdict = check_reduce_keep_input(load_solution().reduce_keep_input, group)
+    assert verdict, verdict.message
+    group.resize(3)
+    assert check_reduce_keep_input(load_solution().reduce_keep_input, group)
+
+
+def stub(x, dst):
+    dist.reduce(x, dst=dst)
+    return x
+
+
+def clone_but_return_x(x, dst):
+    out = x.clone()
+    dist.reduce(out, dst=dst)
+    return x
+
+
+def returns_nothing(x, dst):
+    dist.reduce(x.clone(), dst=dst)
+
+
+def test_check_explains_wrong_answers(group):
+    group.resize(4)
+    v = check_reduce_keep_input(stub, group)
+    assert not v
+    assert "x changed on ranks 0, 1, 2, 3" in v.message
+    assert "On rank 1 (not dst)" in v.message and "x.clone()" in v.message
+    assert "[10.0, 10.0, 10.0, 10.0] before" in v.message
+
+    v = check_reduce_keep_input(clone_but_return_x, group)
+    assert not v and "dst's own input" in v.message
+    assert str([1111.0] * SIZES[0]) in v.message  # says what was expected
+
+    v = check_reduce_keep_input(returns_nothing, group)
+    assert not v and "returned None" in v.message
+
+    v = check_reduce_keep_input(lambda x, dst: 1 / 0, group)
+    assert not v and "ZeroDivisionError" in v.message
+
+    group.resize(1)
+    v = check_reduce_keep_input(load_solution().reduce_keep_input, group)
+    assert not v and "2 or more ranks" in v.message
+    group.resize(4)
+
+
+def test_exercise_input():
+    assert exercise_input(2, 3).tolist() == [100.0] * 3
+    assert exercise_input(0, 1).dtype == torch.float32
