@@ -1,0 +1,173 @@
+"""The loss-aggregation explorer of notebook 03: set each rank's local batch size and
+compare ``all_reduce(loss) / world_size`` with the batch-size-weighted global mean.
+
+Source: ``torch.distributed.all_reduce``,
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; the
+learner question is seed ``003_01e4708bffbae090.txt`` ("How do I aggregate the loss from
+all ranks?").
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import ipywidgets as W
+import numpy as np
+
+from ..group import LocalGroup
+from ..plots.loss import LossAggregationPlot
+from . import Explorer
+
+MAX_WORLD_SIZE = 8
+"""Most ranks the explorer starts (one local batch size per rank)."""
+MAX_LOCAL_BATCH = 64
+"""Largest local batch size accepted for one rank."""
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """Parse ``"3,5,8,2"`` into ``[3, 5, 8, 2]``: one local batch size per rank.
+
+    Args:
+        text: comma-separated whole numbers (spaces allowed), 1 to
+            :data:`MAX_WORLD_SIZE` of them, each from 1 to :data:`MAX_LOCAL_BATCH`.
+
+    Returns:
+        ``list[int]``; its length is the world_size.
+
+    Raises:
+        TypeError: ``text`` is not a ``str``.
+        ValueError: an entry is not a whole number, is out of range, or there are too
+            few or too many entries; the message says what is accepted.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"local batch sizes must be a str such as '3,5,8,2', got {type(text).__name__}")
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not 1 <= len(parts) <= MAX_WORLD_SIZE:
+        raise ValueError(f"give 1 to {MAX_WORLD_SIZE} local batch sizes (one per rank), "
+                         f"separated by commas, got {len(parts)}")
+    sizes = []
+    for p in parts:
+        if not p.isdigit():
+            raise ValueError(f"local batch sizes must be whole numbers from 1 to {MAX_LOCAL_BATCH}, got {p!r}")
+        n = int(p)
+        if not 1 <= n <= MAX_LOCAL_BATCH:
+            raise ValueError(f"each local batch size must be from 1 to {MAX_LOCAL_BATCH}, got {n}")
+        sizes.append(n)
+    return sizes
+
+
+def _on_rank(per_sample_losses, aggregations, batch_sizes):
+    """Runs on every rank: this rank's per-sample losses and each aggregation's value."""
+    losses = per_sample_losses(batch_sizes).detach()
+    values = [float(agg(batch_sizes)) for agg in aggregations]
+    return losses, values
+
+
+@dataclass
+class LossResult:
+    """One run of the explorer.
+
+    Attributes:
+        batch_sizes: local batch size of each rank; its length is the world_size.
+        losses: per rank, a float64 ``numpy`` array of that rank's per-sample losses.
+        mean_of_means: ``all_reduce(loss) / world_size`` as rank 0 computed it.
+        weighted: ``all_reduce(loss_sum) / all_reduce(count)`` as rank 0 computed it.
+        reference: mean of the concatenated global batch, computed in the kernel.
+        agree: whether every rank computed the same two numbers (tolerance 1e-6).
+    """
+
+    batch_sizes: list[int]
+    losses: list[np.ndarray]
+    mean_of_means: float
+    weighted: float
+    reference: float
+    agree: bool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.batch_sizes)
+
+
+class LossExplorer(Explorer):
+    """Widget: a text field of local batch sizes, one per rank -> real all_reduce runs.
+
+    Args:
+        group: the :class:`~reducelab.LocalGroup`; it is resized to the number of batch
+            sizes given (1 to :data:`MAX_WORLD_SIZE`).
+        per_sample_losses: the notebook's rank function ``f(batch_sizes) -> Tensor``:
+            this rank's per-sample losses, a 1-D float tensor of length
+            ``batch_sizes[rank]``.
+        mean_of_means: the notebook's rank function ``f(batch_sizes) -> Tensor`` that
+            returns ``all_reduce(local mean) / world_size`` (a scalar tensor).
+        weighted_mean: the notebook's rank function ``f(batch_sizes) -> Tensor`` that
+            returns ``all_reduce(local sum) / all_reduce(local count)``.
+        batch_sizes: initial text, e.g. ``"3,5,8,2"``.
+
+    Raises:
+        TypeError: a rank function is not callable.
+        ValueError: ``batch_sizes`` cannot be parsed (see :func:`parse_batch_sizes`).
+
+    The single-process reference is the mean of the concatenated per-sample losses, as
+    one process holding the whole global batch computes it.
+    """
+
+    def __init__(self, group: LocalGroup, per_sample_losses, mean_of_means, weighted_mean,
+                 batch_sizes: str = "3,5,8,2"):
+        for name, f in (("per_sample_losses", per_sample_losses), ("mean_of_means", mean_of_means),
+                        ("weighted_mean", weighted_mean)):
+            if not callable(f):
+                raise TypeError(f"{name} must be a rank function, got {f!r}")
+        parse_batch_sizes(batch_sizes)
+        self.group = group
+        self.fns = (per_sample_losses, (mean_of_means, weighted_mean))
+        self.plot = LossAggregationPlot()
+        self.input_error: str | None = None
+        controls = {"batch_sizes": W.Text(value=batch_sizes, description="local batch sizes",
+                                          continuous_update=False,
+                                          style={"description_width": "initial"})}
+        super().__init__(controls)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Parse the text; refuse bad input with one sentence, else run on the ranks."""
+        try:
+            parse_batch_sizes(self.controls["batch_sizes"].value)
+        except ValueError as e:
+            self.input_error = str(e)
+            self.result, self.error = None, None
+            self.message.value = f'<span style="color:#b3261e">⛔ {html.escape(self.input_error)}</span>'
+            return
+        self.input_error = None
+        super().refresh()
+
+    def compute(self, batch_sizes: str) -> LossResult:
+        sizes = parse_batch_sizes(batch_sizes)
+        if self.group.world_size != len(sizes):
+            self.group.resize(len(sizes))
+        per_sample, aggs = self.fns
+        out = self.group.run(_on_rank, per_sample, aggs, sizes)
+        losses = [np.asarray(o[0], dtype=np.float64).ravel() for o in out]
+        values = np.array([o[1] for o in out], dtype=np.float64)  # (world_size, 2)
+        agree = bool(np.allclose(values, values[0], rtol=1e-6, atol=1e-6))
+        reference = float(np.concatenate(losses).mean())
+        return LossResult(sizes, losses, float(values[0, 0]), float(values[0, 1]), reference, agree)
+
+    def draw(self, result: LossResult) -> bytes:
+        return self.plot.draw(result.losses, result.mean_of_means, result.weighted, result.reference)
+
+    def describe(self, result: LossResult) -> str:
+        gap = result.mean_of_means - result.reference
+        off = abs(result.weighted - result.reference) > 1e-5 * max(1.0, abs(result.reference))
+        parts = [f"world_size={result.world_size}, global batch={sum(result.batch_sizes)}: "
+                 f"reference {result.reference:.4f}, "
+                 f"weighted {result.weighted:.4f}{' (differs!)' if off else ' (matches)'}, "
+                 f"mean of means {result.mean_of_means:.4f} "
+                 + ("(equal)" if abs(gap) < 5e-5 else f"(off by {gap:+.4f})")]
+        if not result.agree:
+            parts.append("; the ranks did not all compute the same numbers")
+        return "".join(parts)
+
+    def text(self) -> str:
+        if self.input_error is not None:
+            return f"{type(self).__name__}(batch_sizes={self.controls['batch_sizes'].value})\n{self.input_error}"
+        return super().text()

@@ -1,0 +1,377 @@
+"""Tests of notebook 03 (loss aggregation): the explorer, the exercise check, and the facts
+the notebook teaches, each measured on real gloo ranks against a single-process reference."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from reducelab import LocalGroup
+from reducelab.checks.loss import UNEVEN_BATCHES, check_global_mean_loss, exercise_losses
+from reducelab.plots.loss import LossAggregationPlot, gradient_variants
+from reducelab.widgets.loss import LossExplorer, parse_batch_sizes
+
+SOLUTION = pathlib.Path(__file__).parent.parent / "notebooks" / "solutions" / "03_global_mean_loss.py"
+
+
+def load_solution():
+    spec = importlib.util.spec_from_file_location("nb03_solution", SOLUTION)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the notebook's rank functions, and the same data rebuilt in one process ---------------
+def losses_of(rank, batch_sizes):
+    """Per-sample losses of ``rank`` (what notebook 03's ``rank_losses`` returns there)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    torch.manual_seed(rank)
+    n = batch_sizes[rank]
+    x = torch.randn(n, 4)
+    y = torch.randn(n, 1) + rank
+    return F.mse_loss(model(x), y, reduction="none").flatten().detach()
+
+
+def rank_losses(batch_sizes):
+    return losses_of(dist.get_rank(), batch_sizes)
+
+
+def mean_of_means(batch_sizes):
+    loss = rank_losses(batch_sizes).mean()
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
+
+
+def weighted_mean(batch_sizes):
+    losses = rank_losses(batch_sizes)
+    total, count = losses.sum(), torch.tensor(float(losses.numel()))
+    dist.all_reduce(total)
+    dist.all_reduce(count)
+    return total / count
+
+
+def reference_mean(batch_sizes):
+    return torch.cat([losses_of(r, batch_sizes) for r in range(len(batch_sizes))]).mean().item()
+
+
+@pytest.fixture(scope="module")
+def group():
+    """This module's 4-rank gloo group. The timeout is generous (60 s) because the first
+    DDP construction on a rank imports a large part of torch, slow on a busy 2-core machine."""
+    g = LocalGroup(world_size=4, timeout=60)
+    yield g
+    g.close()
+
+
+@pytest.fixture(autouse=True)
+def four_ranks(group):
+    """Every test starts and ends with the module's group at world_size 4."""
+    if group.world_size != 4:
+        group.resize(4)
+    yield
+    if group.world_size != 4:
+        group.resize(4)
+
+
+# --- step 1: mean of means against the weighted mean --------------------------------------
+def test_mean_of_means_is_not_the_global_mean_with_uneven_batches(group):
+    sizes = [3, 5, 8, 2]
+    ref = reference_mean(sizes)
+    naive = group.run(mean_of_means, sizes)
+    weighted = group.run(weighted_mean, sizes)
+    local_means = [losses_of(r, sizes).mean().item() for r in range(4)]
+    assert all(v.item() == pytest.approx(ref, rel=1e-5) for v in weighted)
+    assert all(v.item() == pytest.approx(np.mean(local_means), rel=1e-5) for v in naive)
+    assert abs(naive[0].item() - ref) > 0.5
+
+
+def test_mean_of_means_equals_the_global_mean_with_equal_batches(group):
+    sizes = [4, 4, 4, 4]
+    ref = reference_mean(sizes)
+    assert group.run(mean_of_means, sizes)[0].item() == pytest.approx(ref, rel=1e-5)
+    assert group.run(weighted_mean, sizes)[0].item() == pytest.approx(ref, rel=1e-5)
+
+
+def test_question_1_one_sample_against_three():
+    # (2.0 + 0.0) / 2 against 2.0 / 4, as the notebook's question 1 sets it up
+    def q1():
+        losses = torch.tensor([2.0]) if dist.get_rank() == 0 else torch.zeros(3)
+        loss = losses.mean()
+        dist.all_reduce(loss)
+        return (loss / dist.get_world_size()).item()
+    with LocalGroup(world_size=2, timeout=60) as g:
+        assert g.run(q1) == [1.0, 1.0]
+
+
+# --- the explorer ---------------------------------------------------------------------------
+def test_explorer_matches_a_single_process_reference(group):
+    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, batch_sizes="3,5,8,2")
+    r = ex.result
+    assert r.batch_sizes == [3, 5, 8, 2] and r.agree
+    assert r.reference == pytest.approx(reference_mean([3, 5, 8, 2]), rel=1e-6)
+    assert r.weighted == pytest.approx(r.reference, rel=1e-5)
+    assert r.mean_of_means == pytest.approx(
+        np.mean([losses_of(k, [3, 5, 8, 2]).mean().item() for k in range(4)]), rel=1e-5)
+    assert [len(l) for l in r.losses] == [3, 5, 8, 2]
+    assert ex.image.value[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "(matches)" in ex.message.value and "off by +" in ex.message.value
+    assert ex.text().startswith("LossExplorer(batch_sizes=3,5,8,2)\n")
+
+
+def test_explorer_resizes_the_group_and_redraws(group):
+    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, batch_sizes="3,5,8,2")
+    first = ex.image.value
+    ex.controls["batch_sizes"].value = "1, 3"
+    assert group.world_size == 2
+    assert ex.result.batch_sizes == [1, 3]
+    assert ex.result.reference == pytest.approx(reference_mean([1, 3]), rel=1e-6)
+    assert ex.result.weighted == pytest.approx(ex.result.reference, rel=1e-5)
+    assert ex.image.value != first
+    ex.controls["batch_sizes"].value = "5,5"
+    assert ex.result.mean_of_means == pytest.approx(ex.result.reference, rel=1e-5)
+    assert "(equal)" in ex.text()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("0,2", "from 1 to 64"), ("2,x", "whole numbers"), ("", "1 to 8"),
+    ("1,1,1,1,1,1,1,1,1", "got 9"), ("2,65", "got 65"), ("2,-1", "whole numbers"),
+])
+def test_explorer_refuses_bad_batch_sizes_with_one_sentence(group, text, says):
+    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean)
+    ex.controls["batch_sizes"].value = text
+    assert ex.result is None
+    assert says in ex.message.value and says in ex.text()
+    assert group.world_size == 4  # nothing was started for bad input
+    ex.controls["batch_sizes"].value = "2,2,2,2"
+    assert ex.result is not None and ex.input_error is None
+
+
+def test_parse_batch_sizes():
+    assert parse_batch_sizes(" 3, 5,8 ,2") == [3, 5, 8, 2]
+    with pytest.raises(TypeError, match="str"):
+        parse_batch_sizes([3, 5])
+    with pytest.raises(ValueError, match="1 to 8"):
+        parse_batch_sizes(",,")
+
+
+def test_explorer_rejects_bad_arguments(group):
+    with pytest.raises(TypeError, match="mean_of_means"):
+        LossExplorer(group, rank_losses, 3, weighted_mean)
+    with pytest.raises(ValueError, match="whole numbers"):
+        LossExplorer(group, rank_losses, mean_of_means, weighted_mean, batch_sizes="a")
+
+
+# --- the exercise check ---------------------------------------------------------------------
+def test_solution_passes(group):
+    verdict = check_global_mean_loss(group, load_solution().global_mean_loss)
+    assert verdict, verdict.message
+    assert group.world_size == 4  # restored
+
+
+def stub(per_sample_losses):  # the notebook's TODO stub: the mean of per-rank means
+    loss = per_sample_losses.mean()
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
+
+
+def test_stub_fails_and_names_the_mean_of_means(group):
+    verdict = check_global_mean_loss(group, stub)
+    sizes = UNEVEN_BATCHES[0]
+    expected = torch.cat([exercise_losses(r, n) for r, n in enumerate(sizes)]).mean().item()
+    assert not verdict
+    assert f"{expected:.4f}" in verdict.message
+    assert "mean of the per-rank means" in verdict.message
+    assert group.world_size == 4
+
+
+@pytest.mark.parametrize("fn_name, says", [
+    ("local_only", "nothing was all-reduced"),
+    ("sum_only", "global sum of the losses"),
+    ("count_not_reduced", "count must be all-reduced"),
+    ("raises", "ZeroDivisionError"),
+    ("vector", "shape (2,)"),
+    ("text", "returned a str"),
+])
+def test_wrong_answers_are_explained(group, fn_name, says):
+    def local_only(l):
+        return l.mean()
+
+    def sum_only(l):
+        s = l.sum()
+        dist.all_reduce(s)
+        return s
+
+    def count_not_reduced(l):
+        s = l.sum()
+        dist.all_reduce(s)
+        return s / l.numel()
+
+    def raises(l):
+        return 1 / 0
+
+    def vector(l):
+        return torch.zeros(2)
+
+    def text(l):
+        return "0.5"
+
+    fn = locals()[fn_name]
+    verdict = check_global_mean_loss(group, fn)
+    assert not verdict
+    assert says in verdict.message, verdict.message
+    assert group.world_size == 4
+
+
+def test_a_function_right_only_for_equal_batches_fails_on_the_second_setting(group):
+    # right answer for world_size 4 (hard-coded count 18), wrong for the other setting
+    def hard_coded(l):
+        s = l.sum()
+        dist.all_reduce(s)
+        return s / 18
+    verdict = check_global_mean_loss(group, hard_coded)
+    assert not verdict and "[1, 6, 2]" in verdict.message
+
+
+def test_check_rejects_a_non_function(group):
+    with pytest.raises(TypeError, match="function"):
+        check_global_mean_loss(group, 3)
+
+
+# --- step 3: gradient accumulation ----------------------------------------------------------
+def accumulated_grad(variant, micro_batches=4, micro_batch_size=2):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(3, 1))
+    torch.manual_seed(rank)
+    x = torch.randn(micro_batches * micro_batch_size, 3)
+    y = torch.randn(micro_batches * micro_batch_size, 1)
+    global_batch = world_size * micro_batches * micro_batch_size
+    model.zero_grad()
+    for xb, yb in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        if variant == "zero_grad inside":
+            model.zero_grad()
+        if variant == "sum / global batch":
+            loss = F.mse_loss(model(xb), yb, reduction="sum") / global_batch * world_size
+        else:
+            loss = F.mse_loss(model(xb), yb)
+            if variant in ("/ micro_batches", "zero_grad inside"):
+                loss = loss / micro_batches
+        loss.backward()
+    return torch.cat([model.module.weight.grad.flatten(), model.module.bias.grad])
+
+
+def reference_grad(world_size, micro_batches=4, micro_batch_size=2, keep=None):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    xs, ys = [], []
+    for rank in range(world_size):
+        torch.manual_seed(rank)
+        x = torch.randn(micro_batches * micro_batch_size, 3).chunk(micro_batches)
+        y = torch.randn(micro_batches * micro_batch_size, 1).chunk(micro_batches)
+        for i in (range(micro_batches) if keep is None else keep):
+            xs.append(x[i])
+            ys.append(y[i])
+    F.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+    return torch.cat([model.weight.grad.flatten(), model.bias.grad])
+
+
+def grads_of(group, variant):
+    out = group.run(accumulated_grad, variant)
+    assert all(torch.allclose(g, out[0]) for g in out)  # DDP leaves every rank the same gradient
+    return out[0]
+
+
+@pytest.mark.parametrize("variant", ["/ micro_batches", "sum / global batch"])
+def test_normalised_accumulation_equals_the_full_batch_gradient(group, variant):
+    assert torch.allclose(grads_of(group, variant), reference_grad(4), atol=1e-6)
+
+
+def test_unnormalised_accumulation_is_micro_batches_times_too_large(group):
+    assert torch.allclose(grads_of(group, "not normalised"), 4 * reference_grad(4), atol=1e-5)
+
+
+def test_zero_grad_inside_the_loop_keeps_only_the_last_micro_batch(group):
+    g = grads_of(group, "zero_grad inside")
+    assert torch.allclose(g, reference_grad(4, keep=[3]) / 4, atol=1e-6)
+    assert not torch.allclose(g, reference_grad(4), atol=1e-3)
+
+
+# --- step 4: backward through all_reduce, and DDP -------------------------------------------
+def backward_through_all_reduce():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    torch.manual_seed(rank)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    reduced = F.mse_loss(model(x), y).clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.all_reduce(reduced)
+        (reduced / world_size).backward()
+    grad = model.weight.grad.clone()
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    return grad, model.weight.grad.clone(), [str(w.message) for w in caught]
+
+
+def test_backward_through_all_reduce_stays_local_and_warns(group):
+    out = group.run(backward_through_all_reduce)
+    for grad, local, messages in out:
+        assert torch.allclose(grad, local / 4, atol=1e-7)
+        assert any("c10d::allreduce_" in m and "autograd kernel was not registered" in m
+                   for m in messages)
+    assert not torch.allclose(out[0][0], out[1][0])
+
+
+def ddp_local_backward():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(3, 1))
+    torch.manual_seed(rank)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss.item(), model.module.weight.grad
+
+
+def test_ddp_syncs_gradients_of_the_local_loss_and_leaves_the_losses_local(group):
+    out = group.run(ddp_local_backward)
+    reference = reference_grad(4, micro_batches=1, micro_batch_size=8)[:3]
+    for _, grad in out:
+        assert torch.allclose(grad.flatten(), reference, atol=1e-6)
+    assert len({round(loss, 6) for loss, _ in out}) == 4
+
+
+# --- seed 003's launch on a CPU machine -----------------------------------------------------
+def _never_called(rank, marker):  # pragma: no cover - mp.spawn with nprocs=0 starts nothing
+    pathlib.Path(marker).write_text("ran")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fact is about machines without GPUs")
+def test_device_count_is_zero_and_spawn_then_starts_nothing(tmp_path):
+    assert torch.cuda.device_count() == 0
+    marker = tmp_path / "ran"
+    assert mp.spawn(_never_called, args=(str(marker),), nprocs=torch.cuda.device_count()) is None
+    assert not marker.exists()
+
+
+# --- plots ------------------------------------------------------------------------------------
+def test_plots_refuse_bad_input():
+    with pytest.raises(ValueError, match="one entry per rank"):
+        LossAggregationPlot().draw([], 0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="3 gradient elements"):
+        gradient_variants([1.0, 2.0], {"x": [1.0, 2.0, 3.0]})
+    with pytest.raises(ValueError, match="2 labels"):
+        gradient_variants([1.0, 2.0], {}, names=["a"])
+    assert gradient_variants([1.0, -1.0], {"x": [0.5, -0.5]})[:4] == b"\x89PNG"
