@@ -1,0 +1,270 @@
+"""Notebook 07 (from notebook to cluster): real torchrun launches, the lessons, the check.
+
+The torchrun launches are module-scoped (each costs seconds of start-up); their results
+are compared with a LocalGroup and with values computed in this process.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import pathlib
+import tempfile
+import textwrap
+
+import psutil
+import pytest
+import torch
+
+from reducelab import LocalGroup
+from reducelab.checks.cluster import HEAD_NODE_COMMAND, check_node_command
+from reducelab.lessons import all_reduce_lesson, launcher_env, listening_sockets
+from reducelab.torchrun import (TorchrunError, function_spec, launcher_source, run_torchrun,
+                                sanitize, sanitize_env)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _solution(name: str):
+    path = ROOT / "notebooks" / "solutions" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"solution_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _reference_all_reduce(world_size: int) -> list[dict]:
+    """What all_reduce_lesson returns on each rank, computed in one process."""
+    mine = []
+    for r in range(world_size):
+        torch.manual_seed(r)
+        mine.append(torch.randint(0, 10, (4,)))
+    total = torch.stack(mine).sum(dim=0).tolist()
+    return [{"rank": r, "world_size": world_size, "mine": mine[r].tolist(), "sum": total}
+            for r in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def group2():
+    g = LocalGroup(world_size=2, timeout=20)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def standalone():
+    return run_torchrun(all_reduce_lesson, launcher_env, listening_sockets, nproc_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    return run_torchrun(launcher_env, all_reduce_lesson, nproc_per_node=2, nnodes=2)
+
+
+def _torchrun_procs() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any("torch.distributed.run" in a or "launch_lessons.py" in a for a in p.cmdline()):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+# --- same code, same result ---------------------------------------------------------
+def test_lesson_on_localgroup_matches_single_process_reference(group2):
+    assert group2.run(all_reduce_lesson) == _reference_all_reduce(2)
+
+
+def test_torchrun_gives_the_localgroup_result(standalone, group2):
+    assert standalone[all_reduce_lesson] == _reference_all_reduce(2)
+    assert standalone[all_reduce_lesson] == group2.run(all_reduce_lesson)
+    assert standalone.command[:4] == ["python", "-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node" in standalone.command
+    assert not _torchrun_procs()
+
+
+def test_two_simulated_nodes_give_the_4_rank_result(two_nodes):
+    assert two_nodes.world_size == 4
+    assert two_nodes[all_reduce_lesson] == _reference_all_reduce(4)
+
+
+# --- the environment torchrun sets ----------------------------------------------------
+def test_standalone_env(standalone):
+    envs = standalone[launcher_env]
+    for r, e in enumerate(envs):
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) == (str(r), str(r), "2")
+        assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("0", "1", "2")
+        assert e["get_rank"] == r and e["get_world_size"] == 2
+        assert e["MASTER_ADDR"] == "localhost"
+        assert e["MASTER_PORT"].isdigit() and e["MASTER_PORT"] != "29500"  # a free port
+        assert e["OMP_NUM_THREADS"] == "1"
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+    clean = sanitize_env(envs[0])
+    assert clean["MASTER_PORT"] == "<port>" and clean["TORCHELASTIC_RUN_ID"] == "<run id>"
+    assert clean["get_rank"] == 0
+
+
+def test_two_node_ranks_follow_node_rank(two_nodes):
+    envs = two_nodes[launcher_env]
+    for r, e in enumerate(envs):
+        node, local = divmod(r, 2)
+        assert int(e["RANK"]) == r == e["get_rank"]
+        assert (int(e["GROUP_RANK"]), int(e["LOCAL_RANK"])) == (node, local)
+        assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) == ("4", "2", "2")
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    assert [c[c.index("--node-rank") + 1] for c in two_nodes.commands] == ["0", "1"]
+    assert all(c[c.index("--master-port") + 1] == "<port>" for c in two_nodes.commands)
+
+
+def test_localgroup_sets_no_launcher_variables(group2):
+    for r, e in enumerate(group2.run(launcher_env)):
+        assert e["RANK"] is None and e["MASTER_PORT"] is None and e["get_rank"] == r
+
+
+# --- what listens where (the fact the notebook's question 1 teaches) -------------------
+def test_gloo_on_loopback_but_tcpstore_on_all_interfaces(standalone):
+    for s in standalone[listening_sockets]:
+        assert s["rank"] and all(x.startswith("loopback") for x in s["rank"])
+        assert s["launcher"] and all(x.startswith("all interfaces") for x in s["launcher"])
+
+
+def test_tcpstore_binds_the_wildcard_whatever_host_it_is_given():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    try:
+        ips = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+               if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+        assert ips and ips <= {"::", "0.0.0.0"}
+    finally:
+        del store
+
+
+# --- failures are bounded and explained ----------------------------------------------
+@pytest.fixture()
+def tmp_module(tmp_path, monkeypatch):
+    (tmp_path / "nb07_tmp_lessons.py").write_text(textwrap.dedent("""
+        import time
+        import torch.distributed as dist
+
+        def boom():
+            if dist.get_rank() == 1:
+                raise ValueError("boom on rank 1")
+            return 0
+
+        def sleepy():
+            time.sleep(600)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # run_torchrun puts the working directory on PYTHONPATH
+    import nb07_tmp_lessons
+    return nb07_tmp_lessons
+
+
+def test_a_raising_rank_is_a_torchrun_error(tmp_module):
+    with pytest.raises(TorchrunError) as info:
+        run_torchrun(tmp_module.boom, nproc_per_node=2, timeout=120)
+    assert info.value.returncode not in (0, None)
+    assert "ValueError: boom on rank 1" in info.value.log
+    assert not _torchrun_procs()
+
+
+def test_timeout_kills_the_launch_and_cleans_up(tmp_module):
+    before = set(glob.glob(f"{tempfile.gettempdir()}/reducelab-torchrun-*"))
+    with pytest.raises(TorchrunError, match="did not finish within 0.5 s"):
+        run_torchrun(tmp_module.sleepy, nproc_per_node=1, timeout=0.5)
+    assert not _torchrun_procs()
+    assert set(glob.glob(f"{tempfile.gettempdir()}/reducelab-torchrun-*")) <= before
+
+
+# --- bad input -------------------------------------------------------------------------
+def test_cell_functions_and_lambdas_are_refused_with_a_reason():
+    def in_a_cell():
+        return 1
+    in_a_cell.__module__ = "__main__"
+    with pytest.raises(TypeError, match="notebook cell"):
+        function_spec(in_a_cell)
+    with pytest.raises(TypeError, match="lambda"):
+        function_spec(lambda: 1)
+    with pytest.raises(TypeError, match="plain functions"):
+        function_spec(print)
+    assert function_spec(all_reduce_lesson) == "reducelab.lessons:all_reduce_lesson"
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"nproc_per_node": 0}, ValueError), ({"nproc_per_node": 2.0}, TypeError),
+    ({"nnodes": 9}, ValueError), ({"timeout": -1}, ValueError), ({"timeout": "1"}, TypeError),
+])
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error):
+        run_torchrun(all_reduce_lesson, **kwargs)
+    with pytest.raises(TypeError):
+        run_torchrun()
+
+
+def test_sanitize_hides_volatile_text():
+    text = ("store at localhost:38975 and [::1]:29500, run 2ac88aa2-7458-4dc0-beb0-ac30b50781e1, "
+            "file /tmp/torchelastic_x/err.json, pid 1234, took 3.25 s")
+    out = sanitize(text)
+    assert "38975" not in out and "29500" not in out and "1234" not in out
+    assert "<run id>" in out and "<tmp>" in out and "<time>" in out
+    assert "localhost:<port>" in out
+    with pytest.raises(TypeError):
+        sanitize(3)
+
+
+def test_launcher_source_is_valid_python_using_env_init():
+    src = launcher_source()
+    compile(src, "launch_lessons.py", "exec")
+    assert 'init_process_group("gloo"' in src and "init_method" not in src
+
+
+# --- the exercise check ----------------------------------------------------------------
+def test_solution_passes():
+    verdict = check_node_command(_solution("07_node1_command").node1_command)
+    assert verdict, verdict.message
+    assert "RANK 4 to 7" in verdict.message and "WORLD_SIZE 8" in verdict.message
+
+
+def test_the_python_m_form_and_a_list_pass():
+    cmd = ("python -m torch.distributed.run --nnodes=2 --node-rank=1 --nproc-per-node=4 "
+           "--master-addr=10.0.0.1 train.py")
+    assert check_node_command(cmd)
+    assert check_node_command(cmd.split())
+
+
+@pytest.mark.parametrize("answer, expected", [
+    (None, "No command yet"),
+    (HEAD_NODE_COMMAND, "--node-rank is 0"),
+    ("torchrun --nnodes 2 --nproc-per-node 4 --master-addr 10.0.0.1 train.py", "--node-rank is 0"),
+    ("torchrun --nnodes 2 --node-rank 2 --nproc-per-node 4 --master-addr 10.0.0.1 train.py",
+     "node ranks run from 0 to 1"),
+    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 train.py", "where no TCPStore"),
+    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 train.py",
+     "WORLD_SIZE = nnodes * nproc_per_node"),
+    ("torchrun --nnodes 1 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 train.py",
+     "the job has 2 nodes"),
+    ("torchrun --standalone --nnodes 2 --nproc-per-node 4 train.py", "is for one node"),
+    ("torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
+     "train.py", "static rendezvous"),
+    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 "
+     "--master-port 29501 train.py", "listens on 29500"),
+    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 eval.py",
+     "train.py"),
+    ("torchrun --node 1 train.py", "parser refuses"),
+    ("mpirun -n 4 train.py", "start it with `torchrun`"),
+])
+def test_wrong_answers_are_explained(answer, expected):
+    verdict = check_node_command(answer)
+    assert not verdict
+    assert expected in verdict.message, verdict.message
+
+
+def test_check_rejects_a_non_command():
+    with pytest.raises(TypeError):
+        check_node_command(42)
