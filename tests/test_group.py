@@ -215,3 +215,24 @@ def test_progress_line_in_a_kernel_counts_ranks_then_empties(monkeypatch):
         pass
     assert shown[0] == "" and shown[-1] == ""     # nbval sees the first, stores the last
     assert shown[1:-1] == [f"Starting 2 gloo ranks: {k}/2 up" for k in range(3)]
+
+
+def test_a_group_left_open_is_stopped_quietly_at_exit():
+    from conftest import run_python
+    res = run_python("""
+        import json
+        from reducelab import LocalGroup, RankError
+        g = LocalGroup(world_size=2)
+        try:
+            g.run(lambda: 1 / 0)
+        except RankError:
+            pass
+        g.run(lambda: 1)
+        print(json.dumps({"pids": g.pids, "tmp": g._tmpdir}))
+    """)
+    assert res.returncode == 0, res.stderr
+    assert "Error" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    import json
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert gone(info["pids"], within=10)
+    assert not os.path.exists(info["tmp"])
