@@ -21,12 +21,17 @@ def print_options() -> None:
 
 
 def setup(seed: int = 0) -> None:
-    """Seed ``random``, ``numpy`` and ``torch`` with ``seed`` and fix print options.
+    """Seed ``random``, ``numpy`` and ``torch`` with ``seed``, fix print options, and use
+    one intra-op thread in the kernel.
 
-    Call it in a notebook's setup cell. ``seed`` is an ``int``.
+    Call it in a notebook's setup cell. ``seed`` is an ``int``. One thread, as on every
+    rank, keeps the kernel's single-process references from competing with the ranks
+    for a laptop's few cores, and fixes the order of float sums, so a reference prints
+    the same digits on any machine.
     """
     import numpy as np
     import torch
+    torch.set_num_threads(1)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -106,6 +106,9 @@ def test_rank_killed_from_outside_while_idle_is_replaced(g3, capsys):
     victim = g3.pids[1]
     os.kill(victim, signal.SIGKILL)
     assert gone([victim], within=5)
+    deadline = time.monotonic() + 5      # until the forkserver has told the kernel
+    while g3.alive != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert ranks_of(g3) == [(0, 3), (1, 3), (2, 3)]
     assert "rank 1 died: killed by SIGKILL while idle" in capsys.readouterr().err
     assert victim not in g3.pids
