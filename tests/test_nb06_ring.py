@@ -1,0 +1,344 @@
+"""Tests of notebook 06 (ring all_reduce from send and recv): the notebook's own rank
+functions on real gloo ranks against single-process references, the explorer, the
+exercise check, and the facts the notebook teaches (bytes, float order, deadlock)."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import pathlib
+import sys
+
+import cloudpickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from reducelab import LocalGroup, RankError
+from reducelab.checks.ring import (check_ring_all_gather, contributors, exercise_input,
+                                   naive_bytes_per_rank, ring_bytes_per_rank, root_bytes)
+from reducelab.plots.ring import RingStepsPlot, bytes_figure, cell_label
+from reducelab.widgets.ring import RingExplorer, phase_of, run_from_traces
+
+ROOT = pathlib.Path(__file__).parent.parent
+NOTEBOOK = ROOT / "notebooks" / "06_ring_all_reduce.ipynb"
+SOLUTION = ROOT / "notebooks" / "solutions" / "06_ring_all_gather.py"
+
+
+def notebook_functions() -> dict:
+    """The functions defined in the notebook's code cells (only the ``def``s, not the calls),
+    so that these tests run the very code a learner reads."""
+    nb = json.loads(NOTEBOOK.read_text())
+    namespace = {"torch": torch, "dist": dist, "__name__": "nb06_cells"}
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        if source.lstrip().startswith("%") or source.lstrip().startswith("# %load"):
+            continue
+        tree = ast.parse(source)
+        defs = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+        if defs:
+            exec(compile(ast.Module(body=defs, type_ignores=[]), f"<{NOTEBOOK.name} cell {index}>",
+                         "exec"), namespace)
+    return namespace
+
+
+NB = notebook_functions()
+# Send this module's rank functions by value: importing this module on a rank would also
+# import pytest, matplotlib and ipywidgets, which takes seconds per rank on a busy machine.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def load_solution():
+    spec = importlib.util.spec_from_file_location("nb06_solution", SOLUTION)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = LocalGroup(world_size=4, timeout=60)
+    yield g
+    g.close()
+
+
+@pytest.fixture(autouse=True)
+def four_ranks(group):
+    yield
+    if group.world_size != 4:
+        group.resize(4)
+
+
+# --- rank functions used by the tests -----------------------------------------------------
+def seeded_input(rank, numel):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def ring_on_seeded(ring_all_reduce, numel):
+    x = seeded_input(dist.get_rank(), numel)
+    sent = ring_all_reduce(x)
+    return x, sent
+
+
+def ring_bytes(ring_all_reduce, numel):
+    return ring_all_reduce(torch.ones(numel))
+
+
+# --- the ring computes the sum ------------------------------------------------------------
+@pytest.mark.parametrize("world_size,numel", [(2, 10), (3, 1000), (4, 7), (5, 3), (4, 1)])
+def test_ring_all_reduce_is_the_sum_over_ranks(group, world_size, numel):
+    group.resize(world_size)
+    out = group.run(ring_on_seeded, NB["ring_all_reduce"], numel)
+    want = torch.stack([seeded_input(r, numel) for r in range(world_size)]).sum(0)
+    for x, _ in out:
+        assert x.shape == (numel,)
+        assert torch.allclose(x, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(x, out[0][0])          # every rank holds the same bits
+
+
+def test_ring_matches_real_all_reduce_up_to_rounding(group):
+    out = group.run(NB["ring_vs_all_reduce"], 1000)
+    ring, expected = out[0]
+    assert torch.allclose(ring, expected, rtol=1e-5, atol=1e-6)
+    assert (ring - expected).abs().max().item() < 1e-5
+
+
+def test_after_reduce_scatter_rank_r_owns_chunk_r_plus_1(group):
+    for n in (3, 4, 5):
+        group.resize(n)
+        held = group.run(NB["after_reduce_scatter"])
+        for r, x in enumerate(held):
+            complete = [c for c, v in enumerate(x.tolist()) if len(contributors(v, n)) == n]
+            assert complete == [(r + 1) % n]
+
+
+# --- bytes --------------------------------------------------------------------------------
+def test_each_rank_sends_2_n_minus_1_over_n_times_s(group):
+    sent = group.run(ring_bytes, NB["ring_all_reduce"], 1_000_000)
+    assert sent == [6_000_000] * 4
+    assert ring_bytes_per_rank(4, 4_000_000) == 6_000_000
+
+
+@pytest.mark.parametrize("world_size,numel", [(3, 1000), (5, 12), (8, 100)])
+def test_ring_bytes_mean_equals_formula_and_ranks_differ_by_at_most_a_few_elements(
+        group, world_size, numel):
+    group.resize(world_size)
+    sent = group.run(ring_bytes, NB["ring_all_reduce"], numel)
+    assert sum(sent) == 2 * (world_size - 1) * numel * 4          # every chunk, once per step
+    assert sum(sent) / world_size == pytest.approx(ring_bytes_per_rank(world_size, 4 * numel))
+    assert max(sent) - min(sent) <= 2 * (world_size - 1) * 4
+
+
+def test_naive_and_root_bytes_and_their_sums(group):
+    group.resize(5)
+    naive = group.run(NB["bytes_of"], NB["naive_all_reduce"], 100)
+    root = group.run(NB["bytes_of"], NB["reduce_then_broadcast"], 100)
+    ring = group.run(NB["bytes_of"], NB["ring_all_reduce"], 100)
+    assert naive == [naive_bytes_per_rank(5, 400)] * 5 == [1600] * 5
+    assert root == [root_bytes(5, 400), 400, 400, 400, 400]
+    assert sum(root) == sum(ring) == 2 * 4 * 400                   # same total ...
+    assert max(root) > 2 * max(ring)                               # ... piled on the root
+
+
+def test_formulas_refuse_bad_input():
+    with pytest.raises(ValueError, match="world_size"):
+        ring_bytes_per_rank(0, 10)
+    with pytest.raises(ValueError, match="size_bytes"):
+        naive_bytes_per_rank(2, -1)
+    with pytest.raises(ValueError, match="sum of distinct"):
+        contributors(2.5, 4)
+    assert contributors(11.0, 4) == [0, 1, 3]
+    assert cell_label(15.0, 4) == "all" and cell_label(5.0, 4) == "0+2"
+
+
+# --- float order ----------------------------------------------------------------------------
+def test_ring_adds_chunk_c_in_ring_order_from_rank_c(group):
+    values = [1e8, 1.0, -1e8, 1.0]
+    x, _ = group.run(NB["order_matters"])[0]
+    want = []
+    for c in range(4):                       # chunk c: rank c's value, then c+1, c+2, c+3
+        acc = torch.tensor(values[c], dtype=torch.float32)
+        for k in range(1, 4):
+            acc = torch.tensor(values[(c + k) % 4], dtype=torch.float32) + acc
+        want.append(acc.item())
+    assert x.tolist() == want == [1.0, 0.0, 1.0, 0.0]     # not the exact sum, 2
+
+
+# --- deadlock -------------------------------------------------------------------------------
+def test_a_ring_of_blocking_sends_hangs_in_send():
+    with LocalGroup(world_size=3, timeout=2) as short:
+        with pytest.raises(RankError) as info:
+            short.run(NB["blocking_ring"])
+    assert {r.state for r in info.value.reports} == {"stuck"}
+    assert all("waiting in send" in r.summary for r in info.value.reports)
+
+
+# --- the explorer -----------------------------------------------------------------------------
+def simulate_ring(n):
+    """Single-process reference: the sets of ranks in each chunk, after each step."""
+    held = [[{r} for _ in range(n)] for r in range(n)]
+    states = [[[sum(2 ** q for q in s) for s in row] for row in held]]
+    for step in range(2 * (n - 1)):
+        new = [[set(s) for s in row] for row in held]
+        for r in range(n):
+            left = (r - 1) % n
+            if step < n - 1:
+                c = (r - step - 1) % n
+                new[r][c] = held[r][c] | held[left][c]
+            else:
+                c = (r - (step - (n - 1))) % n
+                new[r][c] = set(held[left][c])
+        held = new
+        states.append([[sum(2 ** q for q in s) for s in row] for row in held])
+    return np.array(states, dtype=float)
+
+
+def test_explorer_steps_match_a_single_process_simulation(group):
+    e = RingExplorer(group, NB["ring_demo"], step=0)
+    assert np.array_equal(e.result.run.values, simulate_ring(4))
+    first = e.image.value
+    assert first[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Step 0 of 6 (input)" in e.message.value
+    e.controls["step"].value = 3
+    assert e.result.step == 3
+    assert list(e.result.run.sent[3]) == [(r - 2) % 4 for r in range(4)]
+    assert list(e.result.run.received[3]) == [(r - 3) % 4 for r in range(4)]
+    assert "rank 0: [1], rank 1: [2], rank 2: [3], rank 3: [0]" in e.message.value
+    assert e.image.value != first
+    e.controls["step"].value = 6
+    assert "rank 3: [0, 1, 2, 3]" in e.text()
+
+
+def test_explorer_world_size_resizes_and_clamps_step(group):
+    e = RingExplorer(group, NB["ring_demo"], step=6)
+    e.controls["world_size"].value = 3
+    assert group.world_size == 3
+    assert e.controls["step"].max == 4 and e.controls["step"].value == 4
+    assert e.result.step == 4
+    assert np.array_equal(e.result.run.values, simulate_ring(3))
+    assert e.text().startswith("RingExplorer(world_size=3, step=4)")
+    e.controls["world_size"].value = 8
+    assert e.controls["step"].max == 14
+    assert np.array_equal(e.result.run.values, simulate_ring(8))
+
+
+def test_explorer_refuses_bad_arguments(group):
+    with pytest.raises(ValueError, match="world_size"):
+        RingExplorer(group, NB["ring_demo"], world_size=9)
+    with pytest.raises(ValueError, match="step"):
+        RingExplorer(group, NB["ring_demo"], step=7)
+    with pytest.raises(TypeError):
+        RingExplorer(group, "ring_demo")
+    with pytest.raises(ValueError, match="record"):
+        run_from_traces([[(None, None, torch.ones(2))]] * 2)
+    with pytest.raises(ValueError, match="world_size"):
+        RingStepsPlot().draw(np.ones((9, 9)))
+    assert [phase_of(k, 4) for k in range(7)] == ["input"] + ["reduce-scatter"] * 3 + ["all-gather"] * 3
+
+
+def test_bytes_figure_is_a_png():
+    rows = [dict(world_size=n, size_bytes=400, ring=ring_bytes_per_rank(n, 400),
+                 naive=naive_bytes_per_rank(n, 400), root=root_bytes(n, 400)) for n in (2, 4)]
+    assert bytes_figure(rows)[:4] == b"\x89PNG"
+
+
+# --- the exercise check -------------------------------------------------------------------------
+def test_solution_passes(group):
+    verdict = check_ring_all_gather(group, load_solution().ring_all_gather)
+    assert verdict, verdict.message
+    assert group.world_size == 4
+
+
+def stub(x):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(n * x.numel(), dtype=x.dtype)
+    out.tensor_split(n)[rank].copy_(x)
+    return out
+
+
+def test_the_notebook_stub_fails_and_says_what_is_missing(group):
+    verdict = check_ring_all_gather(group, stub)
+    assert not verdict
+    assert "slice 1 is still zero" in verdict.message
+    assert "(r - s) % n" in verdict.message
+
+
+def make_wrong_slot(send_recv):
+    def wrong_slot(x):        # receives the left rank's slice into the slice it just sent
+        rank, n = dist.get_rank(), dist.get_world_size()
+        out = torch.zeros(n * x.numel())
+        slices = out.tensor_split(n)
+        slices[rank].copy_(x)
+        for step in range(n - 1):
+            s = (rank - step) % n
+            incoming = torch.empty_like(x)
+            send_recv(slices[s], incoming)
+            slices[(rank + step + 1) % n].copy_(incoming)
+        return out
+    return wrong_slot
+
+
+def test_a_slice_in_the_wrong_place_is_named(group):
+    verdict = check_ring_all_gather(group, make_wrong_slot(NB["send_recv"]), world_sizes=(3,))
+    assert not verdict
+    assert "holds rank" in verdict.message and "wrong slice" in verdict.message
+    assert "still zero" in verdict.message
+
+
+def test_sending_too_many_bytes_is_caught(group):
+    send_recv = NB["send_recv"]
+
+    def whole_output(x):     # right answer, but sends the whole output at each step
+        rank, n = dist.get_rank(), dist.get_world_size()
+        out = torch.zeros(n * x.numel())
+        out.tensor_split(n)[rank].copy_(x)
+        for _ in range(n - 1):
+            incoming = torch.empty_like(out)
+            send_recv(out, incoming)
+            out = torch.maximum(out, incoming)   # inputs are positive, zeros are "missing"
+        return out
+
+    verdict = check_ring_all_gather(group, whole_output, world_sizes=(3,))
+    assert not verdict
+    assert "bytes" in verdict.message and str(2 * 3 * 4) in verdict.message
+
+
+def test_using_the_real_collective_is_refused(group):
+    def cheat(x):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x)
+        return torch.cat(parts)
+
+    verdict = check_ring_all_gather(group, cheat, world_sizes=(2,))
+    assert not verdict
+    assert "dist.all_gather" in verdict.message
+    # the check restored the real collectives on the ranks
+    assert group.run(all_reduce_ones) == [4.0] * 4
+
+
+def all_reduce_ones():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_blocking_send_ring_is_explained():
+    def blocking(x):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        out = torch.zeros(n * x.numel())
+        dist.send(x, dst=(rank + 1) % n)
+        dist.recv(out[: x.numel()], src=(rank - 1) % n)
+        return out
+
+    with LocalGroup(world_size=2, timeout=2) as short:
+        verdict = check_ring_all_gather(short, blocking, world_sizes=(2,))
+    assert not verdict
+    assert "blocking dist.send" in verdict.message
+
+
+def test_exercise_inputs_are_distinct_per_rank():
+    assert exercise_input(2).tolist() == [21.0, 22.0, 23.0]
