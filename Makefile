@@ -1,8 +1,9 @@
 # Reduce Lab: two commands do all the set-up on a fresh machine.
 #   make lab    create .venv, install, open JupyterLab on notebooks/ (127.0.0.1 only)
-#   make test   create .venv, install, run the unit tests, the fault suite and nbval
-# Other targets: make notebooks (re-execute every notebook top to bottom and save),
-# make bench (the start-up and round-trip benchmark), make clean.
+#   make test   create .venv, install, run the unit tests, the fault suite, the browser
+#               test and nbval on every notebook
+# Other targets: make unit (tests without the browser), make nbval, make notebooks
+# (re-execute every notebook top to bottom and save), make bench, make clean.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -15,7 +16,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 PORT ?= 8888
 
-.PHONY: install lab test unit nbval notebooks bench clean
+.PHONY: install browser lab test unit nbval notebooks bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,18 +25,30 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The browser test drives the system Chromium (Debian package 'chromium'); nothing is
+# downloaded at test time. Installed here when missing and we are root with apt-get.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || [ -n "$$CHROMIUM" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "Installing Chromium for the browser test (Debian package 'chromium')"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else \
+	  echo "make test needs Chromium for its browser test: install the package 'chromium'"; \
+	  echo "(e.g. sudo apt-get install chromium) or set CHROMIUM=/path/to/chromium."; exit 1; \
+	fi
+
 lab: install
 	@echo "Starting JupyterLab on http://127.0.0.1:$(PORT)/ (the URL with its token follows)"
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
 	  --ServerApp.root_dir=notebooks --no-browser $(ROOT_FLAG)
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest tests -q
 	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=120 -p no:cacheprovider
 
 unit: install
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --ignore=tests/browser
 
 nbval: install
 	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with tests/nbval_sanitize.cfg \
@@ -45,10 +58,12 @@ nbval: install
 notebooks: install
 	cd notebooks && for nb in [0-9]*.ipynb; do \
 	  ../$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-	    --ExecutePreprocessor.timeout=300 "$$nb" || exit 1; done
+	    --ExecutePreprocessor.timeout=300 --ExecutePreprocessor.store_widget_state=True \
+	    "$$nb" || exit 1; done
 
 bench: install
-	$(BIN)/python benchmarks/bench_start.py
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[bench]"
+	$(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) helpers/*.egg-info
