@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -142,24 +143,80 @@ def bench_spawn(world_size: int, repeat: int) -> dict:
     return {"per_call_s": median(times), "memory_per_rank_mb": max(mem)}
 
 
+LAUNCHER_CHILD = """
+import json, sys, time
+import torch.distributed as dist
+from accelerate import notebook_launcher
+def entry():
+    dist.init_process_group("gloo")
+    t = __import__("torch").tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+times, returned = [], None
+for _ in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    returned = notebook_launcher(entry, num_processes=int(sys.argv[2]), use_port=sys.argv[3])
+    times.append(time.perf_counter() - t)
+print("RESULT " + json.dumps({"times": times, "returned": repr(returned)}))
+"""
+
+
 def bench_launcher(world_size: int, repeat: int) -> dict:
+    """notebook_launcher forks its caller, so it runs in a child process of its own,
+    with no other thread in it (a sampling thread there could deadlock the fork), and
+    a bounded wait. Memory is sampled from here, over the child's descendants."""
     try:
-        from accelerate import notebook_launcher
+        import accelerate  # noqa: F401
     except ImportError:
         return {"skipped": "accelerate is not installed (pip install accelerate)"}
-    times, mem, returned = [], [], None
-    for _ in range(repeat):
-        stop, out = threading.Event(), []
-        th = threading.Thread(target=max_child_uss, args=(stop, out))
-        th.start()
-        t = time.perf_counter()
-        returned = notebook_launcher(_launcher_entry, num_processes=world_size)
-        times.append(time.perf_counter() - t)
-        stop.set()
-        th.join()
-        mem.append(out[0])
-    return {"per_call_s": median(times), "memory_per_rank_mb": max(mem),
-            "returned": repr(returned)}
+    with socket.socket() as sock:  # a free port, not the default 29500
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER_CHILD, str(repeat), str(world_size),
+                             str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    peak, deadline = 0.0, time.monotonic() + HANG_LIMIT * repeat
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        uss = []
+        for k in kids:
+            try:
+                if "torchelastic" not in " ".join(k.cmdline()):
+                    uss.append(k.memory_full_info().uss)
+            except psutil.Error:
+                pass
+        if len(uss) >= world_size:
+            peak = max(peak, sum(sorted(uss)[-world_size:]) / world_size / 1e6)
+        time.sleep(0.05)
+    if proc.poll() is None:
+        _kill_tree(proc.pid)
+        proc.communicate()
+        return {"hung": f"no result after {HANG_LIMIT * repeat:.0f} s, killed"}
+    out, err = proc.communicate()
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    if not line:
+        tail = [x for x in err.strip().splitlines() if x.strip()]
+        return {"failed": tail[-1] if tail else f"exit {proc.returncode}"}
+    data = json.loads(line[-1][7:])
+    return {"per_call_s": median(data["times"]), "memory_per_rank_mb": peak,
+            "returned": data["returned"]}
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def bench_widget(world_size: int = 4, repeat: int = 12) -> dict:
@@ -245,18 +302,18 @@ def run_failure_case(name: str, code: str) -> dict:
     try:
         out, err = proc.communicate(timeout=HANG_LIMIT)
     except subprocess.TimeoutExpired:
-        for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        _kill_tree(proc.pid)
         proc.communicate()
         return {"outcome": f"hung: no result after {HANG_LIMIT:.0f} s, killed"}
     took = time.perf_counter() - t
     result = [line for line in out.splitlines() if line.startswith("RESULT")]
     if proc.returncode == 0 and result:
         return {"outcome": f"{result[-1][7:]} ({took:.1f} s)"}
-    last = [line for line in err.strip().splitlines() if line.strip()]
+    lines = [line.strip() for line in err.strip().splitlines() if line.strip()]
+    # the root cause, e.g. a child's "Can't get attribute 'f' on <module '__main__'>",
+    # rather than the parent's closing ProcessExitedException
+    cause = [line for line in lines if "Can't get attribute" in line or "PicklingError" in line]
+    last = cause or lines
     return {"outcome": f"failed: {last[-1] if last else 'exit ' + str(proc.returncode)}"}
 
 
@@ -309,7 +366,8 @@ def report(r: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for ws, row in r["by_world_size"].items():
         lg, sp, nl = row["localgroup"], row["spawn"], row["notebook_launcher"]
-        nl_t = f"{nl['per_call_s']:.2f} s" if "per_call_s" in nl else "n/a"
+        nl_t = f"{nl['per_call_s']:.2f} s" if "per_call_s" in nl else \
+            next(iter(nl.values()), "n/a")
         nl_r = f"{row['launcher_per_call_over_round_trip']:,.0f}x" if "per_call_s" in nl else "n/a"
         nl_m = f"{nl['memory_per_rank_mb']:.0f}" if "per_call_s" in nl else "n/a"
         lines.append(f"| {ws} | {lg['cold_start_s']:.2f} s | {ms(lg['warm_start_s'])} | "

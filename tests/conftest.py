@@ -1,7 +1,9 @@
 """Shared fixtures. Every group a test opens is closed, and no rank outlives the tests."""
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -10,6 +12,16 @@ import psutil
 import pytest
 
 from reducelab import LocalGroup
+
+SOLUTIONS = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
+
+
+def load_solution(name: str):
+    """Import ``notebooks/solutions/<name>.py`` as a module (solutions are off the run path)."""
+    spec = importlib.util.spec_from_file_location(f"solution_{name}", SOLUTIONS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")

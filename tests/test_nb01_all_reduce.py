@@ -1,8 +1,6 @@
 """Notebook 01: the all_reduce explorer (headless), the exercise check, and the facts taught."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import sys
 
 import cloudpickle
@@ -11,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import load_solution
 from reducelab.checks import reveal
 from reducelab.checks.all_reduce import check_mean_over_ranks, local_values
 from reducelab.widgets.all_reduce import AllReduceExplorer
@@ -19,14 +18,8 @@ from reducelab.widgets.all_reduce import AllReduceExplorer
 # not import the test module (and everything it imports) before they can run them.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-SOLUTIONS = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
 
 
-def load_solution(name):
-    spec = importlib.util.spec_from_file_location(name, SOLUTIONS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def demo(op, pattern, dtype, n):

@@ -6,8 +6,6 @@ gloo's ring reduce (gloo/reduce.cc), written here from the algorithm, not from t
 """
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import sys
 import time
 
@@ -17,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import conftest
 from reducelab.checks.reduce import SIZES, check_reduce_keep_input, exercise_input
 from reducelab.plots.reduce import FULL, PARTIAL, UNCHANGED, ReduceGrid, cell_label, sweep_figure
 from reducelab.widgets.reduce import (PATTERNS, ReduceExplorer, buffer_status,
@@ -26,16 +25,11 @@ from reducelab.widgets.reduce import (PATTERNS, ReduceExplorer, buffer_status,
 # (matplotlib, ipywidgets) would cost seconds per fresh group.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def load_solution():
-    path = ROOT / "notebooks" / "solutions" / "02_reduce_keep_input.py"
-    spec = importlib.util.spec_from_file_location("nb02_solution", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return conftest.load_solution("02_reduce_keep_input")
 
 
 def gloo_reduce_reference(inputs: list[np.ndarray], dst: int) -> list[np.ndarray]:

@@ -2,7 +2,6 @@
 the notebook teaches, each measured on real gloo ranks against a single-process reference."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import warnings
 
@@ -14,19 +13,16 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+import conftest
 from reducelab import LocalGroup
 from reducelab.checks.loss import UNEVEN_BATCHES, check_global_mean_loss, exercise_losses
 from reducelab.plots.loss import LossAggregationPlot, gradient_variants
 from reducelab.widgets.loss import LossExplorer, parse_batch_sizes
 
-SOLUTION = pathlib.Path(__file__).parent.parent / "notebooks" / "solutions" / "03_global_mean_loss.py"
 
 
 def load_solution():
-    spec = importlib.util.spec_from_file_location("nb03_solution", SOLUTION)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return conftest.load_solution("03_global_mean_loss")
 
 
 # --- the notebook's rank functions, and the same data rebuilt in one process ---------------

@@ -5,8 +5,6 @@ exercise check, the data helpers and the plots.
 """
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import warnings
 
 import pytest
@@ -17,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import conftest
 from reducelab import LocalGroup
 from reducelab.checks.ddp import (check_loss_scale, compare_gradients, expected_factor,
                                   explain)
@@ -25,7 +24,6 @@ from reducelab.data import (batch_order, first_ranks, load_digits_tensors, local
 from reducelab.plots.ddp import GradientScatter, loss_curves
 from reducelab.widgets.ddp import GradientFactorExplorer, gradient_table, run_comparison
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG"
 
 
@@ -42,11 +40,7 @@ def batch():
 
 
 def load_solution():
-    path = ROOT / "notebooks" / "solutions" / "04_loss_scale.py"
-    spec = importlib.util.spec_from_file_location("solution_04", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return conftest.load_solution("04_loss_scale")
 
 
 # --- rank functions, as in the notebook -------------------------------------------------

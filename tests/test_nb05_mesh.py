@@ -3,8 +3,6 @@ exercise check, the figures, and the facts the notebook teaches, each measured o
 ranks against a layout or gradient computed in one process."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
@@ -12,22 +10,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import conftest
 from reducelab import LocalGroup
 from reducelab.checks.mesh import (check_mesh_sync, global_batch, local_batch, local_grads,
                                    reference_grads, tiny_model)
 from reducelab.plots.mesh import MeshGrid, group_index, timeline_figure
 from reducelab.widgets.mesh import MESH_SHAPES, MeshExplorer, expected_groups
 
-SOLUTION = pathlib.Path(__file__).parent.parent / "notebooks" / "solutions" / "05_mesh_sync.py"
 PNG = b"\x89PNG\r\n\x1a\n"
 MESH_3D = (2, 2, 1)  # (dp, tp, cp), as in the notebook
 
 
 def load_solution():
-    spec = importlib.util.spec_from_file_location("nb05_solution", SOLUTION)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return conftest.load_solution("05_mesh_sync")
 
 
 @pytest.fixture(scope="module")

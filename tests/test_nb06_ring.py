@@ -4,7 +4,6 @@ exercise check, and the facts the notebook teaches (bytes, float order, deadlock
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import pathlib
 import sys
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import conftest
 from reducelab import LocalGroup, RankError
 from reducelab.checks.ring import (check_ring_all_gather, contributors, exercise_input,
                                    naive_bytes_per_rank, ring_bytes_per_rank, root_bytes)
@@ -24,7 +24,6 @@ from reducelab.widgets.ring import RingExplorer, phase_of, run_from_traces
 
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_ring_all_reduce.ipynb"
-SOLUTION = ROOT / "notebooks" / "solutions" / "06_ring_all_gather.py"
 
 
 def notebook_functions() -> dict:
@@ -53,10 +52,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def load_solution():
-    spec = importlib.util.spec_from_file_location("nb06_solution", SOLUTION)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return conftest.load_solution("06_ring_all_gather")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ are compared with a LocalGroup and with values computed in this process.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import pathlib
 import tempfile
 import textwrap
@@ -15,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+import conftest
 from reducelab import LocalGroup
 from reducelab.checks.cluster import HEAD_NODE_COMMAND, check_node_command
 from reducelab.lessons import all_reduce_lesson, launcher_env, listening_sockets
@@ -25,11 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _solution(name: str):
-    path = ROOT / "notebooks" / "solutions" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"solution_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return conftest.load_solution(name)
 
 
 def _reference_all_reduce(world_size: int) -> list[dict]:

@@ -115,9 +115,11 @@ class AllReduceExplorer(Explorer):
         same = bool((result.after == result.after[0]).all())
         row = ", ".join(fmt_value(v) for v in result.after[0])
         where = "every rank holds" if same else "rank 0 holds"
-        grew = float(np.abs(result.after).sum()) / max(float(np.abs(result.before[0]).sum()), 1e-12)
+        before0 = float(np.abs(result.before[0]).sum())
+        after0 = float(np.abs(result.after[0]).sum())
+        growth = f"x{after0 / before0:.3g}" if before0 else "from zero"
         return (f"After all_reduce({result.op}) {where} [{row}]; "
-                f"|after| / |rank 0 before| = {grew:.3g}.")
+                f"rank 0's total magnitude changed {growth}.")
 
     def explain_error(self, values: dict, err: RankError) -> str:
         return refusal(values["op"], values["dtype"], err)
