@@ -242,6 +242,33 @@ def bench_widget(world_size: int = 4, repeat: int = 12) -> dict:
             "run_only_s": median(computes)}
 
 
+def bench_notebook_explorers(repeat: int = 10) -> dict:
+    """Each notebook's explorer, in a real kernel: run the notebook's cells up to the one
+    that makes ``explorer``, then time ``explorer.refresh()`` (the work of one control
+    change: run on the ranks + new figure bytes). Median seconds by notebook."""
+    import nbclient
+    import nbformat
+    out = {}
+    for path in sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("0*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        upto = next((i for i, c in enumerate(code) if "explorer = " in c.source), None)
+        if upto is None:
+            continue
+        cells = [c for c in code[:upto + 1] if not c.source.lstrip().startswith("%%")]
+        probe = nbformat.v4.new_code_cell(
+            "import statistics as _s\n_t = []\n"
+            f"for _ in range({repeat}):\n    explorer.refresh(); _t.append(explorer.seconds)\n"
+            "print('SECONDS', _s.median(_t), explorer.group.world_size)")
+        run = nbformat.v4.new_notebook(cells=cells + [probe], metadata=nb.metadata)
+        client = nbclient.NotebookClient(run, timeout=300, resources={"metadata": {"path": str(path.parent)}})
+        client.execute()
+        text = "".join(o.get("text", "") for o in run.cells[-1].outputs)
+        seconds, ws = text.split("SECONDS")[-1].split()
+        out[path.stem] = {"refresh_s": float(seconds), "world_size": int(ws)}
+    return out
+
+
 FAILURES = {
     "notebook_launcher_returns": """
         import torch.distributed as dist
@@ -345,6 +372,9 @@ def main() -> None:
     print("widget round trip ...", flush=True)
     results["widget"] = bench_widget()
     if not args.quick:
+        print("every notebook's explorer ...", flush=True)
+        results["explorers"] = bench_notebook_explorers()
+    if not args.quick:
         results["failures"] = {}
         for name, code in FAILURES.items():
             print(f"failure case {name} ...", flush=True)
@@ -378,6 +408,11 @@ def report(r: dict) -> str:
     lines += ["", f"Widget round trip (notebook 01 explorer, world size {w['world_size']}, one "
                   f"control change to new figure bytes): {ms(w['change_to_figure_s'])}, of which "
                   f"the run on the ranks is {ms(w['run_only_s'])}."]
+    if "explorers" in r:
+        lines += ["", "| notebook explorer | world size | one refresh (run + figure) |",
+                  "|---|---|---|"]
+        lines += [f"| {k} | {v['world_size']} | {ms(v['refresh_s'])} |"
+                  for k, v in r["explorers"].items()]
     if "failures" in r:
         lines += ["", "| case | outcome |", "|---|---|"]
         lines += [f"| {k} | {v['outcome']} |" for k, v in r["failures"].items()]

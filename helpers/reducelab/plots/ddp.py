@@ -56,7 +56,11 @@ class GradientScatter:
         self.ax.set_ylim(-lim, lim)
         self.ax.legend(loc="upper left", fontsize=8)
         self.ax.set_title(title, fontsize=10)
-        return png(self.fig)
+        data = png(self.fig)
+        # Keep the first constrained layout: later draws change the data and the limits,
+        # not the size of the labels, and skipping the layout pass halves a redraw.
+        self.fig.set_layout_engine("none")
+        return data
 
 
 def loss_curves(curves: dict, title: str = "", ylabel: str = "loss on all 1797 digits",
