@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import glob
 import pathlib
+import sys
 import tempfile
 import textwrap
 
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
 import conftest
 from reducelab import LocalGroup
@@ -264,3 +266,49 @@ def test_wrong_answers_are_explained(answer, expected):
 def test_check_rejects_a_non_command():
     with pytest.raises(TypeError):
         check_node_command(42)
+
+
+# --- the node-layout explorer ---------------------------------------------------------
+
+def node_view(nproc_per_node):
+    """The notebook's rank function (same numbering and groups), for the explorer tests."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    node_rank, local_rank = divmod(rank, nproc_per_node)
+    key = ("node groups", world_size, nproc_per_node)
+    if key not in globals():
+        globals()[key] = [dist.new_group(list(range(n * nproc_per_node, (n + 1) * nproc_per_node)))
+                          for n in range(world_size // nproc_per_node)]
+    x = torch.tensor([rank + 1.0])
+    dist.all_reduce(x, group=globals()[key][node_rank])
+    y = torch.tensor([rank + 1.0])
+    dist.all_reduce(y)
+    return {"rank": rank, "node_rank": node_rank, "local_rank": local_rank,
+            "node_sum": x.item(), "world_sum": y.item()}
+
+
+def test_node_layout_explorer_numbers_and_reduces_like_torchrun():
+    import cloudpickle
+    from reducelab.widgets.cluster import NodeLayoutExplorer
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with LocalGroup(world_size=4, timeout=60) as g:
+        ex = NodeLayoutExplorer(g, node_view, nnodes=2, nproc_per_node=2)
+        got = [(r["rank"], r["node_rank"], r["local_rank"], r["node_sum"]) for r in ex.result.ranks]
+        assert got == [(0, 0, 0, 3.0), (1, 0, 1, 3.0), (2, 1, 0, 7.0), (3, 1, 1, 7.0)]
+        ex.controls["nnodes"].value = 4                   # 4 x 2 = 8 ranks
+        assert g.world_size == 8 and ex.result.world_size == 8
+        assert [r["node_sum"] for r in ex.result.ranks][-1] == 15.0   # 7 + 8
+        assert all(r["world_sum"] == 36.0 for r in ex.result.ranks)
+        assert ex.controls["nproc_per_node"].max == 2
+        ex.controls["nnodes"].value = 1
+        ex.controls["nproc_per_node"].value = 3
+        assert [r["local_rank"] for r in ex.result.ranks] == [0, 1, 2]
+        assert "RANK = node_rank * 3 + LOCAL_RANK" in ex.message.value
+        assert bytes(ex.image.value[:4]) == b"\x89PNG"
+
+
+def test_node_layout_explorer_refuses_bad_layouts():
+    from reducelab.widgets.cluster import NodeLayoutExplorer
+    with pytest.raises(ValueError, match="at most 8"):
+        NodeLayoutExplorer(object(), node_view, nnodes=4, nproc_per_node=4)
+    with pytest.raises(ValueError, match="from 1 to 4"):
+        NodeLayoutExplorer(object(), node_view, nnodes=0)

@@ -1,0 +1,121 @@
+"""The node-layout explorer of notebook 07: how torchrun numbers ranks across nodes.
+
+Pick a number of nodes and processes per node; the explorer resizes the LocalGroup to
+``world_size = nnodes * nproc_per_node`` and runs the notebook's rank function, which
+numbers the ranks as torchrun does (``RANK = node_rank * nproc_per_node + LOCAL_RANK``),
+makes one process group per node with ``dist.new_group`` and all-reduces within each
+node and across all ranks. The figure shows each node's ranks and both sums.
+
+Source: torchrun's environment variables, https://pytorch.org/docs/stable/elastic/run.html ;
+``dist.new_group``, https://pytorch.org/docs/stable/distributed.html#groups
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ipywidgets as W
+import numpy as np
+
+from ..group import LocalGroup
+from ..plots import new_figure, png
+from . import Explorer
+
+MAX_WORLD_SIZE = 8
+"""The most ranks the explorer starts (a laptop's limit, not torchrun's)."""
+
+
+@dataclass
+class NodeLayout:
+    """What every rank reported for one layout.
+
+    Attributes:
+        nnodes, nproc_per_node: the layout (ints).
+        ranks: one dict per rank, in rank order, with int ``rank``, ``node_rank``,
+            ``local_rank`` and float ``node_sum`` (all_reduce SUM of ``rank + 1``
+            within the node) and ``world_sum`` (over every rank).
+    """
+
+    nnodes: int
+    nproc_per_node: int
+    ranks: list[dict]
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class NodeLayoutExplorer(Explorer):
+    """Widget: simulated nodes on one LocalGroup, numbered and reduced as under torchrun.
+
+    Args:
+        group: the LocalGroup; it is resized to ``nnodes * nproc_per_node`` ranks.
+        fn: the notebook's rank function, called on every rank as ``fn(nproc_per_node)``
+            and returning the dict described in :class:`NodeLayout`.
+        nnodes: initial number of nodes, 1 to 4.
+        nproc_per_node: initial processes per node, 1 to 4; ``nnodes * nproc_per_node``
+            must be at most :data:`MAX_WORLD_SIZE`.
+
+    Raises:
+        TypeError: ``fn`` is not callable. ValueError: a layout outside the ranges above.
+    """
+
+    def __init__(self, group: LocalGroup, fn, nnodes: int = 2, nproc_per_node: int = 2):
+        if not callable(fn):
+            raise TypeError(f"fn must be the rank function, got {fn!r}")
+        for name, v in (("nnodes", nnodes), ("nproc_per_node", nproc_per_node)):
+            if not isinstance(v, int) or not 1 <= v <= 4:
+                raise ValueError(f"{name} must be an int from 1 to 4, got {v!r}")
+        if nnodes * nproc_per_node > MAX_WORLD_SIZE:
+            raise ValueError(f"nnodes * nproc_per_node must be at most {MAX_WORLD_SIZE}, "
+                             f"got {nnodes} * {nproc_per_node}")
+        self.group, self.fn = group, fn
+        super().__init__({
+            "nnodes": W.IntSlider(value=nnodes, min=1, max=4, description="--nnodes",
+                                  continuous_update=False),
+            "nproc_per_node": W.IntSlider(value=nproc_per_node, min=1,
+                                          max=MAX_WORLD_SIZE // nnodes,
+                                          description="--nproc-per-node",
+                                          continuous_update=False,
+                                          style={"description_width": "initial"}),
+        })
+        self.refresh()
+
+    def _on_change(self, change) -> None:
+        if change["owner"] is self.controls["nnodes"]:
+            per = self.controls["nproc_per_node"]
+            limit = min(4, MAX_WORLD_SIZE // change["new"])
+            if per.value > limit:
+                with per.hold_trait_notifications():
+                    per.value = limit
+            per.max = limit
+        self.refresh()
+
+    def compute(self, nnodes, nproc_per_node) -> NodeLayout:
+        world_size = nnodes * nproc_per_node
+        if self.group.world_size != world_size:
+            self.group.resize(world_size)
+        return NodeLayout(nnodes, nproc_per_node, self.group.run(self.fn, nproc_per_node))
+
+    def draw(self, layout: NodeLayout) -> bytes:
+        n, p = layout.nnodes, layout.nproc_per_node
+        fig = new_figure(1.6 + 1.55 * p, 0.9 + 0.75 * n)
+        ax = fig.add_subplot()
+        grid = np.array([[r["node_rank"] for r in layout.ranks]]).reshape(n, p)
+        ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
+        for r in layout.ranks:
+            ax.text(r["local_rank"], r["node_rank"],
+                    f"RANK {r['rank']}\nLOCAL_RANK {r['local_rank']}",
+                    ha="center", va="center", fontsize=8)
+        ax.set_yticks(range(n), [f"node {k}\nsum {layout.ranks[k * p]['node_sum']:g}"
+                                 for k in range(n)])
+        ax.set_xticks(range(p), [f"local {j}" for j in range(p)])
+        ax.set_title(f"--nnodes {n} --nproc-per-node {p}: WORLD_SIZE {n * p}\n"
+                     f"all_reduce over all ranks: {layout.ranks[0]['world_sum']:g}", fontsize=9)
+        return png(fig)
+
+    def describe(self, layout: NodeLayout) -> str:
+        node_sums = [layout.ranks[k * layout.nproc_per_node]["node_sum"] for k in range(layout.nnodes)]
+        return (f"RANK = node_rank * {layout.nproc_per_node} + LOCAL_RANK for "
+                f"{layout.world_size} ranks; all_reduce within each node gives "
+                f"{', '.join(f'{s:g}' for s in node_sums)}; over all ranks "
+                f"{layout.ranks[0]['world_sum']:g}.")
