@@ -70,7 +70,10 @@ def test_bad_options_are_one_sentence(ip):
         cell(ip, "--bogus", "1")
     with pytest.raises(UsageError, match="comma-separated ints"):
         cell(ip, "--ranks a,b", "1")
-    with pytest.raises(ValueError, match="not in 0..2"):
+    with pytest.raises(UsageError, match="not in 0..2"):
         cell(ip, "--group g --ranks 5", "1")
-    with pytest.raises(ValueError, match="not a LocalGroup"):
+    with pytest.raises(UsageError, match="not a LocalGroup"):
         cell(ip, "--group nothing_here", "1")
+    with pytest.raises(UsageError, match="from 1 to 64"):
+        cell(ip, "--group g --world-size 0", "1")
+    assert ip.user_ns["g"].world_size == 3

@@ -28,6 +28,7 @@ import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -49,7 +50,8 @@ BACKENDS = ("gloo",)
 MAX_WORLD_SIZE = 64
 _GRACE = 1.0  # seconds the other ranks get to report once one rank has failed
 _DEATH_GRACE = 0.3  # seconds the other ranks get to report once a rank has died
-_STACK_WAIT = 1.0  # seconds to wait for stuck ranks to say where they are
+_STACK_WAIT = 1.0
+_MAX_EXTENSIONS = 10  # extra timeouts granted while finished ranks are still sending  # seconds to wait for stuck ranks to say where they are
 
 
 def _context():
@@ -85,6 +87,12 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"died: killed by signal {-code}"
     return f"died: exited with code {code} without returning"
+
+
+def _error_kind(summary: str) -> str:
+    """``"ValueError"`` from ``"ValueError: bad"``; ``"an error"`` for a sentence."""
+    head = summary.split(":")[0]
+    return head if re.fullmatch(r"[A-Za-z_][\w.]*", head) else "an error"
 
 
 def _validate(world_size, backend, timeout) -> None:
@@ -213,6 +221,7 @@ class LocalGroup:
         self._state = "stopped"
         self._closed = False
         self._sent_sources: set[str] = set()
+        self._returned: set[int] = set()  # ranks whose fn returned in the current run()
         self.restarts = 0
         """How many times the ranks were (re)started, the first start included."""
         self._finalizer = None
@@ -281,12 +290,6 @@ class LocalGroup:
                                    "(in a notebook: run the setup cell again)")
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
-        try:
-            payload = cloudpickle.dumps((fn, args, kwargs, os.getcwd(), self._new_sources()),
-                                        protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments "
-                            f"to the ranks: {type(e).__name__}: {e}") from None
         if self._state == "idle":
             dead = {p.rank: p.process.exitcode for p in self._procs if not p.process.is_alive()}
             if dead:
@@ -295,14 +298,27 @@ class LocalGroup:
                 self._shutdown()
         if self._state != "idle":
             self._start()
+        sources = self._new_sources()  # after any restart: fresh ranks need every cell
+        try:
+            payload = cloudpickle.dumps((fn, args, kwargs, os.getcwd(), sources),
+                                        protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments "
+                            f"to the ranks: {type(e).__name__}: {e}") from None
+        self._sent_sources.update(sources)
         name = getattr(fn, "__name__", "fn")
         self._state = "running"
+        self._returned = set()
         try:
-            for p in self._procs:
-                try:
-                    p.send(("run", payload))
-                except OSError:
-                    pass  # the rank died just now: _gather sees its sentinel and reports it
+            try:
+                for p in self._procs:
+                    try:
+                        p.send(("run", payload))
+                    except OSError:
+                        pass  # the rank died just now: _gather sees its sentinel and reports it
+            except BaseException:  # interrupted while sending: some ranks may be running
+                self._shutdown()
+                raise
             return self._collect_results(name)
         finally:
             if self._state == "running":
@@ -311,9 +327,17 @@ class LocalGroup:
     def resize(self, world_size: int) -> None:
         """Stop the ranks and start ``world_size`` new ones (state on the ranks is lost).
 
+        Does nothing if the group already has ``world_size`` idle ranks.
+
         Raises:
             TypeError, ValueError: bad ``world_size``; the running group is kept.
+            GroupClosedError: the group was closed.
+            RankError: the new ranks could not start (the group restarts at the next run).
+            KeyboardInterrupt: interrupted while starting; likewise.
         """
+        if self._closed:
+            raise GroupClosedError("this LocalGroup is closed; create a new one "
+                                   "(in a notebook: run the setup cell again)")
         _validate(world_size, self._backend, self._timeout)
         if world_size == self._world_size and self._state == "idle":
             return
@@ -359,9 +383,9 @@ class LocalGroup:
         are quiet, since the error already said the ranks restart.
         """
         self._shutdown()
-        tmpdir = tempfile.mkdtemp(prefix="reducelab-")  # mode 0700
         ctx = _context()
         ifname = loopback_interface()
+        tmpdir = tempfile.mkdtemp(prefix="reducelab-")  # mode 0700
         # multiprocessing's own temp dir (the forkserver's socket): if the kernel is
         # killed, no finalizer runs, so the ranks remove it along with ours.
         mp_tmp = mp.util.get_temp_dir()
@@ -390,6 +414,7 @@ class LocalGroup:
             replies, died, pending = self._gather(time.monotonic() + self._timeout,
                                                   stop_on_error=True, on_reply=progress.update)
         except KeyboardInterrupt:
+            progress.done(0, ok=False)
             self._shutdown()
             raise
         errors = {r: m for r, m in replies.items() if m[0] != "ready"}
@@ -417,12 +442,13 @@ class LocalGroup:
             self._state = "stopped"
 
     def _new_sources(self) -> dict[str, list[str]]:
-        """Cell sources the ranks have not seen, so remote tracebacks show the code line."""
+        """Cell sources the ranks have not seen, so remote tracebacks show the code line.
+
+        The caller marks them as sent (``_sent_sources``) once the job is pickled."""
         new = {}
         for filename, entry in list(linecache.cache.items()):
             if filename in self._sent_sources or len(entry) < 3:
                 continue
-            self._sent_sources.add(filename)
             if entry[1] is None or not os.path.exists(filename):  # a cell, not a file
                 new[filename] = entry[2]
         return new
@@ -452,10 +478,16 @@ class LocalGroup:
                 proc = self._procs[r]
                 if obj in by_conn or proc.conn.poll():
                     try:
-                        replies[r] = proc.recv()
+                        msg = proc.recv()
+                        if msg[0] == "returned":
+                            self._returned.add(r)  # its result is on its way
+                            continue
+                        if msg[0] == "stack":
+                            continue  # a late answer to an earlier stack request
+                        replies[r] = msg
                         pending.discard(r)
                         if on_reply is not None:
-                            on_reply(len(replies))
+                            on_reply(sum(1 for m in replies.values() if m[0] == "ready"))
                         if stop_on_error and replies[r][0] == "error":
                             cut = min(cut, time.monotonic() + _GRACE)
                         continue
@@ -469,8 +501,12 @@ class LocalGroup:
                 cut = min(cut, time.monotonic() + _DEATH_GRACE)
         return replies, died, pending
 
-    def _where(self, ranks: set[int]) -> dict[int, tuple]:
-        """Ask running ranks for their stacks; returns ``{rank: ("stack", ...)}``."""
+    def _where(self, ranks: set[int]) -> tuple[dict[int, tuple], dict[int, tuple]]:
+        """Ask running ranks where they are.
+
+        Returns ``(stacks, late)``: ``{rank: ("stack", ...)}`` and the ``"done"``/``"error"``
+        replies that arrived meanwhile (a rank that finished just then, or one whose big
+        return value was on its way); the caller counts those as replies."""
         asked = {}
         for r in ranks:
             p = self._procs[r]
@@ -480,7 +516,7 @@ class LocalGroup:
                     asked[r] = p
                 except (OSError, ValueError):
                     pass
-        answers = {}
+        answers, late = {}, {}
         deadline = time.monotonic() + _STACK_WAIT
         while asked and time.monotonic() < deadline:
             for conn in mp_wait([p.conn for p in asked.values()],
@@ -491,22 +527,33 @@ class LocalGroup:
                 except (EOFError, OSError):
                     del asked[r]
                     continue
-                if msg[0] == "stack":  # a late "done"/"error" is dropped: the run has failed
+                if msg[0] == "returned":
+                    self._returned.add(r)
+                    continue
+                if msg[0] == "stack":
                     answers[r] = msg
-                    del asked[r]
-        return answers
+                else:  # its reply came first; its stack answer, still to come, is stale
+                    late[r] = msg
+                del asked[r]
+        return answers, late
 
     def _collect_results(self, name: str) -> list:
         try:
-            state = self._gather(time.monotonic() + self._timeout, stop_on_error=True)
-            stacks = self._where(state[2]) if state[2] else {}
-            if stacks and not state[1] and all(
-                    m[0] == "done" for m in state[0].values()) and all(
-                    stacks.get(r, ("",) * 3)[2] == "<sending>" for r in state[2]):
+            replies, died, pending = self._gather(time.monotonic() + self._timeout, True)
+            stacks, extensions = {}, 0
+            while pending:
+                stacks, late = self._where(pending)
+                replies.update(late)
+                pending -= set(late)
+                sending = pending and not died and all(
+                    m[0] == "done" for m in replies.values()) and pending <= self._returned
+                if not sending or extensions == _MAX_EXTENSIONS:
+                    break
                 # fn finished everywhere; big return values are still on their way
-                state = self._gather(time.monotonic() + self._timeout, True, state)
-                stacks = self._where(state[2]) if state[2] else {}
-            replies, died, pending = state
+                extensions += 1
+                replies, died, pending = self._gather(time.monotonic() + self._timeout, True,
+                                                      (replies, died, pending))
+            stacks = {r: m for r, m in stacks.items() if r in pending}
         except KeyboardInterrupt:
             self._shutdown()
             print(f"Interrupted: the {self._world_size} ranks were stopped; they restart "
@@ -544,6 +591,9 @@ class LocalGroup:
             if r in stacks:
                 _, text, collective, summary, _, _ = stacks[r]
                 reports.append(RankReport(r, "stuck", summary, text, collective))
+            elif r in self._returned:
+                reports.append(RankReport(r, "stuck", f"{name} returned; its return value was "
+                                                      f"still being pickled or sent"))
             else:
                 reports.append(RankReport(r, "stuck", "was still running"))
         raised = sorted(r for r, m in replies.items() if m[0] == "error")
@@ -551,10 +601,12 @@ class LocalGroup:
             r = min(died)
             headline = f"rank {r} {_describe_exit(died[r])} during {name}"
         elif raised:
-            kinds = sorted({replies[r][1].split(":")[0] for r in raised})
+            kinds = sorted({_error_kind(replies[r][1]) for r in raised})
             who = f"rank {raised[0]}" if len(raised) == 1 else \
                 f"ranks {', '.join(map(str, raised))}"
-            headline = f"{who} raised {' / '.join(kinds)} in {name}"
+            named = [k for k in kinds if k != "an error"]
+            verb = f"raised {' / '.join(named)}" if named else "failed"
+            headline = f"{who} {verb} in {name}"
         else:
             collectives = {r: stacks[r][2] for r in pending if r in stacks}
             headline = (f"{name} did not finish within {self._timeout:g} s on "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from .group import LocalGroup, current_group
+from .group import MAX_WORLD_SIZE, LocalGroup, current_group
 
 _OWN: list = []  # a group the magic started itself, when the kernel had none
 _COUNTER = [0]  # numbers the cells, for traceback file names
@@ -89,6 +89,9 @@ def parse_options(line: str) -> argparse.Namespace:
         except ValueError:
             raise ValueError(f"%%ranks: --ranks takes comma-separated ints, e.g. 0,2; "
                              f"got {opts.ranks!r}") from None
+    if opts.world_size is not None and not 1 <= opts.world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"%%ranks: --world-size must be from 1 to {MAX_WORLD_SIZE}, "
+                         f"got {opts.world_size}")
     return opts
 
 
@@ -114,7 +117,8 @@ def resolve_group(opts, user_ns: dict) -> LocalGroup:
     return g
 
 
-def ranks(line: str, cell: str, user_ns: dict | None = None, opts=None) -> list:
+def ranks(line: str, cell: str, user_ns: dict | None = None, opts=None,
+          group: LocalGroup | None = None) -> list:
     """Run ``cell`` on the ranks as the ``%%ranks`` options in ``line`` say.
 
     Prints each rank's output, then ``[rank N] Out: <repr>`` for each rank whose last
@@ -125,7 +129,7 @@ def ranks(line: str, cell: str, user_ns: dict | None = None, opts=None) -> list:
         ValueError: bad options. RankError: as :meth:`LocalGroup.run`.
     """
     opts = opts or parse_options(line)
-    g = resolve_group(opts, user_ns or {})
+    g = group or resolve_group(opts, user_ns or {})
     _COUNTER[0] += 1
     out = g.run(exec_on_rank, cell, f"<%%ranks cell {_COUNTER[0]}>", opts.ranks)
     for r, value in enumerate(out):
@@ -141,7 +145,8 @@ def load_ipython_extension(ipython) -> None:
     def _ranks(line, cell):
         try:
             opts = parse_options(line)
+            group = resolve_group(opts, ipython.user_ns)
         except ValueError as e:
             raise UsageError(str(e)) from None  # a sentence, not a traceback
-        ranks(line, cell, ipython.user_ns, opts)
+        ranks(line, cell, ipython.user_ns, opts, group)
     ipython.register_magic_function(_ranks, magic_kind="cell", magic_name="ranks")

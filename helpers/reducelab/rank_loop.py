@@ -9,7 +9,8 @@ socket pair: no network endpoint, and only the kernel holds the other end).
 Messages, each a ``pickle`` of a tuple (the kernel is the only peer that can write them):
 
 * kernel -> rank: ``("run", payload)``, ``("stack",)``, ``("close",)``.
-* rank -> kernel: ``("ready", pid)``, ``("done", result_bytes, out, err)``,
+* rank -> kernel: ``("ready", pid)``, ``("returned",)`` (fn returned; its result is
+  being pickled and sent), ``("done", result_bytes, out, err)``,
   ``("error", summary, traceback, in_distributed, out, err)``, ``("stack", text,
   collective, summary, out, err)``.
 
@@ -187,6 +188,9 @@ class _Rank:
             summary = f"{type(error).__name__}: {first[0]}" if first else type(error).__name__
             return ("error", summary, "Traceback (most recent call last):\n" + text,
                     in_dist, out, err)
+        # Tell the kernel fn has returned before pickling the result: pickling a big
+        # tensor holds the GIL, so the reader thread could not say so while it runs.
+        self.send(("returned",))
         try:
             data = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as e:

@@ -131,6 +131,25 @@ def test_very_large_return_value_works():
         assert float(out[1][-1]) == 1.0
 
 
+def test_big_return_values_still_on_their_way_at_the_timeout_are_not_stuck():
+    """fn returns at once, but 2 x 400 MB take longer than the 1 s timeout to arrive:
+    the ranks are sending, not stuck, so run() waits for them rather than failing."""
+    with LocalGroup(world_size=2, timeout=1) as g:
+        t0 = time.monotonic()
+        out = g.run(lambda: torch.full((100_000_000,), float(dist.get_rank())))
+        assert time.monotonic() - t0 > 1      # the path under test was taken
+        assert [float(t[-1]) for t in out] == [0.0, 1.0]
+
+
+def test_resize_after_close_raises_and_starts_nothing():
+    from reducelab import GroupClosedError
+    g = LocalGroup(world_size=2)
+    g.close()
+    with pytest.raises(GroupClosedError):
+        g.resize(3)
+    assert g.pids == [] and g.state == "closed"
+
+
 @pytest.mark.parametrize("work", ["sleep", "busy loop"])
 def test_interrupt_during_run_arrives_within_2_s_and_the_group_runs_again(work):
     def learner_code(kind):

@@ -81,13 +81,15 @@ class NodeLayoutExplorer(Explorer):
         self.refresh()
 
     def _on_change(self, change) -> None:
+        if getattr(self, "_clamping", False):
+            return  # the nnodes change below refreshes once, for both values
         if change["owner"] is self.controls["nnodes"]:
             per = self.controls["nproc_per_node"]
-            limit = min(4, MAX_WORLD_SIZE // change["new"])
-            if per.value > limit:
-                with per.hold_trait_notifications():
-                    per.value = limit
-            per.max = limit
+            self._clamping = True
+            try:
+                per.max = min(4, MAX_WORLD_SIZE // change["new"])  # also clamps its value
+            finally:
+                self._clamping = False
         self.refresh()
 
     def compute(self, nnodes, nproc_per_node) -> NodeLayout:
