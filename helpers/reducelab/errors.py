@@ -47,7 +47,7 @@ class RankError(RuntimeError):
     Attributes:
         ranks: the ranks that raised, died or were stuck, in rank order.
         reports: one :class:`RankReport` per rank that has something to say.
-        headline: the one-line summary, e.g. ``"rank 1 raised ZeroDivisionError"``.
+        headline: the one-line summary, e.g. ``"rank 1 raised ZeroDivisionError in f"``.
 
     In IPython the error renders as the headline, the per-rank reports and the remote
     tracebacks, without the kernel-side frames of ``run()``, which help no learner.
@@ -59,6 +59,11 @@ class RankError(RuntimeError):
         self.hint = hint
         self.ranks = [r.rank for r in self.reports if r.state in ("raised", "died", "stuck")]
         super().__init__(self._text())
+
+    @property
+    def first_summary(self) -> str:
+        """The first raising rank's one-line error (e.g. gloo's own words), else the headline."""
+        return next((r.summary for r in self.reports if r.state == "raised"), self.headline)
 
     @property
     def tracebacks(self) -> dict[int, str]:

@@ -1,4 +1,4 @@
-"""The status line shown while ranks start (issue 6: "how many ranks are up").
+"""The status line shown while ranks start: how many ranks are up (notebook 01's setup cell).
 
 In an IPython kernel the line is one display that is updated in place as each rank
 joins the process group, and is emptied once all have joined (the group's own repr

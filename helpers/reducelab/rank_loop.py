@@ -247,6 +247,18 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
 
     Joins the default process group (``FileStore`` rendezvous in ``tmpdir``), reports
     ``("ready", pid)``, then serves jobs until ``("close",)`` or until the kernel is gone.
+
+    Args:
+        rank, world_size: this rank and the group's size (ints).
+        backend: ``"gloo"``.
+        tmpdir: the group's private directory; the store file is ``tmpdir/store``.
+        timeout: the process group's timeout in seconds: the kernel's ``timeout`` plus
+            5 s, so the kernel's own bound, which can say where each rank was, fires first.
+        conn: this rank's end of the socket pair to the kernel.
+        kernel_pid: the kernel's pid, watched so the rank leaves if the kernel dies.
+        loopback_ifname: the loopback interface gloo is pinned to (``lo``, ``lo0``).
+        sys_path: the kernel's ``sys.path``, so functions sent by reference import.
+        mp_tmpdir: multiprocessing's temp dir in the kernel, removed if the kernel dies.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt does
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname

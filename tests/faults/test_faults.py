@@ -1,4 +1,4 @@
-"""Adversarial suite (issue 5): nothing a learner does freezes the notebook, loses the
+"""Adversarial suite (README, "Faults tried"): nothing a learner does freezes the notebook, loses the
 group or opens a port. Each case checks the error a learner sees and that the same
 LocalGroup runs again afterwards.
 

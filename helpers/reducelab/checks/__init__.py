@@ -49,7 +49,8 @@ def failed(message: str) -> Verdict:
 
 
 def reveal(prediction, actual, why: str, same=None) -> Verdict:
-    """Compare a learner's prediction with what the ranks really did.
+    """Compare a learner's prediction with what the ranks really did (every notebook's
+    predict-then-run questions; introduced in notebook 01).
 
     Args:
         prediction: the learner's answer; ``None`` means no prediction was made.

@@ -103,7 +103,7 @@ def check_global_mean_loss(group: LocalGroup, fn, batch_sizes=UNEVEN_BATCHES) ->
             try:
                 out = group.run(_run_learner, fn, sizes)
             except RankError as err:
-                first = next((r.summary for r in err.reports if r.state == "raised"), err.headline)
+                first = err.first_summary
                 return failed(f"With local batch sizes {list(sizes)} your function failed on the "
                               f"ranks: {first}")
             losses = [exercise_losses(r, n) for r, n in enumerate(sizes)]

@@ -179,7 +179,7 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
             try:
                 out = group.run(train_step, sync_grads, dp, cp)
             except RankError as e:
-                first = next((r.summary for r in e.reports if r.state == "raised"), "")
+                first = e.first_summary
                 return failed(f"On the mesh (dp={dp}, cp={cp}) your sync_grads raised on the "
                               f"ranks: {e.headline}. {first}")
             local = {(i, j): local_grads(i, j, dp, cp) for i in range(dp) for j in range(cp)}

@@ -64,7 +64,7 @@ def check_reduce_keep_input(fn, group: LocalGroup) -> Verdict:
             try:
                 out = group.run(_on_rank, fn, n, dst)
             except RankError as e:
-                first = next((r.summary for r in e.reports if r.state == "raised"), "")
+                first = e.first_summary
                 return failed(f"With world_size={ws}, dst={dst} and {n} elements your "
                               f"function failed on the ranks: {e.headline}. {first}")
             changed = [r for r, (before, after, _) in enumerate(out)

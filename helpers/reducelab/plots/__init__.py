@@ -1,7 +1,8 @@
 """Plots of per-rank tensors, drawn to PNG bytes with matplotlib's Agg canvas.
 
-Shared by every notebook; each notebook's own figures live in a module of this package
-named for the notebook's topic (``plots/all_reduce.py`` for notebook 01, ...).
+Shared by every notebook. Notebooks whose figures need more than :class:`RankHeatmaps`
+have a module here named for their topic (``plots/reduce.py`` for notebook 02, ...);
+notebook 01 uses :class:`RankHeatmaps` itself.
 
 Figures are made with ``matplotlib.figure.Figure`` directly, not ``pyplot``, so nothing
 is displayed behind the learner's back and a widget can keep one figure and only update
@@ -129,6 +130,9 @@ class RankHeatmaps:
             subtitles: optional text under each panel's title.
             title: optional figure title.
             highlight_rows: optional ``{rank: label}`` marked on the y axis, e.g. ``{0: "dst"}``.
+
+        Raises:
+            ValueError: the number of panels differs from the number of titles.
         """
         arrays = [np.asarray(p, dtype=float) for p in panels]
         if len(arrays) != len(self.titles):

@@ -42,6 +42,9 @@ class GradientScatter:
             factor: the least-squares factor ``k`` (drawn as ``y = k x``).
             constant: whether ``ddp == k * full`` holds (changes the line's label).
             title: figure title.
+
+        Raises:
+            ValueError: ``ddp`` and ``full`` differ in length.
         """
         x = np.asarray(full, dtype=float).ravel()
         y = np.asarray(ddp, dtype=float).ravel()

@@ -58,7 +58,7 @@ class Explorer:
 
     def explain_error(self, values: dict, err: RankError) -> str:
         """One sentence for a refused combination; the default quotes the rank's error."""
-        first = next((r.summary for r in err.reports if r.state == "raised"), err.headline)
+        first = err.first_summary
         return f"The ranks refused this: {first}"
 
     # --- machinery --------------------------------------------------------------------
@@ -71,7 +71,12 @@ class Explorer:
         self.refresh()
 
     def refresh(self) -> None:
-        """Run :meth:`compute` with the current values and redraw. Never raises RankError."""
+        """Run :meth:`compute` with the current values and redraw.
+
+        A :class:`~reducelab.RankError` or a closed group becomes a sentence in
+        :attr:`message`, never an exception; other errors (a bug in a subclass, a
+        ``ValueError`` from ``resize``) propagate.
+        """
         t0 = time.perf_counter()
         values = self.values
         try:

@@ -34,7 +34,7 @@ def refusal(op: str, dtype: str, err: RankError | None = None) -> str:
                 "cannot be written back into an int64 tensor in place. Pick float32, or "
                 "use SUM and divide yourself.")
     if err is not None:
-        first = next((r.summary for r in err.reports if r.state == "raised"), err.headline)
+        first = err.first_summary
         return f"gloo refused {op} on {dtype}: {first}"
     return f"gloo refused {op} on {dtype}."
 
@@ -99,8 +99,7 @@ class AllReduceExplorer(Explorer):
         self.refresh()
 
     def compute(self, op, world_size, pattern, dtype) -> AllReduceResult:
-        if self.group.world_size != world_size:
-            self.group.resize(world_size)
+        self.group.resize(world_size)  # no-op when it already has that many ranks
         out = self.group.run(self.fn, op, pattern, dtype, self.n)
         before = np.stack([b.numpy() for b, _ in out])
         after = np.stack([a.numpy() for _, a in out])

@@ -94,8 +94,7 @@ class NodeLayoutExplorer(Explorer):
 
     def compute(self, nnodes, nproc_per_node) -> NodeLayout:
         world_size = nnodes * nproc_per_node
-        if self.group.world_size != world_size:
-            self.group.resize(world_size)
+        self.group.resize(world_size)  # no-op when it already has that many ranks
         return NodeLayout(nnodes, nproc_per_node, self.group.run(self.fn, nproc_per_node))
 
     def draw(self, layout: NodeLayout) -> bytes:

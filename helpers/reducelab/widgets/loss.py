@@ -142,8 +142,7 @@ class LossExplorer(Explorer):
 
     def compute(self, batch_sizes: str) -> LossResult:
         sizes = parse_batch_sizes(batch_sizes)
-        if self.group.world_size != len(sizes):
-            self.group.resize(len(sizes))
+        self.group.resize(len(sizes))  # no-op when it already has that many ranks
         per_sample, aggs = self.fns
         out = self.group.run(_on_rank, per_sample, aggs, sizes)
         losses = [np.asarray(o[0], dtype=np.float64).ravel() for o in out]

@@ -167,8 +167,7 @@ class ReduceExplorer(Explorer):
         self.refresh()
 
     def compute(self, world_size, dst, n, pattern) -> ReduceResult:
-        if self.group.world_size != world_size:
-            self.group.resize(world_size)
+        self.group.resize(world_size)  # no-op when it already has that many ranks
         out = self.group.run(self.fn, n, dst, pattern)
         before = np.stack([np.asarray(b, dtype=float).reshape(-1) for b, _ in out])
         after = np.stack([np.asarray(a, dtype=float).reshape(-1) for _, a in out])
@@ -199,6 +198,6 @@ class ReduceExplorer(Explorer):
         return head + " Non-dst: " + "; ".join(parts) + "."
 
     def explain_error(self, values: dict, err: RankError) -> str:
-        first = next((r.summary for r in err.reports if r.state == "raised"), err.headline)
+        first = err.first_summary
         return (f"The ranks could not run reduce with world_size={values['world_size']}, "
                 f"dst={values['dst']}: {first}")

@@ -139,8 +139,7 @@ class RingExplorer(Explorer):
 
     def compute(self, world_size, step) -> RingView:
         if world_size not in self.runs:
-            if self.group.world_size != world_size:
-                self.group.resize(world_size)
+            self.group.resize(world_size)  # no-op when it already has that many ranks
             self.runs[world_size] = run_from_traces(self.group.run(self.fn))
         run = self.runs[world_size]
         slider = self.controls["step"]
