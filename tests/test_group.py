@@ -236,3 +236,15 @@ def test_a_group_left_open_is_stopped_quietly_at_exit():
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert gone(info["pids"], within=10)
     assert not os.path.exists(info["tmp"])
+
+
+def test_runaway_output_is_cut_with_a_note(group, capsys):
+    from reducelab.capture import MAX_CHARS
+
+    def flood():
+        for _ in range(3 * MAX_CHARS // 1000):
+            print("y" * 999)
+    group.run(flood)
+    out = capsys.readouterr().out
+    assert f"[output cut at {MAX_CHARS:,} characters]" in out
+    assert len(out) < 4 * (MAX_CHARS + 10 * MAX_CHARS // 1000 + 1000)

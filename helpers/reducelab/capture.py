@@ -17,12 +17,34 @@ import io
 import sys
 
 
+MAX_CHARS = 1_000_000
+"""Characters kept per stream and call; a rank printing in a loop cannot fill the kernel."""
+
+
+class _Bounded(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def write(self, text: str) -> int:
+        room = MAX_CHARS - self.tell()
+        if len(text) > room:
+            if room > 0:
+                super().write(text[:room])
+            if not self.dropped:
+                super().write(f"\n[output cut at {MAX_CHARS:,} characters]\n")
+            self.dropped += len(text) - max(room, 0)
+            return len(text)
+        return super().write(text)
+
+
 class RankOutput:
-    """The text one rank wrote to ``sys.stdout`` and ``sys.stderr`` during one call."""
+    """The text one rank wrote to ``sys.stdout`` and ``sys.stderr`` during one call,
+    at most :data:`MAX_CHARS` characters per stream (then a note that it was cut)."""
 
     def __init__(self) -> None:
-        self.stdout = io.StringIO()
-        self.stderr = io.StringIO()
+        self.stdout = _Bounded()
+        self.stderr = _Bounded()
 
     def texts(self) -> tuple[str, str]:
         """Return ``(stdout, stderr)`` written so far, as ``str``."""

@@ -8,6 +8,7 @@ returns a :class:`Verdict`, which is truthy when the answer is right, so tests c
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 
@@ -79,3 +80,14 @@ def _close(a, b) -> bool:
         return a == b
     except Exception:
         return False
+
+
+@contextlib.contextmanager
+def restoring_world_size(group):
+    """Let a check resize ``group`` (a :class:`~reducelab.LocalGroup`) freely; put its
+    world size back afterwards, also when the check returns early or raises."""
+    original = group.world_size
+    try:
+        yield group
+    finally:
+        group.resize(original)  # a no-op when the size is already right

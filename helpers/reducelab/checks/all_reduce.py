@@ -9,7 +9,7 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed
+from . import Verdict, failed, passed, restoring_world_size
 
 
 def _reference_mean(world_size: int, n: int) -> torch.Tensor:
@@ -35,8 +35,7 @@ def check_mean_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4)) -> Verdi
     Returns:
         A :class:`~reducelab.checks.Verdict` that explains a wrong answer.
     """
-    original = group.world_size
-    try:
+    with restoring_world_size(group):
         for ws in world_sizes:
             group.resize(ws)
             try:
@@ -63,5 +62,3 @@ def check_mean_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4)) -> Verdi
         return passed(f"Every rank returned the mean over ranks at world sizes "
                       f"{', '.join(map(str, world_sizes))}: all_reduce(SUM) then / world_size "
                       f"is what ReduceOp.AVG computes, and what DDP does to gradients.")
-    finally:
-        group.resize(original)

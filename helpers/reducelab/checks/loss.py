@@ -10,7 +10,7 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed
+from . import Verdict, failed, passed, restoring_world_size
 
 UNEVEN_BATCHES = ((3, 5, 8, 2), (1, 6, 2))
 """Local batch sizes, one per rank, that :func:`check_global_mean_loss` runs with."""
@@ -94,8 +94,7 @@ def check_global_mean_loss(group: LocalGroup, fn, batch_sizes=UNEVEN_BATCHES) ->
     """
     if not callable(fn):
         raise TypeError(f"fn must be the function to run on every rank, got {fn!r}")
-    original = group.world_size
-    try:
+    with restoring_world_size(group):
         for sizes in batch_sizes:
             sizes = tuple(int(n) for n in sizes)
             if group.world_size != len(sizes):
@@ -125,6 +124,3 @@ def check_global_mean_loss(group: LocalGroup, fn, batch_sizes=UNEVEN_BATCHES) ->
         tried = " and ".join(str(list(s)) for s in batch_sizes)
         return passed(f"Every rank returned the global mean loss for local batch sizes {tried}: "
                       f"each sample counts once, whichever rank holds it.")
-    finally:
-        if group.world_size != original:
-            group.resize(original)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed
+from . import Verdict, failed, passed, restoring_world_size
 
 GLOBAL_BATCH = 4
 """Sequences in the global batch (split over the dp ranks)."""
@@ -171,8 +171,7 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
         a SUM).
     """
     ref = reference_grads()
-    original = group.world_size
-    try:
+    with restoring_world_size(group):
         for dp, cp in shapes:
             if group.world_size != dp * cp:
                 group.resize(dp * cp)
@@ -197,9 +196,6 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
         return passed(f"On the meshes {listed}, every rank's gradients match the single-process "
                       f"full-batch gradient to {ATOL:g}: averaging over all dp x cp ranks is "
                       f"right because each rank's loss is a mean over equally many tokens.")
-    finally:
-        if group.world_size != original:
-            group.resize(original)
 
 
 __all__ = ["check_mesh_sync", "tiny_model", "global_batch", "local_batch", "reference_grads",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed
+from . import Verdict, failed, passed, restoring_world_size
 
 
 # --- byte formulas ----------------------------------------------------------------------
@@ -165,8 +165,7 @@ def check_ring_all_gather(group: LocalGroup, fn, world_sizes=EXERCISE_WORLD_SIZE
         A :class:`~reducelab.checks.Verdict` that says, for a wrong answer, which rank's
         slice holds what and why.
     """
-    original = group.world_size
-    try:
+    with restoring_world_size(group):
         for n in world_sizes:
             group.resize(n)
             try:
@@ -226,5 +225,3 @@ def check_ring_all_gather(group: LocalGroup, fn, world_sizes=EXERCISE_WORLD_SIZE
                       f"(world_size - 1) x {numel * 4} bytes: the same as the real all_gather. "
                       f"This is the ring's all-gather phase, started from each rank's own "
                       f"slice instead of a reduced chunk.")
-    finally:
-        group.resize(original)

@@ -14,10 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ipywidgets as W
-import numpy as np
-
 from ..group import LocalGroup
-from ..plots import new_figure, png
+from ..plots.cluster import node_layout_figure
 from . import Explorer
 
 MAX_WORLD_SIZE = 8
@@ -98,21 +96,7 @@ class NodeLayoutExplorer(Explorer):
         return NodeLayout(nnodes, nproc_per_node, self.group.run(self.fn, nproc_per_node))
 
     def draw(self, layout: NodeLayout) -> bytes:
-        n, p = layout.nnodes, layout.nproc_per_node
-        fig = new_figure(1.6 + 1.55 * p, 0.9 + 0.75 * n)
-        ax = fig.add_subplot()
-        grid = np.array([[r["node_rank"] for r in layout.ranks]]).reshape(n, p)
-        ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
-        for r in layout.ranks:
-            ax.text(r["local_rank"], r["node_rank"],
-                    f"RANK {r['rank']}\nLOCAL_RANK {r['local_rank']}",
-                    ha="center", va="center", fontsize=8)
-        ax.set_yticks(range(n), [f"node {k}\nsum {layout.ranks[k * p]['node_sum']:g}"
-                                 for k in range(n)])
-        ax.set_xticks(range(p), [f"local {j}" for j in range(p)])
-        ax.set_title(f"--nnodes {n} --nproc-per-node {p}: WORLD_SIZE {n * p}\n"
-                     f"all_reduce over all ranks: {layout.ranks[0]['world_sum']:g}", fontsize=9)
-        return png(fig)
+        return node_layout_figure(layout)
 
     def describe(self, layout: NodeLayout) -> str:
         node_sums = [layout.ranks[k * layout.nproc_per_node]["node_sum"] for k in range(layout.nnodes)]
