@@ -26,37 +26,37 @@ def load_solution():
 
 
 # --- the notebook's rank functions, and the same data rebuilt in one process ---------------
-def losses_of(rank, batch_sizes):
+def losses_of(rank, local_batch_sizes):
     """Per-sample losses of ``rank`` (what notebook 03's ``rank_losses`` returns there)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     torch.manual_seed(rank)
-    n = batch_sizes[rank]
+    n = local_batch_sizes[rank]
     x = torch.randn(n, 4)
     y = torch.randn(n, 1) + rank
     return F.mse_loss(model(x), y, reduction="none").flatten().detach()
 
 
-def rank_losses(batch_sizes):
-    return losses_of(dist.get_rank(), batch_sizes)
+def rank_losses(local_batch_sizes):
+    return losses_of(dist.get_rank(), local_batch_sizes)
 
 
-def mean_of_means(batch_sizes):
-    loss = rank_losses(batch_sizes).mean()
+def mean_of_means(local_batch_sizes):
+    loss = rank_losses(local_batch_sizes).mean()
     dist.all_reduce(loss)
     return loss / dist.get_world_size()
 
 
-def weighted_mean(batch_sizes):
-    losses = rank_losses(batch_sizes)
+def weighted_mean(local_batch_sizes):
+    losses = rank_losses(local_batch_sizes)
     total, count = losses.sum(), torch.tensor(float(losses.numel()))
     dist.all_reduce(total)
     dist.all_reduce(count)
     return total / count
 
 
-def reference_mean(batch_sizes):
-    return torch.cat([losses_of(r, batch_sizes) for r in range(len(batch_sizes))]).mean().item()
+def reference_mean(local_batch_sizes):
+    return torch.cat([losses_of(r, local_batch_sizes) for r in range(len(local_batch_sizes))]).mean().item()
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +110,9 @@ def test_question_1_one_sample_against_three():
 
 # --- the explorer ---------------------------------------------------------------------------
 def test_explorer_matches_a_single_process_reference(group):
-    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, batch_sizes="3,5,8,2")
+    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, local_batch_sizes="3,5,8,2")
     r = ex.result
-    assert r.batch_sizes == [3, 5, 8, 2] and r.agree
+    assert r.local_batch_sizes == [3, 5, 8, 2] and r.agree
     assert r.reference == pytest.approx(reference_mean([3, 5, 8, 2]), rel=1e-6)
     assert r.weighted == pytest.approx(r.reference, rel=1e-5)
     assert r.mean_of_means == pytest.approx(
@@ -120,19 +120,19 @@ def test_explorer_matches_a_single_process_reference(group):
     assert [len(l) for l in r.losses] == [3, 5, 8, 2]
     assert ex.image.value[:8] == b"\x89PNG\r\n\x1a\n"
     assert "(matches)" in ex.message.value and "off by +" in ex.message.value
-    assert ex.text().startswith("LossExplorer(batch_sizes=3,5,8,2)\n")
+    assert ex.text().startswith("LossExplorer(local_batch_sizes=3,5,8,2)\n")
 
 
 def test_explorer_resizes_the_group_and_redraws(group):
-    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, batch_sizes="3,5,8,2")
+    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, local_batch_sizes="3,5,8,2")
     first = ex.image.value
-    ex.controls["batch_sizes"].value = "1, 3"
+    ex.controls["local_batch_sizes"].value = "1, 3"
     assert group.world_size == 2
-    assert ex.result.batch_sizes == [1, 3]
+    assert ex.result.local_batch_sizes == [1, 3]
     assert ex.result.reference == pytest.approx(reference_mean([1, 3]), rel=1e-6)
     assert ex.result.weighted == pytest.approx(ex.result.reference, rel=1e-5)
     assert ex.image.value != first
-    ex.controls["batch_sizes"].value = "5,5"
+    ex.controls["local_batch_sizes"].value = "5,5"
     assert ex.result.mean_of_means == pytest.approx(ex.result.reference, rel=1e-5)
     assert "(equal)" in ex.text()
 
@@ -143,11 +143,11 @@ def test_explorer_resizes_the_group_and_redraws(group):
 ])
 def test_explorer_refuses_bad_batch_sizes_with_one_sentence(group, text, says):
     ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean)
-    ex.controls["batch_sizes"].value = text
+    ex.controls["local_batch_sizes"].value = text
     assert ex.result is None
     assert says in ex.message.value and says in ex.text()
     assert group.world_size == 4  # nothing was started for bad input
-    ex.controls["batch_sizes"].value = "2,2,2,2"
+    ex.controls["local_batch_sizes"].value = "2,2,2,2"
     assert ex.result is not None and ex.input_error is None
 
 
@@ -163,7 +163,7 @@ def test_explorer_rejects_bad_arguments(group):
     with pytest.raises(TypeError, match="mean_of_means"):
         LossExplorer(group, rank_losses, 3, weighted_mean)
     with pytest.raises(ValueError, match="whole numbers"):
-        LossExplorer(group, rank_losses, mean_of_means, weighted_mean, batch_sizes="a")
+        LossExplorer(group, rank_losses, mean_of_means, weighted_mean, local_batch_sizes="a")
 
 
 # --- the exercise check ---------------------------------------------------------------------

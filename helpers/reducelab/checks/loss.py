@@ -26,11 +26,11 @@ def exercise_losses(rank: int, local_batch_size: int) -> torch.Tensor:
     return torch.rand(local_batch_size, generator=g) + rank
 
 
-def _run_learner(fn, batch_sizes):
+def _run_learner(fn, local_batch_sizes):
     """Runs on every rank: the learner's ``fn`` on this rank's per-sample losses."""
     import torch.distributed as dist
     rank = dist.get_rank()
-    out = fn(exercise_losses(rank, batch_sizes[rank]))
+    out = fn(exercise_losses(rank, local_batch_sizes[rank]))
     if isinstance(out, torch.Tensor):
         if out.numel() != 1:
             return ("shape", tuple(out.shape))
@@ -71,7 +71,7 @@ def _diagnose(got: float, rank: int, sizes: tuple[int, ...], losses: list[torch.
     return ""
 
 
-def check_global_mean_loss(group: LocalGroup, fn, batch_sizes=UNEVEN_BATCHES) -> Verdict:
+def check_global_mean_loss(group: LocalGroup, fn, local_batch_sizes=UNEVEN_BATCHES) -> Verdict:
     """Exercise of notebook 03: ``fn(per_sample_losses)`` must return the global mean loss.
 
     ``fn`` runs on every rank of real gloo ranks and receives that rank's per-sample
@@ -79,7 +79,7 @@ def check_global_mean_loss(group: LocalGroup, fn, batch_sizes=UNEVEN_BATCHES) ->
     batch size). It must return, on every rank, the mean over every sample of the global
     batch (each sample counted once): a float or a one-element tensor.
 
-    For each entry of ``batch_sizes`` (local batch sizes, one per rank) the group is
+    For each entry of ``local_batch_sizes`` (local batch sizes, one per rank) the group is
     resized to that world_size, ``fn`` is run, and each rank's answer is compared with the
     mean of the concatenated losses computed in one process (relative tolerance 1e-5).
     The group's world_size is restored afterwards.
@@ -95,7 +95,7 @@ def check_global_mean_loss(group: LocalGroup, fn, batch_sizes=UNEVEN_BATCHES) ->
     if not callable(fn):
         raise TypeError(f"fn must be the function to run on every rank, got {fn!r}")
     with restoring_world_size(group):
-        for sizes in batch_sizes:
+        for sizes in local_batch_sizes:
             sizes = tuple(int(n) for n in sizes)
             if group.world_size != len(sizes):
                 group.resize(len(sizes))
@@ -121,6 +121,6 @@ def check_global_mean_loss(group: LocalGroup, fn, batch_sizes=UNEVEN_BATCHES) ->
                     return failed(f"{setting}, the global mean loss is {expected:.4f} (the sum of "
                                   f"all {sum(sizes)} losses divided by {sum(sizes)}), but rank "
                                   f"{rank} returned {got:.4f}. {why}".rstrip())
-        tried = " and ".join(str(list(s)) for s in batch_sizes)
+        tried = " and ".join(str(list(s)) for s in local_batch_sizes)
         return passed(f"Every rank returned the global mean loss for local batch sizes {tried}: "
                       f"each sample counts once, whichever rank holds it.")

@@ -56,10 +56,10 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _on_rank(per_sample_losses, aggregations, batch_sizes):
+def _on_rank(per_sample_losses, aggregations, local_batch_sizes):
     """Runs on every rank: this rank's per-sample losses and each aggregation's value."""
-    losses = per_sample_losses(batch_sizes).detach()
-    values = [float(agg(batch_sizes)) for agg in aggregations]
+    losses = per_sample_losses(local_batch_sizes).detach()
+    values = [float(agg(local_batch_sizes)) for agg in aggregations]
     return losses, values
 
 
@@ -68,7 +68,7 @@ class LossResult:
     """One run of the explorer.
 
     Attributes:
-        batch_sizes: local batch size of each rank; its length is the world_size.
+        local_batch_sizes: local batch size of each rank; its length is the world_size.
         losses: per rank, a float64 ``numpy`` array of that rank's per-sample losses.
         mean_of_means: ``all_reduce(loss) / world_size`` as rank 0 computed it.
         weighted: ``all_reduce(loss_sum) / all_reduce(count)`` as rank 0 computed it.
@@ -76,7 +76,7 @@ class LossResult:
         agree: whether every rank computed the same two numbers (tolerance 1e-6).
     """
 
-    batch_sizes: list[int]
+    local_batch_sizes: list[int]
     losses: list[np.ndarray]
     mean_of_means: float
     weighted: float
@@ -85,7 +85,7 @@ class LossResult:
 
     @property
     def world_size(self) -> int:
-        return len(self.batch_sizes)
+        return len(self.local_batch_sizes)
 
 
 class LossExplorer(Explorer):
@@ -94,35 +94,35 @@ class LossExplorer(Explorer):
     Args:
         group: the :class:`~reducelab.LocalGroup`; it is resized to the number of batch
             sizes given (1 to :data:`MAX_WORLD_SIZE`).
-        per_sample_losses: the notebook's rank function ``f(batch_sizes) -> Tensor``:
+        per_sample_losses: the notebook's rank function ``f(local_batch_sizes) -> Tensor``:
             this rank's per-sample losses, a 1-D float tensor of length
-            ``batch_sizes[rank]``.
-        mean_of_means: the notebook's rank function ``f(batch_sizes) -> Tensor`` that
+            ``local_batch_sizes[rank]``.
+        mean_of_means: the notebook's rank function ``f(local_batch_sizes) -> Tensor`` that
             returns ``all_reduce(local mean) / world_size`` (a scalar tensor).
-        weighted_mean: the notebook's rank function ``f(batch_sizes) -> Tensor`` that
+        weighted_mean: the notebook's rank function ``f(local_batch_sizes) -> Tensor`` that
             returns ``all_reduce(local sum) / all_reduce(local count)``.
-        batch_sizes: initial text, e.g. ``"3,5,8,2"``.
+        local_batch_sizes: initial text, e.g. ``"3,5,8,2"``.
 
     Raises:
         TypeError: a rank function is not callable.
-        ValueError: ``batch_sizes`` cannot be parsed (see :func:`parse_batch_sizes`).
+        ValueError: ``local_batch_sizes`` cannot be parsed (see :func:`parse_batch_sizes`).
 
     The single-process reference is the mean of the concatenated per-sample losses, as
     one process holding the whole global batch computes it.
     """
 
     def __init__(self, group: LocalGroup, per_sample_losses, mean_of_means, weighted_mean,
-                 batch_sizes: str = "3,5,8,2"):
+                 local_batch_sizes: str = "3,5,8,2"):
         for name, f in (("per_sample_losses", per_sample_losses), ("mean_of_means", mean_of_means),
                         ("weighted_mean", weighted_mean)):
             if not callable(f):
                 raise TypeError(f"{name} must be a rank function, got {f!r}")
-        parse_batch_sizes(batch_sizes)
+        parse_batch_sizes(local_batch_sizes)
         self.group = group
         self.fns = (per_sample_losses, (mean_of_means, weighted_mean))
         self.plot = LossAggregationPlot()
         self.input_error: str | None = None
-        controls = {"batch_sizes": W.Text(value=batch_sizes, description="local batch sizes",
+        controls = {"local_batch_sizes": W.Text(value=local_batch_sizes, description="local batch sizes",
                                           continuous_update=False,
                                           style={"description_width": "initial"})}
         super().__init__(controls)
@@ -131,7 +131,7 @@ class LossExplorer(Explorer):
     def refresh(self) -> None:
         """Parse the text; refuse bad input with one sentence, else run on the ranks."""
         try:
-            parse_batch_sizes(self.controls["batch_sizes"].value)
+            parse_batch_sizes(self.controls["local_batch_sizes"].value)
         except ValueError as e:
             self.input_error = str(e)
             self.result, self.error = None, None
@@ -140,8 +140,8 @@ class LossExplorer(Explorer):
         self.input_error = None
         super().refresh()
 
-    def compute(self, batch_sizes: str) -> LossResult:
-        sizes = parse_batch_sizes(batch_sizes)
+    def compute(self, local_batch_sizes: str) -> LossResult:
+        sizes = parse_batch_sizes(local_batch_sizes)
         self.group.resize(len(sizes))  # no-op when it already has that many ranks
         per_sample, aggs = self.fns
         out = self.group.run(_on_rank, per_sample, aggs, sizes)
@@ -157,7 +157,7 @@ class LossExplorer(Explorer):
     def describe(self, result: LossResult) -> str:
         gap = result.mean_of_means - result.reference
         off = abs(result.weighted - result.reference) > 1e-5 * max(1.0, abs(result.reference))
-        parts = [f"world_size={result.world_size}, global batch={sum(result.batch_sizes)}: "
+        parts = [f"world_size={result.world_size}, global batch={sum(result.local_batch_sizes)}: "
                  f"reference {result.reference:.4f}, "
                  f"weighted {result.weighted:.4f}{' (differs!)' if off else ' (matches)'}, "
                  f"mean of means {result.mean_of_means:.4f} "
@@ -168,5 +168,5 @@ class LossExplorer(Explorer):
 
     def text(self) -> str:
         if self.input_error is not None:
-            return f"{type(self).__name__}(batch_sizes={self.controls['batch_sizes'].value})\n{self.input_error}"
+            return f"{type(self).__name__}(local_batch_sizes={self.controls['local_batch_sizes'].value})\n{self.input_error}"
         return super().text()
