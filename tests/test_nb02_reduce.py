@@ -7,7 +7,6 @@ gloo's ring reduce (gloo/reduce.cc), written here from the algorithm, not from t
 from __future__ import annotations
 
 import sys
-import time
 
 import cloudpickle
 import numpy as np
@@ -133,20 +132,25 @@ def test_views_follow_x_new_tensors_do_not(group):
     assert all(not y and not c for _, _, y, c in out)
 
 
-def read_before_wait(late):
+def read_before_wait():
+    """Rank 1 joins the reduce only after rank 0 has read its buffer: a barrier on a
+    second process group orders them, with no sleep to race against."""
     rank = dist.get_rank()
+    side = dist.new_group([0, 1])
     x = torch.full((4,), 10.0 ** rank)
     if rank == 1:
-        time.sleep(late)
+        dist.barrier(group=side)
     work = dist.reduce(x, dst=0, async_op=True)
     early = x.clone()
+    if rank == 0:
+        dist.barrier(group=side)
     work.wait()
     return early, x.clone(), work.is_completed()
 
 
 def test_async_result_only_after_wait(group):
     group.resize(2)
-    out = group.run(read_before_wait, 1.0)
+    out = group.run(read_before_wait)
     early, late, done = out[0]
     assert early.tolist() == [1.0] * 4   # rank 1 had not joined: dst still held its input
     assert late.tolist() == [11.0] * 4 and done
