@@ -26,10 +26,21 @@ def load_solution(name: str):
 
 @pytest.fixture(scope="module")
 def group():
-    """A 4-rank gloo group shared by the tests of one module (timeout 10 s)."""
-    g = LocalGroup(world_size=4, timeout=10)
+    """A 4-rank gloo group shared by the tests of one module. The timeout (60 s) is
+    generous because a busy 2-core CI machine can be slow; tests of timeouts make their
+    own groups with short ones."""
+    g = LocalGroup(world_size=4, timeout=60)
     yield g
     g.close()
+
+
+@pytest.fixture()
+def keep_four_ranks(group):
+    """Start and end a test with the module's group at world_size 4 (tests resize it).
+    Use it module-wide with ``pytestmark = pytest.mark.usefixtures("keep_four_ranks")``."""
+    group.resize(4)  # a no-op when it already has 4 idle ranks
+    yield
+    group.resize(4)
 
 
 def run_python(code: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:

@@ -59,23 +59,9 @@ def reference_mean(local_batch_sizes):
     return torch.cat([losses_of(r, local_batch_sizes) for r in range(len(local_batch_sizes))]).mean().item()
 
 
-@pytest.fixture(scope="module")
-def group():
-    """This module's 4-rank gloo group. The timeout is generous (60 s) because the first
-    DDP construction on a rank imports a large part of torch, slow on a busy 2-core machine."""
-    g = LocalGroup(world_size=4, timeout=60)
-    yield g
-    g.close()
 
 
-@pytest.fixture(autouse=True)
-def four_ranks(group):
-    """Every test starts and ends with the module's group at world_size 4."""
-    if group.world_size != 4:
-        group.resize(4)
-    yield
-    if group.world_size != 4:
-        group.resize(4)
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
 
 
 # --- step 1: mean of means against the weighted mean --------------------------------------

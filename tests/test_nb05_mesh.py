@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import conftest
-from reducelab import LocalGroup
 from reducelab.checks.mesh import (check_mesh_sync, global_batch, local_batch, local_grads,
                                    reference_grads, tiny_model)
 from reducelab.plots.mesh import MeshGrid, group_index, timeline_figure
@@ -25,22 +24,9 @@ def load_solution():
     return conftest.load_solution("05_mesh_sync")
 
 
-@pytest.fixture(scope="module")
-def group():
-    """This module's 4-rank gloo group; generous timeout because the first DTensor / DDP use
-    on a rank imports a large part of torch, slow on a busy 2-core machine."""
-    g = LocalGroup(world_size=4, timeout=90)
-    yield g
-    g.close()
 
 
-@pytest.fixture(autouse=True)
-def four_ranks(group):
-    if group.world_size != 4:
-        group.resize(4)
-    yield
-    if group.world_size != 4:
-        group.resize(4)
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
 
 
 # --- the notebook's rank functions -----------------------------------------------------------

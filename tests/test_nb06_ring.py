@@ -55,18 +55,9 @@ def load_solution():
     return conftest.load_solution("06_ring_all_gather")
 
 
-@pytest.fixture(scope="module")
-def group():
-    g = LocalGroup(world_size=4, timeout=60)
-    yield g
-    g.close()
 
 
-@pytest.fixture(autouse=True)
-def four_ranks(group):
-    yield
-    if group.world_size != 4:
-        group.resize(4)
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
 
 
 # --- rank functions used by the tests -----------------------------------------------------
