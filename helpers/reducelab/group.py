@@ -50,8 +50,8 @@ BACKENDS = ("gloo",)
 MAX_WORLD_SIZE = 64
 _GRACE = 1.0  # seconds the other ranks get to report once one rank has failed
 _DEATH_GRACE = 0.3  # seconds the other ranks get to report once a rank has died
-_STACK_WAIT = 1.0
-_MAX_EXTENSIONS = 10  # extra timeouts granted while finished ranks are still sending  # seconds to wait for stuck ranks to say where they are
+_STACK_WAIT = 1.0  # seconds to wait for stuck ranks to say where they are
+_MAX_EXTENSIONS = 10  # extra timeouts granted while finished ranks are still sending
 
 
 def _context():
@@ -612,7 +612,7 @@ class LocalGroup:
             headline = (f"{name} did not finish within {self._timeout:g} s on "
                         f"rank{'s' if len(pending) > 1 else ''} "
                         f"{', '.join(map(str, sorted(pending)))}")
-            in_collective = {c for c in collectives.values() if c and c != "<sending>"}
+            in_collective = {c for c in collectives.values() if c}
             if in_collective and (len(set(collectives.values())) > 1 or any(
                     m[0] == "done" for m in replies.values())):
                 headline += ": the ranks are not in the same collective"

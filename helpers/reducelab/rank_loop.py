@@ -145,7 +145,7 @@ class _Rank:
     def stack(self) -> tuple:
         out, err = self.output.texts() if self.output else ("", "")
         if self.sending:
-            return ("stack", "", "<sending>",
+            return ("stack", "", None,
                     f"was sending its return value ({self.sending / 1e6:.0f} MB)", out, err)
         if self.phase != "running":
             return ("stack", "", None, {

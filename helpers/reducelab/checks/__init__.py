@@ -49,6 +49,14 @@ def failed(message: str) -> Verdict:
     return Verdict(False, message)
 
 
+def raised_on_ranks(context: str, err) -> Verdict:
+    """A failing :class:`Verdict` for a learner's function that raised on the ranks:
+    ``context`` (e.g. ``"With world_size=4"``), then the :class:`~reducelab.RankError`'s
+    headline and the first rank's own error."""
+    return failed(f"{context} your function raised on the ranks: {err.headline}. "
+                  f"{err.first_summary}")
+
+
 def reveal(prediction, actual, why: str, same=None) -> Verdict:
     """Compare a learner's prediction with what the ranks really did (every notebook's
     predict-then-run questions; introduced in notebook 01).

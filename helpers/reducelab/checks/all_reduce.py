@@ -9,7 +9,7 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, restoring_world_size
+from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
 
 def _reference_mean(world_size: int, n: int) -> torch.Tensor:
@@ -41,8 +41,7 @@ def check_mean_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4)) -> Verdi
             try:
                 out = group.run(fn, 4)
             except RankError as e:
-                return failed(f"With world_size={ws} your function raised on the ranks: "
-                              f"{e.headline}. {e.reports[0].summary if e.reports else ''}")
+                return raised_on_ranks(f"With world_size={ws}", e)
             want = _reference_mean(ws, 4)
             for r, got in enumerate(out):
                 if not isinstance(got, torch.Tensor):

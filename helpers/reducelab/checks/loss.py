@@ -10,7 +10,7 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, restoring_world_size
+from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
 UNEVEN_BATCHES = ((3, 5, 8, 2), (1, 6, 2))
 """Local batch sizes, one per rank, that :func:`check_global_mean_loss` runs with."""
@@ -102,9 +102,7 @@ def check_global_mean_loss(group: LocalGroup, fn, local_batch_sizes=UNEVEN_BATCH
             try:
                 out = group.run(_run_learner, fn, sizes)
             except RankError as err:
-                first = err.first_summary
-                return failed(f"With local batch sizes {list(sizes)} your function failed on the "
-                              f"ranks: {first}")
+                return raised_on_ranks(f"With local batch sizes {list(sizes)}", err)
             losses = [exercise_losses(r, n) for r, n in enumerate(sizes)]
             expected = float(torch.cat(losses).mean())
             setting = (f"With world_size={len(sizes)} and local batch sizes {list(sizes)} "

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, restoring_world_size
+from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
 GLOBAL_BATCH = 4
 """Sequences in the global batch (split over the dp ranks)."""
@@ -173,14 +173,11 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
     ref = reference_grads()
     with restoring_world_size(group):
         for dp, cp in shapes:
-            if group.world_size != dp * cp:
-                group.resize(dp * cp)
+            group.resize(dp * cp)  # a no-op when it already has that many ranks
             try:
                 out = group.run(train_step, sync_grads, dp, cp)
             except RankError as e:
-                first = e.first_summary
-                return failed(f"On the mesh (dp={dp}, cp={cp}) your sync_grads raised on the "
-                              f"ranks: {e.headline}. {first}")
+                return raised_on_ranks(f"On the mesh (dp={dp}, cp={cp})", e)
             local = {(i, j): local_grads(i, j, dp, cp) for i in range(dp) for j in range(cp)}
             for rank, got in enumerate(out):
                 if not _same(got, ref):

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed
+from . import Verdict, failed, passed, raised_on_ranks
 
 SIZES = (4, 16)
 """Tensor sizes (elements) the exercise check tries; at both, gloo's reduce changes every
@@ -64,9 +64,7 @@ def check_reduce_keep_input(fn, group: LocalGroup) -> Verdict:
             try:
                 out = group.run(_on_rank, fn, n, dst)
             except RankError as e:
-                first = e.first_summary
-                return failed(f"With world_size={ws}, dst={dst} and {n} elements your "
-                              f"function failed on the ranks: {e.headline}. {first}")
+                return raised_on_ranks(f"With world_size={ws}, dst={dst} and {n} elements", e)
             changed = [r for r, (before, after, _) in enumerate(out)
                        if not torch.equal(before, after)]
             if changed:
