@@ -246,5 +246,8 @@ def test_runaway_output_is_cut_with_a_note(group, capsys):
             print("y" * 999)
     group.run(flood)
     out = capsys.readouterr().out
-    assert f"[output cut at {MAX_CHARS:,} characters]" in out
+    dropped = 3 * MAX_CHARS - MAX_CHARS
+    assert out.count(f"[output cut at {MAX_CHARS:,} characters: {dropped:,} more were "
+                     f"dropped]") == 4
+    assert "[rank 3] \n" not in out                 # no empty line before the note
     assert len(out) < 4 * (MAX_CHARS + 10 * MAX_CHARS // 1000 + 1000)

@@ -77,3 +77,22 @@ def test_bad_options_are_one_sentence(ip):
     with pytest.raises(UsageError, match="from 1 to 64"):
         cell(ip, "--group g --world-size 0", "1")
     assert ip.user_ns["g"].world_size == 3
+
+
+def test_logging_configured_in_one_cell_reaches_a_later_cell(ip, capsys):
+    cell(ip, "--group g", "import logging\n"
+                          "logging.basicConfig(level=logging.INFO, format='%(message)s', "
+                          "force=True)")
+    capsys.readouterr()
+    cell(ip, "--group g", "logging.info('loss %.1f on rank %d', 0.5, rank)")
+    assert capsys.readouterr().err.splitlines() == [
+        f"[rank {r}] loss 0.5 on rank {r}" for r in range(3)]
+
+
+def test_a_class_defined_in_a_ranks_cell_travels_through_object_collectives(ip, capsys):
+    cell(ip, "--group g", "class Note:\n    def __init__(self, r):\n        self.r = r\n"
+                          "notes = [None] * world_size\n"
+                          "dist.all_gather_object(notes, Note(rank))\n"
+                          "[n.r for n in notes]")
+    assert capsys.readouterr().out.splitlines() == [
+        f"[rank {r}] Out: [0, 1, 2]" for r in range(3)]

@@ -117,9 +117,12 @@ def test_two_node_ranks_follow_node_rank(two_nodes):
     assert all(c[c.index("--master-port") + 1] == "<port>" for c in two_nodes.commands)
 
 
-def test_localgroup_sets_no_launcher_variables(group2):
+def test_localgroup_sets_the_per_rank_variables_but_no_tcp_store(group2):
     for r, e in enumerate(group2.run(launcher_env)):
-        assert e["RANK"] is None and e["MASTER_PORT"] is None and e["get_rank"] == r
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == \
+            (str(r), str(r), "2", "2")
+        assert e["get_rank"] == r
+        assert e["MASTER_ADDR"] is None and e["MASTER_PORT"] is None
 
 
 # --- what listens where (the fact the notebook's question 1 teaches) -------------------

@@ -2,11 +2,11 @@
 
 Start with :class:`LocalGroup` (notebook 01).
 """
-from .errors import GroupClosedError, RankError, RankReport
+from .errors import GroupBusyError, GroupClosedError, RankError, RankReport
 from .determinism import setup
 from .group import LocalGroup
 
-__all__ = ["GroupClosedError", "LocalGroup", "RankError", "RankReport", "setup", "load_ipython_extension"]
+__all__ = ["GroupBusyError", "GroupClosedError", "LocalGroup", "RankError", "RankReport", "setup", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:

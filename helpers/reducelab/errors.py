@@ -90,4 +90,11 @@ class RankError(RuntimeError):
 
 
 class GroupClosedError(RuntimeError):
-    """:meth:`reducelab.LocalGroup.run` was called after :meth:`~reducelab.LocalGroup.close`."""
+    """:meth:`reducelab.LocalGroup.run` or :meth:`~reducelab.LocalGroup.resize` was called
+    after :meth:`~reducelab.LocalGroup.close`, or the group was closed (from another
+    thread) while the call was in progress."""
+
+
+class GroupBusyError(RuntimeError):
+    """Another thread's call on the same :class:`~reducelab.LocalGroup` did not finish
+    within the group's ``timeout``; nothing was run. One call runs at a time per group."""

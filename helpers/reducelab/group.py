@@ -2,7 +2,8 @@
 
 Introduced in notebook 01; every notebook builds on it. This module is the kernel side
 of the group's lifecycle: start the ranks, send them work, collect results, report
-failures, stop them. The loop each rank runs is in :mod:`reducelab.rank_loop`.
+failures, stop them. The loop each rank runs is in :mod:`reducelab.rank_loop`; starting
+and stopping processes is in :mod:`reducelab.processes`.
 
 Design, and the failures of the usual tools it avoids:
 
@@ -13,15 +14,27 @@ Design, and the failures of the usual tools it avoids:
   (Windows) ranks are started with ``spawn``.
 * Functions travel by value with **cloudpickle**, so functions, lambdas and closures
   defined in cells work (``torch.multiprocessing.spawn`` cannot pickle them).
+* Ranks behave like torchrun's processes (see :mod:`reducelab.rank_loop`): they may
+  start processes, classes defined in cells pickle by reference, and a function may
+  destroy and re-create the default process group.
 * Rendezvous is a **FileStore** in a private (0700) temporary directory, and gloo is
   pinned to the loopback interface: nothing listens beyond 127.0.0.1, and the only
   channel into a rank is a socket pair whose other end the kernel holds.
-* **Every wait is bounded** by ``timeout``: a rank that skips a collective costs
-  ``timeout`` seconds, not gloo's default 30 minutes; a dead rank is reported at once.
+* **One bound per call**: every public call returns or raises within its ``timeout``
+  plus :data:`MARGIN` seconds (a rank that skips a collective costs ``timeout``
+  seconds, not gloo's default 30 minutes; a dead rank is reported at once). Two
+  allowances, both documented on :meth:`LocalGroup.run`: the forkserver's one-off
+  start, and large return values that are still arriving (in chunks) when it ends.
+* **Everything a group starts dies with it**: ranks, what they start, and, when the
+  kernel is killed, the forkserver, through the kernel's :mod:`~reducelab.reaper`.
+* **One call at a time**: ``run()``, ``resize()`` and ``close()`` may come from any
+  thread; a second caller waits (within its timeout), and ``close()`` stops a run in
+  progress at once.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import html
 import linecache
 import multiprocessing as mp
@@ -29,10 +42,10 @@ import multiprocessing.util
 import os
 import pickle
 import re
-import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from multiprocessing.connection import wait as mp_wait
@@ -40,31 +53,25 @@ from multiprocessing.connection import wait as mp_wait
 import cloudpickle
 import psutil
 
+from . import processes
 from .capture import print_rank_outputs
-from .errors import GroupClosedError, RankError, RankReport
+from .errors import GroupBusyError, GroupClosedError, RankError, RankReport
 from .progress import StartProgress
+from .reaper import Reaper
 
 BACKENDS = ("gloo",)
 """Backends LocalGroup can start. gloo is the one torch backend that runs on any CPU."""
 
 MAX_WORLD_SIZE = 64
+MARGIN = 3.0
+"""Seconds a call may take beyond its ``timeout``: the other ranks' time to report a
+failure (``_GRACE``), the stuck ranks' time to say where they are (``_STACK_WAIT``),
+and stopping the ranks."""
 _GRACE = 1.0  # seconds the other ranks get to report once one rank has failed
 _DEATH_GRACE = 0.3  # seconds the other ranks get to report once a rank has died
 _STACK_WAIT = 1.0  # seconds to wait for stuck ranks to say where they are
-_MAX_EXTENSIONS = 10  # extra timeouts granted while finished ranks are still sending
-
-
-def _context():
-    """The multiprocessing context ranks start from: forkserver with torch preloaded."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        # torch._dynamo is what DistributedDataParallel and DTensor import on first use
-        # (about 1.2 s of CPU per rank); loading it once in the server saves that on
-        # every rank of every group.
-        ctx.set_forkserver_preload(["reducelab.rank_loop", "torch._dynamo"])
-        return ctx
-    return mp.get_context("spawn")
-
+_POLITE_WAIT = 0.5  # seconds idle ranks get to leave the process group before being killed
+_CLOSE_WAIT = 5.0  # seconds close() waits for a run() in another thread to stop
 
 def loopback_interface() -> str:
     """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS).
@@ -111,46 +118,31 @@ def _validate(world_size, backend, timeout) -> None:
 
 
 class _Proc:
-    """Kernel-side handle of one rank: its process and its end of the pipe."""
+    """Kernel-side handle of one rank: its process, its pid and its end of the pipe."""
 
     def __init__(self, rank: int, process, conn):
         self.rank = rank
         self.process = process
+        self.pid = process.pid
         self.conn = conn
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: dict) -> None:
         self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def recv(self) -> tuple:
+    def recv(self) -> dict:
         return pickle.loads(self.conn.recv_bytes())
 
-
-def _ask_to_close(procs: list[_Proc], wait: float = 2.0) -> None:
-    """Ask idle ranks to leave the process group and exit; wait up to ``wait`` seconds."""
-    for p in procs:
+    def exitcode(self) -> int | None:
         try:
-            p.send(("close",))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + wait
-    for p in procs:
-        p.process.join(max(0.0, deadline - time.monotonic()))
+            return self.process.exitcode
+        except ValueError:  # already closed
+            return None
 
 
-def _stop(procs: list[_Proc], tmpdir: str | None) -> None:
-    """Kill the ranks still alive, reap them, and remove the group's temporary directory."""
-    for p in procs:
-        if p.process.is_alive():
-            p.process.kill()
-    for p in procs:
-        p.process.join(2.0)
-        p.conn.close()
-        try:
-            p.process.close()
-        except ValueError:
-            pass
-    if tmpdir:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
@@ -188,8 +180,11 @@ class LocalGroup:
     Args:
         world_size: number of ranks, an ``int`` from 1 to 64.
         backend: the ``torch.distributed`` backend; only ``"gloo"`` (CPU).
-        timeout: seconds (``float``) that bound every wait: starting the ranks, each
-            :meth:`run` call, and each collective inside it.
+        timeout: seconds (``float``) that bound each call: starting the ranks, each
+            :meth:`run` (including a restart of the ranks it needs), each
+            :meth:`resize`; each call returns or raises within ``timeout`` plus
+            :data:`MARGIN` seconds. Collectives on the ranks time out 5 s later, so the
+            kernel's bound, which can say where each rank was, fires first.
         progress: how to show ranks joining while the group starts (here and in
             :meth:`resize`): ``None`` shows a status line in a Jupyter kernel,
             ``False`` shows nothing, a callable gets ``(up, world_size)``.
@@ -202,8 +197,8 @@ class LocalGroup:
     Ranks persist across :meth:`run` calls, so state (a model, a tensor in a global)
     survives between cells and a widget change costs one round trip. After a rank dies,
     hangs or fails inside a collective, the group stops its ranks and starts fresh ones
-    at the next :meth:`run`. :meth:`close` is idempotent; ranks also stop when the kernel
-    exits or is killed.
+    at the next :meth:`run`. :meth:`close` is idempotent; ranks, and every process they
+    started, also stop when the kernel exits or is killed.
 
     Source: ``torch.distributed.init_process_group`` and ``FileStore``,
     https://pytorch.org/docs/stable/distributed.html
@@ -221,13 +216,23 @@ class LocalGroup:
         self._state = "stopped"
         self._closed = False
         self._sent_sources: set[str] = set()
-        self._returned: set[int] = set()  # ranks whose fn returned in the current run()
+        self._returned: dict[int, float] = {}  # rank -> when its fn returned (this call)
+        self._chunks: dict[int, list[bytes]] = {}  # rank -> chunks of its value (this call)
+        self._last_progress = 0.0  # when a rank's value last moved (this call)
+        self._restart_next = False  # the ranks disagree on the default process group
         self.restarts = 0
         """How many times the ranks were (re)started, the first start included."""
         self._finalizer = None
+        self._lock = threading.Lock()  # held by the one run()/resize() in progress
+        self._owner: int | None = None  # the thread that holds it
+        self._flags = threading.Lock()  # guards _closed against a racing close()
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes a waiting run() through it
+        os.set_blocking(self._wake_w, False)
+        self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         _LIVE.add(self)
         _LATEST[:] = [weakref.ref(self)]
-        self._start(announce=True)
+        with self._exclusive("LocalGroup()"):
+            self._start(time.monotonic() + self._timeout, announce=True)
 
     # --- public -----------------------------------------------------------------------
     @property
@@ -242,18 +247,18 @@ class LocalGroup:
 
     @property
     def timeout(self) -> float:
-        """Seconds that bound each wait (start, run, collective)."""
+        """Seconds that bound each call (start, run, resize), plus :data:`MARGIN`."""
         return self._timeout
 
     @property
     def pids(self) -> list[int]:
         """Process ids of the ranks, by rank (empty when stopped)."""
-        return [p.process.pid for p in self._procs]
+        return [p.pid for p in self._procs]
 
     @property
     def alive(self) -> int:
         """How many rank processes are alive now."""
-        return sum(1 for p in self._procs if p.process.is_alive())
+        return sum(1 for p in self._procs if p.exitcode() is None)
 
     @property
     def state(self) -> str:
@@ -266,7 +271,9 @@ class LocalGroup:
         ``fn`` is ordinary ``torch.distributed`` code: it runs inside the initialised
         default process group and may call ``dist.get_rank()``, ``dist.all_reduce`` and
         so on, so it runs unchanged under torchrun. It may be defined in a notebook
-        cell, be a lambda or a closure; it and its arguments are sent by value.
+        cell, be a lambda or a closure; it and its arguments are sent by value. It may
+        start processes (a ``DataLoader`` with workers), log, use object collectives
+        with classes defined in cells, and end with ``dist.destroy_process_group()``.
 
         Returns:
             ``list`` of length ``world_size``: ``out[r]`` is ``fn``'s return value on rank
@@ -278,81 +285,110 @@ class LocalGroup:
                 not be pickled, or the call did not finish within ``timeout`` seconds (the
                 message says which collective each rank was waiting in).
             TypeError: ``fn`` or its arguments cannot be pickled; nothing was run.
-            GroupClosedError: the group was closed (a ``RuntimeError``).
+            GroupClosedError: the group was closed, before or during the call (a
+                ``RuntimeError``).
+            GroupBusyError: another thread's call on this group did not finish within
+                ``timeout`` seconds (a ``RuntimeError``); nothing was run.
             KeyboardInterrupt: the kernel was interrupted; the ranks are stopped and
                 restart at the next call.
 
+        The bound: the call returns or raises within ``timeout`` + :data:`MARGIN`
+        seconds, a restart of the ranks included. Two allowances: the first start in a
+        kernel also waits for the forkserver to import torch (2 to 3 s, once); and
+        once ``fn`` has returned on every rank within the timeout, large return values
+        keep arriving for as long as they make progress: they travel in chunks of
+        :data:`reducelab.rank_loop.CHUNK` bytes, and the call fails only when no chunk
+        arrives for ``timeout`` seconds (400 MB per rank take about a second).
+
         What each rank printed is printed in the kernel in rank order, each line
-        prefixed ``[rank N]``, also when the call fails.
+        prefixed ``[rank N]``, also when the call fails (at most
+        :data:`reducelab.capture.MAX_CHARS` characters per stream, rank and call).
         """
-        if self._closed:
-            raise GroupClosedError("this LocalGroup is closed; create a new one "
-                                   "(in a notebook: run the setup cell again)")
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
-        if self._state == "idle":
-            dead = {p.rank: p.process.exitcode for p in self._procs if not p.process.is_alive()}
-            if dead:
-                print(f"Note: {'; '.join(f'rank {r} {_describe_exit(c)}' for r, c in dead.items())}"
-                      f" while idle; starting {self._world_size} fresh ranks.", file=sys.stderr)
-                self._shutdown()
-        if self._state != "idle":
-            self._start()
-        sources = self._new_sources()  # after any restart: fresh ranks need every cell
-        try:
-            payload = cloudpickle.dumps((fn, args, kwargs, os.getcwd(), sources),
-                                        protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments "
-                            f"to the ranks: {type(e).__name__}: {e}") from None
-        self._sent_sources.update(sources)
-        name = getattr(fn, "__name__", "fn")
-        self._state = "running"
-        self._returned = set()
-        try:
+        with self._exclusive("run()"):
+            deadline = time.monotonic() + self._timeout
+            if self._state == "idle":
+                dead = {p.rank: p.exitcode() for p in self._procs if p.exitcode() is not None}
+                if dead:
+                    print(f"Note: {'; '.join(f'rank {r} {_describe_exit(c)}' for r, c in dead.items())}"
+                          f" while idle; starting {self._world_size} fresh ranks.", file=sys.stderr)
+                    self._shutdown()
+            if self._state != "idle":
+                deadline = self._start(deadline)
+            sources = self._new_sources()  # after any restart: fresh ranks need every cell
             try:
-                for p in self._procs:
-                    try:
-                        p.send(("run", payload))
-                    except OSError:
-                        pass  # the rank died just now: _gather sees its sentinel and reports it
-            except BaseException:  # interrupted while sending: some ranks may be running
-                self._shutdown()
-                raise
-            return self._collect_results(name)
-        finally:
-            if self._state == "running":
-                self._state = "idle"
+                payload = cloudpickle.dumps((fn, args, kwargs, os.getcwd(), sources),
+                                            protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:
+                raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its "
+                                f"arguments to the ranks: {type(e).__name__}: {e}") from None
+            self._sent_sources.update(sources)
+            name = getattr(fn, "__name__", "fn")
+            self._state = "running"
+            self._returned = {}
+            try:
+                try:
+                    with processes.interrupts_deferred():  # every rank gets the job
+                        for p in self._procs:
+                            try:
+                                p.send({"kind": "run", "payload": payload})
+                            except OSError:
+                                pass  # the rank died just now: _gather sees its sentinel
+                except BaseException:  # interrupted: the ranks run a job nobody waits for
+                    self._shutdown()
+                    raise
+                return self._collect_results(name, deadline)
+            finally:
+                if self._state == "running":
+                    self._state = "idle"
 
     def resize(self, world_size: int) -> None:
         """Stop the ranks and start ``world_size`` new ones (state on the ranks is lost).
 
-        Does nothing if the group already has ``world_size`` idle ranks.
+        Does nothing if the group already has ``world_size`` idle ranks. Returns within
+        ``timeout`` + :data:`MARGIN` seconds.
 
         Raises:
             TypeError, ValueError: bad ``world_size``; the running group is kept.
             GroupClosedError: the group was closed.
+            GroupBusyError: another thread's call did not finish within ``timeout``.
             RankError: the new ranks could not start (the group restarts at the next run).
             KeyboardInterrupt: interrupted while starting; likewise.
         """
-        if self._closed:
-            raise GroupClosedError("this LocalGroup is closed; create a new one "
-                                   "(in a notebook: run the setup cell again)")
         _validate(world_size, self._backend, self._timeout)
-        if world_size == self._world_size and self._state == "idle":
-            return
-        self._shutdown(polite=True)
-        self._world_size = world_size
-        self._start(announce=True)
+        with self._exclusive("resize()"):
+            if world_size == self._world_size and self._state == "idle" and \
+                    not self._restart_next:
+                return
+            deadline = time.monotonic() + self._timeout
+            self._shutdown(polite=True)
+            self._world_size = world_size
+            self._start(deadline, announce=True)
 
     def close(self) -> None:
-        """Stop every rank and remove the group's temporary directory. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._shutdown(polite=True)
-        self._state = "closed"
-        _LIVE.discard(self)
+        """Stop every rank (and all they started) and remove the group's temporary directory.
+
+        Idempotent, and safe from any thread: a :meth:`run` in progress in another
+        thread stops at once with :class:`GroupClosedError`. Returns within about
+        :data:`MARGIN` seconds (or 5 s if another thread's call is stuck in a transfer).
+        """
+        with self._flags:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")  # wake a run() that waits in another thread
+        mine = self._owner == threading.get_ident()
+        got = mine or self._lock.acquire(timeout=_CLOSE_WAIT)
+        try:
+            self._shutdown(polite=got and not mine)
+            self._state = "closed"
+            _LIVE.discard(self)
+        finally:
+            if got and not mine:
+                self._lock.release()
+                self._fds()  # no run() can be waiting on the wake pipe any more
 
     def __enter__(self) -> "LocalGroup":
         return self
@@ -366,68 +402,118 @@ class LocalGroup:
                 f"alive={self.alive}/{self._world_size})")
 
     def _repr_html_(self) -> str:
-        colour = {"idle": "#2a7", "running": "#d80", "stopped": "#888", "closed": "#888"}
+        colour = {"idle": "#009E73", "running": "#E69F00", "stopped": "#666", "closed": "#666"}
         dots = "".join(
-            f'<span title="rank {p.rank}" style="color:{"#2a7" if p.process.is_alive() else "#c33"}">●</span>'
+            f'<span title="rank {p.rank}: {"alive" if p.exitcode() is None else "dead"}">'
+            f'{"●" if p.exitcode() is None else "✕"}</span>'
             for p in self._procs) or "–"
         return (f'<div style="font-family:monospace"><b>LocalGroup</b> '
                 f'backend={html.escape(self._backend)} world_size={self._world_size} '
                 f'timeout={self._timeout:g}s ranks alive {self.alive}/{self._world_size} {dots} '
-                f'<span style="color:{colour.get(self._state, "#888")}">{self._state}</span></div>')
+                f'<span style="color:{colour.get(self._state, "#666")}">{self._state}</span></div>')
+
+    # --- one call at a time -----------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """Hold the group for one call: wait up to ``timeout`` for another thread's call."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError(f"{what} was called while this thread is already inside a "
+                               f"call on the same LocalGroup (from a callback?); call it "
+                               f"after that call returns")
+        if self._closed:
+            raise GroupClosedError(_CLOSED)
+        if not self._lock.acquire(timeout=self._timeout):
+            raise GroupBusyError(f"{what} waited {self._timeout:g} s for another thread's "
+                                 f"call on this LocalGroup to finish, and it has not; "
+                                 f"nothing was run. Try again when it has returned.")
+        self._owner = threading.get_ident()
+        try:
+            if self._closed:
+                raise GroupClosedError(_CLOSED)
+            yield
+        except GroupClosedError:
+            self._shutdown()
+            raise
+        except (OSError, ValueError, EOFError) as e:
+            if not self._closed:
+                raise
+            self._shutdown()  # close() from another thread pulled the ranks away
+            raise GroupClosedError(_CLOSED_DURING.format(what=what)) from e
+        finally:
+            self._owner = None
+            self._lock.release()
+            if self._closed:
+                self._fds()
 
     # --- lifecycle --------------------------------------------------------------------
-    def _start(self, announce: bool = False) -> None:
+    def _start(self, deadline: float, announce: bool = False) -> float:
         """Start ``world_size`` ranks and wait until all joined the process group.
 
-        ``announce`` shows the progress line (explicit starts); restarts after a failure
-        are quiet, since the error already said the ranks restart.
+        ``deadline`` is a ``time.monotonic()`` value; the forkserver's one-off start
+        extends it. Returns the deadline in force. ``announce`` shows the progress line
+        (explicit starts); restarts after a failure are quiet, since the error already
+        said the ranks restart.
         """
         self._shutdown()
-        ctx = _context()
+        self._restart_next = False
+        ctx = processes.context()
+        deadline += processes.warm(ctx)
         ifname = loopback_interface()
         tmpdir = tempfile.mkdtemp(prefix="reducelab-")  # mode 0700
-        # multiprocessing's own temp dir (the forkserver's socket): if the kernel is
-        # killed, no finalizer runs, so the ranks remove it along with ours.
-        mp_tmp = mp.util.get_temp_dir()
-        procs = []
+        procs: list[_Proc] = []
         try:
-            for rank in range(self._world_size):
-                parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=_rank_main, name=f"reducelab-rank-{rank}", daemon=True,
-                    args=(rank, self._world_size, self._backend, tmpdir,
-                          self._timeout + 5.0, child, os.getpid(), ifname, list(sys.path),
-                          mp_tmp))
-                proc.start()
-                child.close()
-                procs.append(_Proc(rank, proc, parent))
+            # The reaper removes these if the kernel is killed (multiprocessing's own
+            # temporary directory holds the forkserver's socket: only then is it ours to
+            # remove).
+            Reaper.tell(f"dir {tmpdir}", f"dir {mp.util.get_temp_dir()}")
+            with processes.interrupts_deferred():
+                for rank in range(self._world_size):
+                    parent, child = ctx.Pipe(duplex=True)
+                    try:
+                        proc = ctx.Process(
+                            target=_rank_main, name=f"{processes.PROCESS_PREFIX}rank-{rank}",
+                            daemon=True,
+                            args=(rank, self._world_size, self._backend, tmpdir,
+                                  self._timeout + 5.0, child, ifname, list(sys.path)))
+                        proc.start()
+                    except BaseException:
+                        parent.close()
+                        child.close()
+                        raise
+                    child.close()
+                    procs.append(_Proc(rank, proc, parent))
+                Reaper.tell(*[f"pg {p.pid}" for p in procs])
+                if procs:
+                    processes.register_forkserver(procs[0].pid)
         except BaseException:
-            _stop(procs, tmpdir)
+            processes.stop(procs, tmpdir)
             raise
         self._procs, self._tmpdir = procs, tmpdir
         self._sent_sources = set()
-        self._finalizer = weakref.finalize(self, _stop, procs, tmpdir)
+        self._finalizer = weakref.finalize(self, processes.stop, procs, tmpdir)
         self.restarts += 1
         progress = StartProgress(self._world_size, self._backend,
                                  self._progress if announce else False)
         try:
-            replies, died, pending = self._gather(time.monotonic() + self._timeout,
-                                                  stop_on_error=True, on_reply=progress.update)
-        except KeyboardInterrupt:
+            replies, died, pending = self._gather(deadline, stop_on_error=True,
+                                                  on_reply=progress.update)
+        except BaseException:
             progress.done(0, ok=False)
             self._shutdown()
             raise
-        errors = {r: m for r, m in replies.items() if m[0] != "ready"}
+        errors = {r: m for r, m in replies.items() if m["kind"] != "ready"}
         progress.done(len(replies) - len(errors), ok=not (errors or died or pending))
         if errors or died or pending:
-            reports = [RankReport(r, "raised", m[1], m[2]) for r, m in errors.items()]
-            reports += [RankReport(r, "died", _describe_exit(c)) for r, c in died.items()]
+            reports = [RankReport(r, "raised", m["summary"], m["traceback"])
+                       for r, m in errors.items()]
+            reports += [RankReport(r, "died", _describe_start_death(c)) for r, c in died.items()]
             reports += [RankReport(r, "stuck", f"did not join within {self._timeout:g} s")
                         for r in pending]
             self._shutdown()
             raise RankError(f"the {self._world_size} ranks could not start a "
                             f"{self._backend} process group", reports)
         self._state = "idle"
+        return deadline
 
     def _shutdown(self, polite: bool = False) -> None:
         # The finalizer stops the ranks at most once: here, when the group is garbage
@@ -435,7 +521,8 @@ class LocalGroup:
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None and finalizer.alive:
             if polite and self._state == "idle":
-                _ask_to_close(self._procs)
+                processes.ask_to_leave(self._procs, lambda p: p.send({"kind": "close"}),
+                                       _POLITE_WAIT)
             finalizer()
         self._procs, self._tmpdir = [], None
         if not self._closed:
@@ -462,6 +549,9 @@ class LocalGroup:
         get ``_GRACE`` seconds; a death ends the wait soon after. Pass a previous return
         value as ``state`` to go on waiting; ``on_reply(n)`` is called with the number of
         replies after each one.
+
+        Raises:
+            GroupClosedError: :meth:`close` was called from another thread meanwhile.
         """
         replies, died, pending = state or ({}, {}, set(range(len(self._procs))))
         cut = deadline
@@ -471,7 +561,10 @@ class LocalGroup:
                 break
             by_conn = {self._procs[r].conn: r for r in pending}
             by_sentinel = {self._procs[r].process.sentinel: r for r in pending}
-            for obj in mp_wait(list(by_conn) + list(by_sentinel), timeout=left):
+            ready = mp_wait(list(by_conn) + list(by_sentinel) + [self._wake_r], timeout=left)
+            if self._closed:
+                raise GroupClosedError(_CLOSED_DURING.format(what="the call"))
+            for obj in ready:
                 r = by_conn.get(obj, by_sentinel.get(obj))
                 if r not in pending:
                     continue
@@ -479,40 +572,41 @@ class LocalGroup:
                 if obj in by_conn or proc.conn.poll():
                     try:
                         msg = proc.recv()
-                        if msg[0] == "returned":
-                            self._returned.add(r)  # its result is on its way
+                        if msg["kind"] in ("returned", "chunk"):
+                            self._value_moved(r, msg)  # its result is on its way
                             continue
-                        if msg[0] == "stack":
+                        if msg["kind"] == "stack":
                             continue  # a late answer to an earlier stack request
                         replies[r] = msg
                         pending.discard(r)
+                        self._last_progress = time.monotonic()
                         if on_reply is not None:
-                            on_reply(sum(1 for m in replies.values() if m[0] == "ready"))
-                        if stop_on_error and replies[r][0] == "error":
+                            on_reply(sum(1 for m in replies.values() if m["kind"] == "ready"))
+                        if stop_on_error and msg["kind"] == "error":
                             cut = min(cut, time.monotonic() + _GRACE)
                         continue
                     except (EOFError, OSError):
                         pass
                 proc.process.join(0.5)
-                died[r] = proc.process.exitcode
+                died[r] = proc.exitcode()
                 pending.discard(r)
                 # a dead rank: do not wait on the rest, but let the ranks it left inside a
                 # collective report the error gloo gives them (a closed connection)
                 cut = min(cut, time.monotonic() + _DEATH_GRACE)
         return replies, died, pending
 
-    def _where(self, ranks: set[int]) -> tuple[dict[int, tuple], dict[int, tuple]]:
+    def _where(self, ranks: set[int]) -> tuple[dict[int, dict], dict[int, dict]]:
         """Ask running ranks where they are.
 
-        Returns ``(stacks, late)``: ``{rank: ("stack", ...)}`` and the ``"done"``/``"error"``
+        Returns ``(stacks, late)``: ``{rank: stack message}`` and the ``done``/``error``
         replies that arrived meanwhile (a rank that finished just then, or one whose big
         return value was on its way); the caller counts those as replies."""
         asked = {}
         for r in ranks:
             p = self._procs[r]
-            if p.process.is_alive():
+            if p.exitcode() is None:
                 try:
-                    p.send(("stack",))
+                    p.send({"kind": "stack"})
                     asked[r] = p
                 except (OSError, ValueError):
                     pass
@@ -520,101 +614,130 @@ class LocalGroup:
         deadline = time.monotonic() + _STACK_WAIT
         while asked and time.monotonic() < deadline:
             for conn in mp_wait([p.conn for p in asked.values()],
-                                timeout=deadline - time.monotonic()):
+                                timeout=max(0.0, deadline - time.monotonic())):
                 r = next(r for r, p in asked.items() if p.conn is conn)
                 try:
                     msg = asked[r].recv()
                 except (EOFError, OSError):
                     del asked[r]
                     continue
-                if msg[0] == "returned":
-                    self._returned.add(r)
+                if msg["kind"] in ("returned", "chunk"):
+                    self._value_moved(r, msg)
                     continue
-                if msg[0] == "stack":
+                if msg["kind"] == "stack":
                     answers[r] = msg
                 else:  # its reply came first; its stack answer, still to come, is stale
                     late[r] = msg
                 del asked[r]
         return answers, late
 
-    def _collect_results(self, name: str) -> list:
+    def _value_moved(self, rank: int, msg: dict) -> None:
+        """Record a ``returned`` or ``chunk`` message: the rank's value is on its way."""
+        now = time.monotonic()
+        self._returned.setdefault(rank, now)
+        self._last_progress = now
+        if msg["kind"] == "chunk":
+            self._chunks.setdefault(rank, []).append(msg["data"])
+
+    def _collect_results(self, name: str, deadline: float) -> list:
+        self._chunks: dict[int, list[bytes]] = {}
+        self._last_progress = time.monotonic()
         try:
-            replies, died, pending = self._gather(time.monotonic() + self._timeout, True)
-            stacks, extensions = {}, 0
-            while pending:
-                stacks, late = self._where(pending)
-                replies.update(late)
-                pending -= set(late)
-                sending = pending and not died and all(
-                    m[0] == "done" for m in replies.values()) and pending <= self._returned
-                if not sending or extensions == _MAX_EXTENSIONS:
+            state = self._gather(deadline, True)
+            while True:
+                replies, died, pending = state
+                stacks = {}
+                if pending:
+                    stacks, late = self._where(pending)
+                    replies.update(late)
+                    pending -= set(late)
+                arriving = pending and not died and set(pending) <= set(self._returned) \
+                    and all(m["kind"] == "done" for m in replies.values())
+                # fn returned everywhere in time and large values are still arriving:
+                # go on while they arrive, each chunk within a timeout of the last
+                if not arriving or time.monotonic() - self._last_progress >= self._timeout:
                     break
-                # fn finished everywhere; big return values are still on their way
-                extensions += 1
-                replies, died, pending = self._gather(time.monotonic() + self._timeout, True,
-                                                      (replies, died, pending))
+                state = self._gather(self._last_progress + self._timeout, True,
+                                     (replies, died, pending))
             stacks = {r: m for r, m in stacks.items() if r in pending}
         except KeyboardInterrupt:
             self._shutdown()
             print(f"Interrupted: the {self._world_size} ranks were stopped; they restart "
                   f"at the next run().", file=sys.stderr)
             raise
-        outputs = {r: (m[-2], m[-1]) for r, m in {**replies, **stacks}.items()
-                   if m[0] in ("done", "error", "stack")}
+        outputs = {r: (m["out"], m["err"]) for r, m in {**replies, **stacks}.items()
+                   if "out" in m}
         print_rank_outputs(outputs)
-        failed = any(m[0] != "done" for m in replies.values()) or died or pending
+        failed = any(m["kind"] != "done" for m in replies.values()) or died or pending
         if not failed:
             results, bad = [], []
             for r in range(self._world_size):
+                data = replies[r]["result"]
+                if data is None:  # it came in chunks
+                    data = b"".join(self._chunks.pop(r, []))
                 try:
-                    results.append(cloudpickle.loads(replies[r][1]))
+                    results.append(cloudpickle.loads(data))
                 except Exception as e:
                     bad.append(RankReport(r, "raised", "its return value could not be "
                                           f"unpickled in the kernel: {type(e).__name__}: {e}"))
-            if not bad:
-                return results
-            raise RankError(f"{name} returned a value the kernel cannot load", bad)
+            if bad:
+                raise RankError(f"{name} returned a value the kernel cannot load", bad)
+            self._check_default_groups(name, replies)
+            return results
         raise self._failure(name, replies, died, pending, stacks)
+
+    def _check_default_groups(self, name: str, replies: dict) -> None:
+        """After a successful call: ranks that destroyed their default process group
+        join a fresh one at the next call, which needs all of them to agree."""
+        up = sorted(r for r, m in replies.items() if m.get("pg", True))
+        down = sorted(r for r, m in replies.items() if not m.get("pg", True))
+        if up and down:
+            self._restart_next = True
+            self._state = "stopped"
+            print(f"Note: {name} destroyed the default process group on "
+                  f"rank{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} only; "
+                  f"{self._world_size} fresh ranks start at the next run().", file=sys.stderr)
 
     def _failure(self, name, replies, died, pending, stacks) -> RankError:
         reports = []
         restart = bool(died or pending)
         for r, m in replies.items():
-            if m[0] == "error":
-                reports.append(RankReport(r, "raised", m[1], m[2]))
-                restart = restart or m[3]  # an error inside torch.distributed
+            if m["kind"] == "error":
+                reports.append(RankReport(r, "raised", m["summary"], m["traceback"]))
+                restart = restart or m["in_distributed"] or not m.get("pg", True)
             else:
                 reports.append(RankReport(r, "returned", f"{name} returned"))
         for r, code in died.items():
             reports.append(RankReport(r, "died", _describe_exit(code)))
         for r in pending:
             if r in stacks:
-                _, text, collective, summary, _, _ = stacks[r]
-                reports.append(RankReport(r, "stuck", summary, text, collective))
+                m = stacks[r]
+                reports.append(RankReport(r, "stuck", m["summary"], m["traceback"],
+                                          m["collective"]))
             elif r in self._returned:
                 reports.append(RankReport(r, "stuck", f"{name} returned; its return value was "
                                                       f"still being pickled or sent"))
             else:
                 reports.append(RankReport(r, "stuck", "was still running"))
-        raised = sorted(r for r, m in replies.items() if m[0] == "error")
+        raised = sorted(r for r, m in replies.items() if m["kind"] == "error")
         if died:
             r = min(died)
             headline = f"rank {r} {_describe_exit(died[r])} during {name}"
         elif raised:
-            kinds = sorted({_error_kind(replies[r][1]) for r in raised})
+            kinds = sorted({_error_kind(replies[r]["summary"]) for r in raised})
             who = f"rank {raised[0]}" if len(raised) == 1 else \
                 f"ranks {', '.join(map(str, raised))}"
             named = [k for k in kinds if k != "an error"]
             verb = f"raised {' / '.join(named)}" if named else "failed"
             headline = f"{who} {verb} in {name}"
         else:
-            collectives = {r: stacks[r][2] for r in pending if r in stacks}
+            collectives = {r: stacks[r]["collective"] for r in pending if r in stacks}
             headline = (f"{name} did not finish within {self._timeout:g} s on "
                         f"rank{'s' if len(pending) > 1 else ''} "
                         f"{', '.join(map(str, sorted(pending)))}")
             in_collective = {c for c in collectives.values() if c}
             if in_collective and (len(set(collectives.values())) > 1 or any(
-                    m[0] == "done" for m in replies.values())):
+                    m["kind"] == "done" for m in replies.values())):
                 headline += ": the ranks are not in the same collective"
         hint = ""
         if restart:
@@ -622,6 +745,16 @@ class LocalGroup:
                     f"next run().")
             self._shutdown()
         return RankError(headline, reports, hint)
+
+
+_CLOSED = "this LocalGroup is closed; create a new one (in a notebook: run the setup cell again)"
+_CLOSED_DURING = ("this LocalGroup was closed (from another thread) while {what} was in "
+                  "progress; its ranks were stopped. Create a new one to go on.")
+
+
+def _describe_start_death(code: int | None) -> str:
+    return (f"{_describe_exit(code)} before it joined the process group; anything it "
+            f"printed went to the terminal that started this kernel")
 
 
 def _rank_main(*args) -> None:

@@ -47,8 +47,10 @@ def launcher_env() -> dict:
     Returns ``{name: value or None}`` for each name in
     :data:`reducelab.torchrun.TORCHRUN_ENV_KEYS` (``RANK``, ``LOCAL_RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...), plus ``"get_rank"`` and
-    ``"get_world_size"`` from ``dist``. Under torchrun they agree; a LocalGroup
-    (FileStore rendezvous) sets none of the variables, so they are ``None`` there.
+    ``"get_world_size"`` from ``dist``. Under torchrun they agree. A LocalGroup sets
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun does on
+    one node, but no ``MASTER_ADDR``/``MASTER_PORT`` (its ranks meet through a
+    FileStore, not a TCP store), so those are ``None`` there.
     ``MASTER_PORT`` and the run id are volatile: pass the dict through
     :func:`reducelab.torchrun.sanitize_env` before printing it.
     """

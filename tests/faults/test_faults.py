@@ -132,12 +132,16 @@ def test_very_large_return_value_works():
 
 
 def test_big_return_values_still_on_their_way_at_the_timeout_are_not_stuck():
-    """fn returns at once, but 2 x 400 MB take longer than the 1 s timeout to arrive:
-    the ranks are sending, not stuck, so run() waits for them rather than failing."""
-    with LocalGroup(world_size=2, timeout=1) as g:
+    """fn returns 0.3 s before the 2 s timeout, but pickling and sending 2 x 400 MB takes
+    longer than that: the values travel in chunks, so run() sees them progress and waits
+    for them rather than calling the ranks stuck."""
+    def big():
+        time.sleep(1.7)
+        return torch.full((100_000_000,), float(dist.get_rank()))
+    with LocalGroup(world_size=2, timeout=2) as g:
         t0 = time.monotonic()
-        out = g.run(lambda: torch.full((100_000_000,), float(dist.get_rank())))
-        assert time.monotonic() - t0 > 1      # the path under test was taken
+        out = g.run(big)
+        assert time.monotonic() - t0 > 2      # the path under test was taken
         assert [float(t[-1]) for t in out] == [0.0, 1.0]
 
 

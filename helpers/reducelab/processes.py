@@ -1,0 +1,212 @@
+"""Starting and stopping rank processes: the kernel side, below :class:`~reducelab.LocalGroup`.
+
+Introduced with notebook 01's ``LocalGroup``. This module owns what is about processes
+rather than about a process group:
+
+* the multiprocessing context ranks start from: a **forkserver** that imports torch
+  once per kernel (``spawn`` where there is no forkserver, as on Windows), warmed once
+  so that its start-up is never charged to a group's timeout;
+* ranks never re-run the kernel's ``__main__`` (they get functions by value), so a
+  script read from standard input, or one with side effects at its top level, starts
+  ranks as well as a notebook does;
+* stopping a rank stops **everything it started**: each rank leads its own process
+  group, so ``killpg`` reaches its DataLoader workers and subprocesses, and psutil
+  finds descendants that left the group (``start_new_session``). Kills are by process
+  id and process group, never by name;
+* stopping is not cut short by a ``KeyboardInterrupt``: an interrupt that arrives while
+  ranks are being started or stopped is held until that is done, then raised.
+
+Source: ``multiprocessing`` start methods,
+https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.spawn
+import os
+import shutil
+import signal
+import threading
+import time
+from multiprocessing.connection import wait as mp_wait
+
+import psutil
+
+from .reaper import Reaper
+
+PROCESS_PREFIX = "reducelab-"
+"""Name prefix of the processes LocalGroup starts (``reducelab-rank-0``, ...)."""
+
+_forkserver_lock = threading.Lock()
+_forkserver_ready: list[int] = []  # [kernel pid] once the forkserver has served a process
+_forkservers_told: set[int] = set()  # forkserver pids registered with the reaper
+
+
+def _without_main(original):
+    """Wrap ``multiprocessing.spawn.get_preparation_data`` so that processes named
+    :data:`PROCESS_PREFIX`... do not import the kernel's ``__main__`` when they start."""
+    def get_preparation_data(name):
+        data = original(name)
+        if name.startswith(PROCESS_PREFIX):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+    get_preparation_data.reducelab_original = original
+    return get_preparation_data
+
+
+if not hasattr(mp.spawn.get_preparation_data, "reducelab_original"):
+    mp.spawn.get_preparation_data = _without_main(mp.spawn.get_preparation_data)
+
+
+def context():
+    """The multiprocessing context ranks start from: forkserver with torch preloaded."""
+    if "forkserver" in mp.get_all_start_methods() and \
+            os.environ.get("REDUCELAB_START_METHOD", "forkserver") == "forkserver":
+        ctx = mp.get_context("forkserver")
+        # torch._dynamo is what DistributedDataParallel and DTensor import on first use
+        # (about 1.2 s of CPU per rank); loading it once in the server saves that on
+        # every rank of every group.
+        ctx.set_forkserver_preload(["reducelab.rank_loop", "torch._dynamo"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _noop() -> None:
+    pass
+
+
+def warm(ctx) -> float:
+    """Make sure the forkserver runs and has imported torch; return the seconds spent.
+
+    The first call in a kernel starts the forkserver and waits for one no-op process
+    from it (about 2 to 3 s: the server imports torch once); later calls return 0.0
+    at once. Callers add the time to their deadline: it is a one-off cost of the
+    kernel, not part of any group's timeout.
+    """
+    if ctx.get_start_method() != "forkserver":
+        return 0.0
+    t0 = time.monotonic()
+    with _forkserver_lock:
+        if _forkserver_ready == [os.getpid()]:
+            return 0.0
+        p = ctx.Process(target=_noop, name=f"{PROCESS_PREFIX}warm-up", daemon=True)
+        p.start()
+        p.join()
+        p.close()
+        _forkserver_ready[:] = [os.getpid()]
+    return time.monotonic() - t0
+
+
+def register_forkserver(rank_pid: int) -> None:
+    """Tell the reaper about the forkserver, found as the parent of a running rank."""
+    try:
+        parent = psutil.Process(rank_pid).ppid()
+    except psutil.Error:
+        return
+    if parent != os.getpid() and parent not in _forkservers_told:
+        _forkservers_told.add(parent)
+        Reaper.tell(f"pid {parent}")
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold a ``KeyboardInterrupt`` (SIGINT) that arrives inside the block until its end.
+
+    Only in the main thread (where Python delivers signals); elsewhere the block runs
+    as is. Used around the few milliseconds in which processes are started or stopped,
+    so an interrupt cannot leave a rank running that nothing knows of.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            else:
+                raise KeyboardInterrupt
+
+
+def descendants(pids) -> list[psutil.Process]:
+    """Every living descendant of the processes ``pids`` (children first found, any depth)."""
+    found = []
+    for pid in pids:
+        try:
+            found.extend(psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            pass
+    return found
+
+
+def kill_trees(processes, wait: float = 1.0) -> None:
+    """Kill ``processes`` (``multiprocessing.Process`` objects of ranks) and all they started.
+
+    Each rank leads a process group (see :mod:`reducelab.rank_loop`): ``killpg`` stops
+    it and every process it started that stayed in the group; descendants that left the
+    group are found with psutil first and killed by pid. Then the ranks are reaped,
+    within ``wait`` seconds in all.
+    """
+    started = [p for p in processes if p.pid is not None]
+    victims = descendants(p.pid for p in started)
+    for p in started:
+        # A rank's process group outlives the rank while anything it started is alive,
+        # so it is killed even when the rank itself has exited.
+        with contextlib.suppress(OSError, AttributeError):
+            os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError):
+            p.kill()
+    for v in victims:
+        try:
+            v.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + wait
+    for p in processes:
+        if p.pid is not None:
+            try:
+                p.join(max(0.0, deadline - time.monotonic()))
+            except (OSError, ValueError, AssertionError):
+                pass
+
+
+def ask_to_leave(procs, send, wait: float = 1.0) -> None:
+    """Send ``close`` to idle ranks with ``send(proc)`` and wait up to ``wait`` seconds for
+    them to leave the process group and exit (without reaping them)."""
+    for p in procs:
+        try:
+            send(p)
+        except (OSError, ValueError):
+            pass
+    sentinels = {p.process.sentinel for p in procs if p.process.exitcode is None}
+    deadline = time.monotonic() + wait
+    while sentinels and time.monotonic() < deadline:
+        for s in mp_wait(list(sentinels), timeout=max(0.0, deadline - time.monotonic())):
+            sentinels.discard(s)
+
+
+def stop(procs, tmpdir: str | None) -> None:
+    """Stop the ranks ``procs`` (``_Proc`` objects) and all they started, reap them, close
+    their pipes and remove the group's temporary directory ``tmpdir``. Idempotent; an
+    interrupt arriving meanwhile is raised once everything is stopped."""
+    with interrupts_deferred():
+        kill_trees([p.process for p in procs])
+        for p in procs:
+            p.conn.close()
+            try:
+                p.process.close()
+            except ValueError:
+                pass
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        Reaper.tell(*[f"-pg {p.pid}" for p in procs], *([f"-dir {tmpdir}"] if tmpdir else []))
