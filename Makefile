@@ -1,5 +1,6 @@
 # Reduce Lab: two commands do all the set-up on a fresh machine.
-#   make lab    create .venv, install, open JupyterLab on notebooks/ (127.0.0.1 only)
+#   make lab    create .venv, install, copy the notebooks to reducelab-notebooks/ (once)
+#               and open JupyterLab there (127.0.0.1 only)
 #   make test   create .venv, install, run the unit tests, the fault suite, the browser
 #               test and nbval on every notebook
 # Other targets: make unit (tests without the browser), make nbval, make notebooks
@@ -13,14 +14,19 @@ STAMP  := $(VENV)/.installed
 #   make lab TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
-ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 PORT ?= 8888
+LAB_DIR ?= reducelab-notebooks
 
 .PHONY: install browser lab test unit nbval notebooks bench clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "Installing Reduce Lab into $(VENV): torch (CPU), JupyterLab, ipywidgets, matplotlib"
+	@echo "and the test tools. The first time this takes a few minutes; later runs skip it."
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet $(PIP_EXTRA) -c constraints.txt -e ".[lab,test]"
+	$(BIN)/python -m pip install --progress-bar off $(PIP_EXTRA) -c constraints.txt -e ".[lab,test]" \
+	  | grep --line-buffered -E '^(Collecting|Successfully installed)' || true
+	@$(BIN)/python -c "import reducelab, torch, jupyterlab" || \
+	  (echo "The install failed: run '$(BIN)/python -m pip install -c constraints.txt -e .[lab,test]' to see why."; exit 1)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,10 +43,10 @@ browser:
 	  echo "(e.g. sudo apt-get install chromium) or set CHROMIUM=/path/to/chromium."; exit 1; \
 	fi
 
+# JupyterLab opens a working copy in reducelab-notebooks/ (ignored by git), made on the
+# first run and never overwritten: the tracked notebooks stay as the tests expect them.
 lab: install
-	@echo "Starting JupyterLab on http://127.0.0.1:$(PORT)/ (the URL with its token follows)"
-	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
-	  --ServerApp.root_dir=notebooks --no-browser $(ROOT_FLAG)
+	$(BIN)/python -m reducelab lab $(LAB_DIR) --port $(PORT) --no-browser
 
 test: install browser
 	$(BIN)/python -m pytest tests -q

@@ -24,6 +24,24 @@ def load_solution(name: str):
     return module
 
 
+@pytest.fixture(autouse=True)
+def audited_figures(request):
+    """Every figure the package draws during a test is audited (``figure_audit``): the
+    palette, font sizes and width. The test fails if one is off."""
+    from figure_audit import audit
+    from reducelab import plots
+    problems: list[str] = []
+
+    def record(fig):
+        problems.extend(audit(fig))
+    plots.AUDITS.append(record)
+    yield
+    plots.AUDITS.remove(record)
+    if problems and "no_figure_audit" not in request.keywords:
+        pytest.fail("figures break the project's rules (see reducelab/plots/__init__.py):\n  "
+                    + "\n  ".join(dict.fromkeys(problems)))
+
+
 @pytest.fixture(scope="module")
 def group():
     """A 4-rank gloo group shared by the tests of one module. The timeout (60 s) is

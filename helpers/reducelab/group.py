@@ -55,6 +55,7 @@ import psutil
 
 from . import processes
 from .capture import print_rank_outputs
+from .palette import RIGHT, TEXT_GREY, WAIT
 from .errors import GroupBusyError, GroupClosedError, RankError, RankReport
 from .progress import StartProgress
 from .reaper import Reaper
@@ -185,9 +186,9 @@ class LocalGroup:
             :meth:`resize`; each call returns or raises within ``timeout`` plus
             :data:`MARGIN` seconds. Collectives on the ranks time out 5 s later, so the
             kernel's bound, which can say where each rank was, fires first.
-        progress: how to show ranks joining while the group starts (here and in
-            :meth:`resize`): ``None`` shows a status line in a Jupyter kernel,
-            ``False`` shows nothing, a callable gets ``(up, world_size)``.
+        progress: how to show ranks joining while the group starts: ``None`` shows a
+            status line when called from a notebook cell, ``False`` shows nothing, a
+            callable gets ``(up, world_size)``, here and at each :meth:`resize`.
 
     Raises:
         TypeError, ValueError: bad ``world_size``, ``backend`` or ``timeout``; nothing
@@ -364,7 +365,7 @@ class LocalGroup:
             deadline = time.monotonic() + self._timeout
             self._shutdown(polite=True)
             self._world_size = world_size
-            self._start(deadline, announce=True)
+            self._start(deadline, announce=callable(self._progress))
 
     def close(self) -> None:
         """Stop every rank (and all they started) and remove the group's temporary directory.
@@ -402,7 +403,7 @@ class LocalGroup:
                 f"alive={self.alive}/{self._world_size})")
 
     def _repr_html_(self) -> str:
-        colour = {"idle": "#009E73", "running": "#E69F00", "stopped": "#666", "closed": "#666"}
+        colour = {"idle": RIGHT, "running": WAIT}
         dots = "".join(
             f'<span title="rank {p.rank}: {"alive" if p.exitcode() is None else "dead"}">'
             f'{"●" if p.exitcode() is None else "✕"}</span>'
@@ -410,7 +411,7 @@ class LocalGroup:
         return (f'<div style="font-family:monospace"><b>LocalGroup</b> '
                 f'backend={html.escape(self._backend)} world_size={self._world_size} '
                 f'timeout={self._timeout:g}s ranks alive {self.alive}/{self._world_size} {dots} '
-                f'<span style="color:{colour.get(self._state, "#666")}">{self._state}</span></div>')
+                f'<span style="color:{colour.get(self._state, TEXT_GREY)}">{self._state}</span></div>')
 
     # --- one call at a time -----------------------------------------------------------
     @contextlib.contextmanager

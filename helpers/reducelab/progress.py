@@ -1,27 +1,37 @@
-"""The status line shown while ranks start: how many ranks are up (notebook 01's setup cell).
+"""The status line shown while a group's ranks start (notebook 01's setup cell).
 
-In an IPython kernel the line is one display that is updated in place as each rank
-joins the process group, and is emptied once all have joined (the group's own repr
-says how many ranks are up). It starts and ends empty because nbval compares a
-display's first version with the stored last one: updates are not replayed. If the
-start fails, the line ends as a sentence saying how many ranks joined. Elsewhere
-nothing is shown unless a callback is given.
+In a notebook cell, ``LocalGroup(...)`` shows one line that is updated in place as each
+rank joins the process group, ``Starting 4 gloo ranks: ●●○○ 2/4 up``, and ends as
+``●●●● 4 gloo ranks up`` (or as a sentence saying how many joined before the start
+failed). Nothing is shown from widget callbacks (their output would land in
+JupyterLab's log console), for resizes, or outside a Jupyter kernel, unless a callback
+is given.
+
+nbval compares a display's first version with the stored last one (updates are not
+replayed), so ``tests/nbval_sanitize.cfg`` maps both forms of the line to one token.
 """
 from __future__ import annotations
 
 import html
 
 
-_EMPTY = {"text/plain": ""}
-
-
-def _in_kernel() -> bool:
+def _in_cell() -> bool:
+    """True inside a Jupyter kernel while it executes a cell (not a widget callback)."""
     try:
         from IPython import get_ipython
     except ImportError:
         return False
     ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
+    kernel = getattr(ip, "kernel", None) if ip is not None else None
+    if kernel is None:
+        return False
+    try:
+        parent = kernel.get_parent("shell")
+    except TypeError:  # older ipykernel: get_parent() takes no channel
+        parent = kernel.get_parent()
+    except Exception:
+        return False
+    return (parent or {}).get("header", {}).get("msg_type") == "execute_request"
 
 
 class StartProgress:
@@ -30,45 +40,47 @@ class StartProgress:
     Args:
         world_size: ranks being started.
         backend: the backend name, for the text.
-        callback: ``None`` (a display in IPython kernels, else nothing), ``False``
-            (nothing), or a callable ``callback(up: int, world_size: int)`` called at 0
-            and after each rank joins.
+        callback: ``None`` (a status line when run from a notebook cell, else nothing),
+            ``False`` (nothing), or a callable ``callback(up: int, world_size: int)``
+            called at 0 and after each rank joins.
     """
 
     def __init__(self, world_size: int, backend: str, callback=None):
         self.world_size, self.backend = world_size, backend
         self.callback = callback
         self.handle = None
-        if callback is None and _in_kernel():
+        if callback is None and _in_cell():
             from IPython.display import display
-            self.handle = display(_EMPTY, raw=True, display_id=True)
+            self.handle = display(self._bundle(0), raw=True, display_id=True)
         self.update(0)
 
     def _bundle(self, up: int, final: str | None = None) -> dict:
         n = self.world_size
+        s = "s" if n > 1 else ""
         if final is not None:
             text = final
+        elif up == n:
+            text = f"{n} {self.backend} rank{s} up"
         else:
-            text = f"Starting {n} {self.backend} rank{'s' if n > 1 else ''}: {up}/{n} up"
+            text = f"Starting {n} {self.backend} rank{s}: {up}/{n} up"
         bar = "".join("●" if i < up else "○" for i in range(n))
-        colour = "#2a7" if final is not None and up == n else "#888"
-        return {"text/plain": text,
-                "text/html": f'<div style="font-family:monospace;color:{colour}">'
+        return {"text/plain": f"{bar} {text}",
+                "text/html": f'<div class="reducelab-start" style="font-family:monospace">'
                              f'{bar} {html.escape(text)}</div>'}
 
     def update(self, up: int) -> None:
         """Record that ``up`` ranks have joined."""
         if callable(self.callback):
             self.callback(up, self.world_size)
-        if self.handle is not None:
+        if self.handle is not None and up < self.world_size:
             self.handle.update(self._bundle(up), raw=True)
 
     def done(self, up: int, ok: bool) -> None:
-        """Empty the line (all joined) or leave a sentence saying the start failed."""
+        """End the line: all ranks up, or a sentence saying the start failed."""
         if self.handle is None:
             return
         if ok:
-            self.handle.update(_EMPTY, raw=True)
+            self.handle.update(self._bundle(up), raw=True)
         else:
             final = f"{up}/{self.world_size} ranks joined before the start failed"
             self.handle.update(self._bundle(up, final), raw=True)

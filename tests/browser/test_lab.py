@@ -1,12 +1,20 @@
-"""Real-browser test: JupyterLab in headless Chromium runs notebook 01 and moves a widget.
+"""Real-browser test: every notebook in JupyterLab, in headless Chromium, as a learner uses it.
 
 It starts JupyterLab on 127.0.0.1 with temporary config, data, runtime and workspace
-directories and a copy of the notebooks (so nothing in the repository is saved over),
-opens notebook 01 in the system Chromium driven by Playwright, runs all cells, checks
-that no cell shows an error, then changes the explorer's ReduceOp and checks that the
-per-rank result shown updates to the right values. A screenshot is saved under
-``artifacts/browser/``. Chromium comes from the Debian package (``make browser``); no
-browser is downloaded. Where it is missing the test fails and says so: it never skips.
+directories and a copy of the notebooks with their outputs cleared (so nothing in the
+repository is saved over, and every output seen comes from this run). For each notebook:
+
+1. Restart the kernel and run all cells; no cell may show an error.
+2. Move every control of every explorer at least once. After each move the explorer's
+   figure must change, and no explorer may say its group is closed or show a traceback:
+   the explorers must be live after Run All.
+3. Answer one predict-then-run question wrongly, through the page (typing in the answer
+   cell), run it and its question cell, and check that the verdict says "Not yet".
+
+On a failure a screenshot is saved under ``artifacts/browser/``; the Run All times are
+written to ``artifacts/browser/run_times.json``. Chromium comes from the Debian package
+(``make browser``); no browser is downloaded. Where it is missing the test fails and
+says so: it never skips.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -30,6 +39,35 @@ CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/c
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--disable-dev-shm-usage"]
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@dataclass
+class Plan:
+    """What the test does in one notebook beyond Run All.
+
+    Attributes:
+        answer: the answer cell's first line as committed, and a wrong answer to type
+            in its place.
+        text_inputs: for explorers with text boxes, a valid value to type in each,
+            by the box's description (a dropdown, slider or toggle needs none).
+    """
+
+    answer: tuple[str, str]
+    text_inputs: dict[str, str] = field(default_factory=dict)
+
+
+PLANS = {
+    "01_all_reduce.ipynb": Plan(("answer_1 = None", "answer_1 = 20.0")),
+    "02_reduce_and_aliasing.ipynb": Plan(("answer_1 = None", "answer_1 = [0]")),
+    "03_loss_aggregation.ipynb": Plan(("answer_1 = None", "answer_1 = 0.5"),
+                                      {"local_batch_sizes": "2,6,4"}),
+    "04_ddp_gradients.ipynb": Plan(("answer_1 = None", "answer_1 = 3.0")),
+    "05_device_mesh_sync.ipynb": Plan(("answer_1 = None", "answer_1 = 99.0")),
+    "06_ring_all_reduce.ipynb": Plan(("answer_1 = None", "answer_1 = 0")),
+    "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", "answer_1 = 'one interface'")),
+}
+"""One entry per notebook; a notebook without an entry fails the test."""
 
 
 def free_port() -> int:
@@ -57,12 +95,14 @@ def lab():
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="reducelab-lab-"))
     shutil.copytree(ROOT / "notebooks", tmp / "notebooks",
                     ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    clear_outputs(tmp / "notebooks" / "01_all_reduce.ipynb")
+    for name in NOTEBOOKS:
+        clear_outputs(tmp / "notebooks" / name)
     settings = tmp / "settings"
-    # Render every cell (no windowing: off-screen cells would have no text to read) and
-    # do not ask about news (the machine has no internet).
+    # Render every cell (no windowing: off-screen cells would have no text to read),
+    # do not ask about news (the machine has no internet), and never autosave.
     for name, value in {"notebook-extension/tracker": {"windowingMode": "none"},
-                        "apputils-extension/notification": {"fetchNews": "false"}}.items():
+                        "apputils-extension/notification": {"fetchNews": "false"},
+                        "docmanager-extension/plugin": {"autosave": False}}.items():
         path = settings / "@jupyterlab" / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(value))
@@ -102,61 +142,197 @@ def lab():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def wait_until(predicate, timeout: float, what: str, page=None):
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+class Failure(AssertionError):
+    pass
+
+
+def wait_until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.25)
-    if page is not None:
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise Failure(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def test_notebook_01_runs_in_jupyterlab_and_the_widget_updates(lab):
-    from playwright.sync_api import sync_playwright
+def run_all(page) -> float:
+    """Restart the kernel and run every cell; return the seconds Run All took."""
+    page.locator(".lm-MenuBar-item", has_text="Kernel").first.click()
+    page.locator(".lm-Menu-item", has_text="Restart Kernel and Run All Cells").first.click()
+    page.locator(".jp-Dialog button.jp-mod-accept").first.click()
+    t0 = time.monotonic()
 
+    def finished() -> bool:
+        prompts = [t.strip() for t in
+                   page.locator(".jp-CodeCell .jp-InputArea-prompt").all_text_contents()]
+        return bool(prompts) and all(t not in ("[*]:", "[ ]:", "") for t in prompts)
+    wait_until(lambda: "[*]:" in "".join(page.locator(".jp-InputArea-prompt")
+                                          .all_text_contents()) or finished(), 60,
+               "Run All to start")
+    wait_until(finished, 300, "all cells to run")
+    return time.monotonic() - t0
+
+
+def assert_no_errors(page) -> None:
+    errors = page.locator(".jp-OutputArea-output[data-mime-type="
+                          "'application/vnd.jupyter.stderr']")
+    bad = [t for t in errors.all_text_contents() if "Traceback" in t or "Error" in t]
+    assert not bad, f"cells show errors: {[b[:300] for b in bad[:3]]}"
+    assert page.locator(".jp-OutputArea-output", has_text="Traceback").count() == 0
+
+
+def explorer_boxes(page):
+    """The explorers on the page: widget boxes holding controls, an image and a message."""
+    return page.locator(".widget-vbox:has(> .widget-image):has(> .widget-html)")
+
+
+def move(control, plan: Plan) -> str:
+    """Move one control to another value; return a description of what was done."""
+    kind = control.get_attribute("class") or ""
+    label = control.locator(".widget-label").first.text_content() if \
+        control.locator(".widget-label").count() else "?"
+    if "widget-dropdown" in kind:
+        select = control.locator("select")
+        options = select.locator("option").all_text_contents()
+        current = select.input_value()
+        values = [o for o in select.locator("option").evaluate_all(
+            "els => els.map(e => e.value)")]
+        target = next(v for v in values if v != current)
+        select.select_option(target)
+        return f"{label} -> {options[values.index(target)]}"
+    if "widget-toggle-buttons" in kind:
+        buttons = control.locator("button:not(.mod-active)")
+        text = buttons.first.text_content()
+        buttons.first.click()
+        return f"{label} -> {text.strip()}"
+    if "widget-slider" in kind or "widget-hslider" in kind:
+        handle = control.locator(".noUi-handle").first
+        before = control.locator(".widget-readout").first.text_content()
+        handle.focus()
+        handle.press("ArrowRight")
+        handle.press("Enter")
+        after = control.locator(".widget-readout").first.text_content()
+        if after == before:
+            handle.press("ArrowLeft")
+            handle.press("ArrowLeft")
+        return f"{label} -> {control.locator('.widget-readout').first.text_content()}"
+    if "widget-text" in kind or "widget-inline-hbox" in kind:
+        box = control.locator("input").first
+        value = plan.text_inputs.get(label.strip())
+        if value is None:
+            raise Failure(f"no value to type in the text box {label!r}: add it to the plan")
+        box.fill(value)
+        box.press("Enter")
+        return f"{label} -> {value}"
+    if "widget-checkbox" in kind:
+        control.locator("input").first.click()
+        return f"{label} toggled"
+    raise Failure(f"do not know how to move a control of class {kind!r}")
+
+
+def play_with_explorers(page, plan: Plan) -> list[str]:
+    """Move every control of every explorer once; return what was moved."""
+    moved = []
+    boxes = explorer_boxes(page)
+    assert boxes.count() > 0, "the notebook shows an explorer"
+    for b in range(boxes.count()):
+        box = boxes.nth(b)
+        box.scroll_into_view_if_needed()
+        controls = box.locator("> .widget-hbox > .lm-Widget")
+        for k in range(controls.count()):
+            image = box.locator("> .widget-image").first
+            before = image.get_attribute("src")
+            what = move(controls.nth(k), plan)
+            wait_until(lambda: image.get_attribute("src") != before, 60,
+                       f"the figure to change after {what}")
+            message = box.locator("> .widget-html").first.text_content() or ""
+            assert "closed" not in message, f"after {what} the explorer says: {message}"
+            assert "Traceback" not in message and box.locator(".jp-OutputArea-output",
+                                                               has_text="Traceback").count() == 0
+            moved.append(f"explorer {b + 1}: {what}")
+    return moved
+
+
+def answer_wrongly(page, plan: Plan) -> None:
+    first_line, wrong = plan.answer
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    texts = [t.strip() for t in cells.locator(".jp-InputArea-editor").all_text_contents()]
+    index = next((i for i, t in enumerate(texts) if t.startswith(first_line)), None)
+    if index is None:
+        raise Failure(f"no cell starts with {first_line!r}: update the plan")
+    cell = cells.nth(index)
+    question = cells.nth(index + 1)
+    cell.scroll_into_view_if_needed()
+    cell.locator(".cm-content").click()
+    page.keyboard.press("Control+a")
+    page.keyboard.type(wrong)
+    page.keyboard.press("Shift+Enter")      # runs the answer cell, selects the question cell
+    page.keyboard.press("Shift+Enter")      # runs the question cell
+    verdict = question.locator('.reducelab-verdict[data-state="wrong"]')
+    wait_until(lambda: verdict.count() > 0, 60, "the wrong answer's verdict")
+    assert "Not yet" in verdict.first.text_content()
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_as_a_learner_uses_it(lab, browser, name):
     base, token = lab
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    assert name in PLANS, f"add a Plan for {name} to PLANS"
+    plan = PLANS[name]
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        # a workspace of its own: only this notebook is open
+        page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?reset&token={token}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        select = page.locator(".jp-Dialog button", has_text="Select")
+        try:  # JupyterLab may ask which kernel to start
+            select.first.wait_for(timeout=5_000)
+            select.first.click()
+        except Exception:
+            pass
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                               timeout=90_000)
+        seconds = run_all(page)
+        assert_no_errors(page)
+        moved = play_with_explorers(page, plan)
+        answer_wrongly(page, plan)
+        assert_no_errors(page)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        times = ARTIFACTS / "run_times.json"
+        record = json.loads(times.read_text()) if times.exists() else {}
+        record[name] = {"run_all_s": round(seconds, 1), "moved": moved}
+        times.write_text(json.dumps(record, indent=1, sort_keys=True))
+        page.screenshot(path=str(ARTIFACTS / f"{name.split('_')[0]}_after.png"))
+    except BaseException:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{name.split('_')[0]}_failure.png"),
+                        full_page=True)
+        raise
+    finally:
+        page.close()
+        shut_down_kernels(base, token)
+
+
+def shut_down_kernels(base: str, token: str) -> None:
+    """Stop every kernel of the server, so the next notebook has the cores to itself."""
+    headers = {"Authorization": f"token {token}"}
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/api/kernels",
+                                                       headers=headers), timeout=10) as r:
+        kernels = json.loads(r.read())
+    for k in kernels:
+        req = urllib.request.Request(f"{base}/api/kernels/{k['id']}", method="DELETE",
+                                     headers=headers)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{base}/lab/tree/01_all_reduce.ipynb?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            select = page.locator(".jp-Dialog button", has_text="Select")
-            try:  # JupyterLab may ask which kernel to start
-                select.first.wait_for(timeout=10_000)
-                select.first.click()
-            except Exception:
-                pass
-            page.locator(".lm-MenuBar-item", has_text="Run").first.click()
-            page.locator(".lm-Menu-item", has_text="Run All Cells").first.click()
-
-            def finished() -> bool:
-                prompts = [t.strip() for t in
-                           page.locator(".jp-CodeCell .jp-InputArea-prompt").all_text_contents()]
-                return bool(prompts) and all(t not in ("[*]:", "[ ]:", "") for t in prompts)
-            wait_until(finished, 240, "all cells to run", page)
-
-            errors = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
-            texts = [t for t in errors.all_text_contents() if "Traceback" in t or "Error" in t]
-            assert not texts, f"cells show errors: {texts[:3]}"
-            assert page.locator(".jp-OutputArea-output", has_text="Traceback").count() == 0
-
-            # The explorer: after the notebook's question 2 it shows MAX on rank+1 inputs.
-            message = page.locator(".widget-html-content", has_text="After all_reduce")
-            wait_until(lambda: message.count() > 0 and "all_reduce(MAX)" in
-                       message.first.text_content(), 30, "the explorer's message", page)
-            op = page.locator(".widget-dropdown", has_text="ReduceOp").locator("select")
-            op.select_option("SUM")
-            wait_until(lambda: "all_reduce(SUM) every rank holds [10, 10, 10, 10, 10, 10]"
-                       in message.first.text_content(), 30, "the SUM result", page)
-            op.select_option("MIN")
-            wait_until(lambda: "all_reduce(MIN) every rank holds [1, 1, 1, 1, 1, 1]"
-                       in message.first.text_content(), 30, "the MIN result", page)
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            page.locator(".widget-vbox", has=op).first.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "notebook01_min.png"))
-        finally:
-            browser.close()
+            urllib.request.urlopen(req, timeout=30).close()
+        except OSError:
+            pass

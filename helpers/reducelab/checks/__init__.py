@@ -11,32 +11,56 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from ..palette import NEUTRAL, RIGHT, WRONG
+
+
+PROMPT = ("No prediction yet. Write yours in the answer cell above, then run both "
+          "cells again: the real result stays folded until you do.")
+"""What an unanswered predict-then-run question shows, in place of the result."""
+
 
 @dataclass
 class Verdict:
-    """The outcome of a check.
+    """The outcome of a check or of a predict-then-run question.
 
     Attributes:
         passed: whether the answer is right.
         message: what was expected, what was found and why, in plain sentences.
+        answered: ``False`` for a question with no prediction yet: then nothing of
+            ``message`` is shown unless the learner opens it on purpose (an HTML
+            ``<details>``), and the plain-text form shows :data:`PROMPT` only.
     """
 
     passed: bool
     message: str
+    answered: bool = True
 
     def __bool__(self) -> bool:
         return self.passed
 
+    @property
+    def state(self) -> str:
+        """``"right"``, ``"wrong"`` or ``"unanswered"``."""
+        return "unanswered" if not self.answered else "right" if self.passed else "wrong"
+
     def __repr__(self) -> str:
+        if not self.answered:
+            return f"🤔 {PROMPT}"
         mark = "✅ Correct." if self.passed else "❌ Not yet."
         return f"{mark} {self.message}"
 
     def _repr_html_(self) -> str:
         import html
-        colour = "#1b7f3a" if self.passed else "#b3261e"
-        mark = "✅ Correct." if self.passed else "❌ Not yet."
         body = html.escape(self.message).replace("\n", "<br>")
-        return f'<div style="border-left:4px solid {colour};padding:4px 8px">{mark} {body}</div>'
+        if not self.answered:
+            return (f'<div class="reducelab-verdict" data-state="unanswered" '
+                    f'style="border-left:4px solid {NEUTRAL};padding:4px 8px">🤔 '
+                    f'{html.escape(PROMPT)}<details><summary>Show the real result '
+                    f'anyway</summary>{body}</details></div>')
+        colour = RIGHT if self.passed else WRONG
+        mark = "✅ Correct." if self.passed else "❌ Not yet."
+        return (f'<div class="reducelab-verdict" data-state="{self.state}" '
+                f'style="border-left:4px solid {colour};padding:4px 8px">{mark} {body}</div>')
 
 
 def passed(message: str) -> Verdict:
@@ -57,26 +81,59 @@ def raised_on_ranks(context: str, err) -> Verdict:
                   f"{err.first_summary}")
 
 
-def reveal(prediction, actual, why: str, same=None) -> Verdict:
+def _as_python(prediction, actual):
+    """A prediction typed as text (``"False"``, ``"36"``) read as the value it spells,
+    when ``actual`` is not text; else the prediction unchanged. Returns
+    ``(value, note)``, ``note`` saying what was read, or ``""``."""
+    if not isinstance(prediction, str) or isinstance(actual, str):
+        return prediction, ""
+    import ast
+    try:
+        value = ast.literal_eval(prediction.strip())
+    except (ValueError, SyntaxError):
+        kind = ("True or False" if isinstance(actual, bool) else
+                "a number such as 4" if isinstance(actual, (int, float)) else
+                "a list such as [0, 1]" if isinstance(actual, list) else
+                "a tuple such as (True, False)" if isinstance(actual, tuple) else
+                f"a {type(actual).__name__}")
+        return prediction, f" (Your answer is text; this question expects {kind}, " \
+                           f"written without quotes.)"
+    return value, (f" (You wrote the text {prediction!r}; it was read as {value!r}. "
+                   f"Next time write it without quotes.)")
+
+
+def reveal(prediction, actual, why: str, same=None, evidence: str = "") -> Verdict:
     """Compare a learner's prediction with what the ranks really did (every notebook's
     predict-then-run questions; introduced in notebook 01).
 
+    With no prediction yet, the result stays folded: the verdict shows :data:`PROMPT`,
+    and the result, ``why`` and ``evidence`` only inside an HTML ``<details>`` that
+    the learner opens on purpose. A question cell shows nothing else, so the committed
+    notebooks give no answer away.
+
     Args:
-        prediction: the learner's answer; ``None`` means no prediction was made.
+        prediction: the learner's answer; ``None`` means no prediction was made. Text
+            that spells a value (``"False"``) is read as that value when ``actual`` is
+            not text.
         actual: what really happened, as computed by the real collective.
         why: one or two sentences explaining the actual result.
         same: optional ``(prediction, actual) -> bool``; defaults to ``==`` (with a
             float tolerance of 1e-6 for numbers and lists of numbers).
+        evidence: optional text shown with the result, such as each rank's values.
 
     Returns:
         A :class:`Verdict`; ``passed`` is ``False`` when there was no prediction.
     """
+    shown = f"{evidence.rstrip()}\n" if evidence else ""
     if prediction is None:
-        return failed(f"No prediction yet. The real run gives {actual!r}. {why}")
-    ok = (same or _close)(prediction, actual)
+        return Verdict(False, f"{shown}The real run gives {actual!r}. {why}", answered=False)
+    value, note = _as_python(prediction, actual)
+    ok = (same or _close)(value, actual)
     if ok:
-        return passed(f"You predicted {prediction!r}, and the real run gives {actual!r}. {why}")
-    return failed(f"You predicted {prediction!r}, but the real run gives {actual!r}. {why}")
+        return passed(f"{shown}You predicted {value!r}, and the real run gives {actual!r}. "
+                      f"{why}{note}")
+    return failed(f"{shown}You predicted {value!r}, but the real run gives {actual!r}. "
+                  f"{why}{note}")
 
 
 def _close(a, b) -> bool:

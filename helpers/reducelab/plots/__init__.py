@@ -8,6 +8,18 @@ Figures are made with ``matplotlib.figure.Figure`` directly, not ``pyplot``, so 
 is displayed behind the learner's back and a widget can keep one figure and only update
 it. A widget shows the bytes in an ``ipywidgets.Image``; a plain cell shows them with
 :func:`show`.
+
+Every figure follows three rules, checked by ``tests/test_figures.py``:
+
+* **One palette.** Colours come from :data:`PALETTE` (Okabe and Ito's "Color Universal
+  Design" set, defined in :mod:`reducelab.palette`) or :data:`NEUTRAL`; every pair stays distinct (CAM02-UCS ΔE of 10 or
+  more) under simulated deuteranopia, protanopia and tritanopia. Sequential data use
+  :data:`CMAP` (viridis, which keeps its order under those simulations).
+* **Never colour alone.** What a colour says is also written: direct labels, values in
+  the cells, hatching or markers.
+* **Legible on a projector and on GitHub.** Drawn at :data:`DPI` and at most
+  :data:`MAX_WIDTH` inches wide, so a PNG is shown pixel for pixel within a notebook's
+  width; text is at least :data:`MIN_FONT` points.
 """
 from __future__ import annotations
 
@@ -17,20 +29,52 @@ import matplotlib
 
 matplotlib.use("Agg", force=False)
 import numpy as np  # noqa: E402
+from cycler import cycler  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-DPI = 80
-"""Resolution of every figure, dots per inch; low enough that a redraw stays fast."""
+from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: E402,F401
 
+DPI = 100
+"""Resolution of every figure, dots per inch: one figure pixel per screen pixel at 100 %."""
+MAX_WIDTH = 9.6
+"""Widest figure, inches (960 px): the width of a JupyterLab notebook on a 1280 px screen."""
+MIN_FONT = 10
+"""Smallest text in any figure, points."""
+
+RANK_COLOURS = [PALETTE[k] for k in ("blue", "orange", "green", "vermillion", "sky",
+                                     "purple", "yellow", "black")]
+"""Colour of rank ``r`` is ``RANK_COLOURS[r % 8]``; ranks are always labelled too."""
 CMAP = "viridis"
+"""Colour map of heatmaps whose cells also show their values."""
+HATCHES = ["", "//", "..", "xx", "\\\\", "oo", "--", "++"]
+"""Hatch of category ``k`` is ``HATCHES[k % 8]``: a second cue beside colour."""
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+"""Marker of series ``k`` is ``MARKERS[k % 8]``: a second cue beside colour."""
+
+STYLE = {
+    "font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 10,
+    "ytick.labelsize": 10, "legend.fontsize": 10, "figure.titlesize": 12,
+    "axes.prop_cycle": cycler(color=RANK_COLOURS), "image.cmap": CMAP,
+    "figure.dpi": DPI, "savefig.dpi": DPI,
+}
+"""matplotlib settings of every Reduce Lab figure, applied when this module is imported
+(learners' own plots in the notebooks then follow the same palette and sizes)."""
+matplotlib.rcParams.update(STYLE)
 
 
 def new_figure(width: float, height: float) -> Figure:
-    """A matplotlib ``Figure`` of ``width`` x ``height`` inches with an Agg canvas attached."""
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    """A matplotlib ``Figure`` of ``width`` x ``height`` inches with an Agg canvas attached.
+
+    ``width`` is capped at :data:`MAX_WIDTH`, so the PNG fits a notebook's width."""
+    fig = Figure(figsize=(min(width, MAX_WIDTH), height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+AUDITS: list = []
+"""Callables ``audit(fig)`` run on every figure before it is encoded (the tests register
+one that checks the palette, font sizes and width); empty in normal use."""
 
 
 def png(fig: Figure) -> bytes:
@@ -41,6 +85,8 @@ def png(fig: Figure) -> bytes:
     control change.
     """
     from PIL import Image
+    for audit in AUDITS:
+        audit(fig)
     canvas = fig.canvas
     canvas.draw()
     rgb = np.asarray(canvas.buffer_rgba())[..., :3]
@@ -54,6 +100,18 @@ def freeze_layout(fig: Figure) -> None:
     layout engine (the costliest part of redrawing a persistent figure)."""
     fig.canvas.draw()
     fig.set_layout_engine("none")
+
+
+def message_png(text: str, width_px: int = 600, height_px: int = 160) -> bytes:
+    """A plain figure of ``width_px`` x ``height_px`` pixels that says ``text``: what an
+    explorer shows instead of its figure when the ranks refused the controls' values,
+    so no stale picture contradicts the message."""
+    fig = Figure(figsize=(width_px / DPI, height_px / DPI), dpi=DPI)
+    FigureCanvasAgg(fig)
+    fig.patch.set_facecolor(PANEL_GREY)
+    fig.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=12,
+             color=TEXT_GREY)
+    return png(fig)
 
 
 def show(png_bytes: bytes):
@@ -93,8 +151,8 @@ class RankHeatmaps:
         self._texts = []
 
     def _build(self, world_size: int, n: int) -> None:
-        width = min(2.0 + 1.0 * len(self.titles) * max(n, 3) * 0.55, 13)
-        height = 0.9 + 0.42 * world_size
+        width = MAX_WIDTH if n > 4 else 2.4 + 1.5 * len(self.titles) * max(n, 2)
+        height = 1.4 + 0.45 * world_size
         self.fig = new_figure(width, height)
         axes = self.fig.subplots(1, len(self.titles), squeeze=False)[0]
         self._axes, self._images, self._texts = axes, [], []
@@ -103,22 +161,25 @@ class RankHeatmaps:
             ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
             ax.set_xticks(range(n) if n <= 16 else [])
             ax.set_xlabel("element")
-            ax.set_title(title, fontsize=10)
+            ax.set_title(title)
             self._images.append(im)
             texts = []
             if world_size * n <= self.MAX_LABELS:
-                texts = [[ax.text(j, i, "", ha="center", va="center", fontsize=8)
+                texts = [[ax.text(j, i, "", ha="center", va="center", fontsize=MIN_FONT)
                           for j in range(n)] for i in range(world_size)]
             self._texts.append(texts)
         self._shape = (world_size, n)
         self._ylabels = None
         # reserve room for a title, two-line panel titles and "rank N (dst)" labels,
         # then freeze the layout
-        self.fig.suptitle(" ", fontsize=11)
+        self.fig.suptitle(" ")
         for ax in axes:
-            ax.set_title("before\nafter", fontsize=10)
+            ax.set_title("before\nafter")
             ax.set_yticks(range(world_size), [f"rank {r} (dst)" for r in range(world_size)])
         freeze_layout(self.fig)
+        # the widest label that fits a cell at MIN_FONT (a digit is about 0.6 em wide)
+        cell_px = axes[0].get_window_extent().width / n
+        self._max_chars = int(0.9 * cell_px / (0.6 * MIN_FONT * DPI / 72))
 
     def draw(self, panels: list, subtitles: list[str] | None = None,
              title: str | None = None, highlight_rows: dict[int, str] | None = None) -> bytes:
@@ -126,7 +187,8 @@ class RankHeatmaps:
 
         Args:
             panels: one array-like per title, each of shape ``(world_size, n)``; any
-                numeric dtype. ``NaN`` cells are drawn grey (no value).
+                numeric dtype. ``NaN`` cells are left blank (no value). Each cell shows
+                its value where the value fits the cell at :data:`MIN_FONT` points.
             subtitles: optional text under each panel's title.
             title: optional figure title.
             highlight_rows: optional ``{rank: label}`` marked on the y axis, e.g. ``{0: "dst"}``.
@@ -148,18 +210,20 @@ class RankHeatmaps:
             im.set_data(np.ma.masked_invalid(a))
             im.set_clim(lo, hi)
             mid = (lo + hi) / 2
+            labels = [[fmt_value(v) if np.isfinite(v) else "" for v in row] for row in a]
+            fits = max((len(x) for row in labels for x in row), default=0) <= self._max_chars
             for i, row in enumerate(self._texts[k]):
                 for j, t in enumerate(row):
                     v = a[i, j]
-                    t.set_text("" if not np.isfinite(v) else fmt_value(v))
+                    t.set_text(labels[i][j] if fits else "")
                     t.set_color("black" if np.isfinite(v) and v > mid else "white")
             label = self.titles[k] + (f"\n{subtitles[k]}" if subtitles and subtitles[k] else "")
-            self._axes[k].set_title(label, fontsize=10)
+            self._axes[k].set_title(label)
         labels = [f"rank {r}" + (f" ({highlight_rows[r]})" if highlight_rows and r in highlight_rows
                                  else "") for r in range(world_size)]
         if labels != self._ylabels:
             for ax in self._axes:
                 ax.set_yticks(range(world_size), labels)
             self._ylabels = labels
-        self.fig.suptitle(title or "", fontsize=11)
+        self.fig.suptitle(title or "")
         return png(self.fig)

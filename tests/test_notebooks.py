@@ -1,0 +1,180 @@
+"""Every committed notebook follows the project's patterns (README, "How a notebook is
+built"). These read the tracked notebooks only, as they are committed:
+
+* saved as one clean top-to-bottom run, with a kernelspec;
+* explorers stay live after Run All: no notebook closes its group;
+* predictions stay unspoiled: an unanswered question shows only the prompt, with the
+  real result folded in a ``<details>``, and nothing else in its cell;
+* every figure reads without a kernel: an explorer's display carries an ``image/png``,
+  and no PNG is wider than a notebook;
+* one solution flow: the learner's ``def`` cell starts with ``# %load solutions/…``, the
+  check is the next code cell, the text says to run the def cell and then the check,
+  and no check message prints the solution;
+* no empty output areas;
+* the project stands alone: nothing in the repository points outside it.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import pathlib
+import re
+import struct
+import subprocess
+
+import pytest
+
+from reducelab.checks import PROMPT
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+WIDTH_PX = 960
+"""Widest PNG a notebook may hold: ``plots.MAX_WIDTH`` at ``plots.DPI``."""
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+def code_cells(nb):
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def source(cell) -> str:
+    return "".join(cell["source"])
+
+
+def texts(output) -> list[str]:
+    if output["output_type"] == "stream":
+        return ["".join(output["text"])]
+    data = output.get("data", {})
+    return ["".join(v) if isinstance(v, list) else v for k, v in data.items()
+            if k.startswith("text/")]
+
+
+ids = [p.name for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_saved_as_one_clean_run_with_a_kernelspec(path):
+    nb = load(path)
+    assert nb["metadata"].get("kernelspec", {}).get("name") == "python3"
+    counts = [c.get("execution_count") for c in code_cells(nb)]
+    assert counts == list(range(1, len(counts) + 1)), counts
+    for c in code_cells(nb):
+        assert not any(o["output_type"] == "error" for o in c["outputs"]), source(c)[:80]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_the_group_stays_open_so_explorers_are_live_after_run_all(path):
+    for c in code_cells(load(path)):
+        live = "\n".join(line.split("#")[0] for line in source(c).splitlines())
+        assert not re.search(r"\bgroup\.close\(\)", live), source(c)[:120]
+
+
+def verdicts(nb):
+    for c in code_cells(nb):
+        for o in c["outputs"]:
+            html_text = "".join(o.get("data", {}).get("text/html", ""))
+            if "reducelab-verdict" in html_text:
+                yield c, o, html_text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_unanswered_questions_show_only_the_prompt(path):
+    nb = load(path)
+    questions = [(c, o, h) for c, o, h in verdicts(nb) if 'data-state="unanswered"' in h]
+    assert questions, "a notebook has predict-then-run questions"
+    for cell, output, page in questions:
+        folded = re.sub(r"<details>.*?</details>", "", page, flags=re.S)
+        visible = html.unescape(re.sub(r"<[^>]+>", "", folded)).strip()
+        assert visible == f"🤔 {PROMPT}", visible
+        assert "".join(output["data"]["text/plain"]) == f"🤔 {PROMPT}"
+        others = [o for o in cell["outputs"] if o is not output]
+        assert not others, f"the question cell shows more than its folded verdict: " \
+                           f"{[t[:80] for o in others for t in texts(o)]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_answer_cells_hold_no_answer(path):
+    for c in code_cells(load(path)):
+        for line in source(c).splitlines():
+            if re.match(r"answer(_\w+)?\s*=", line):
+                assert re.match(r"answer(_\w+)?\s*=\s*None\b", line), line
+
+
+def png_size(b64: str) -> tuple[int, int]:
+    raw = base64.b64decode(b64)
+    return struct.unpack(">II", raw[16:24])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_every_figure_reads_without_a_kernel_and_fits_the_notebook(path):
+    for c in code_cells(load(path)):
+        for o in c["outputs"]:
+            data = o.get("data", {})
+            if "application/vnd.jupyter.widget-view+json" in data and \
+                    "Explorer(" in "".join(data.get("text/plain", "")):
+                assert "image/png" in data, f"explorer without a static picture: {source(c)[:80]}"
+            if "image/png" in data:
+                width, height = png_size("".join(data["image/png"]))
+                assert width <= WIDTH_PX, f"{width} px wide: {source(c)[:80]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_no_empty_output_areas(path):
+    for c in code_cells(load(path)):
+        for o in c["outputs"]:
+            if o["output_type"] == "stream" or set(o.get("data", {})) <= {"text/plain"}:
+                assert any(t.strip() for t in texts(o)), f"empty output in: {source(c)[:80]}"
+
+
+def exercises(nb):
+    cells = code_cells(nb)
+    for i, c in enumerate(cells):
+        first = source(c).splitlines()[0] if source(c) else ""
+        m = re.match(r"# %load (solutions/\S+\.py)$", first)
+        if m:
+            yield m.group(1), c, cells[i + 1] if i + 1 < len(cells) else None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_one_solution_flow(path):
+    nb = load(path)
+    found = list(exercises(nb))
+    assert found, "every notebook has an exercise whose def cell starts with # %load"
+    markdown = "\n".join(source(c) for c in nb["cells"] if c["cell_type"] == "markdown")
+    for solution, def_cell, check_cell in found:
+        solution_path = path.parent / solution
+        assert solution_path.exists(), solution
+        assert re.search(r"^(def \w+|\w+ = )", source(def_cell), re.M), \
+            "the %load cell holds the learner's def (or assignment)"
+        assert check_cell is not None and "check_" in source(check_cell), \
+            "the check is the code cell right after the def cell"
+        assert "def " not in source(check_cell), "the check cell holds no def"
+        assert re.search(r"run (it|the (def|cell)).{0,80}then.{0,40}(run )?the check",
+                         markdown, re.I | re.S), "the text says: run the def cell, then the check"
+        code = [line.strip() for line in solution_path.read_text().splitlines()
+                if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+        shown = "\n".join(t for o in check_cell["outputs"] for t in texts(o))
+        leaked = [line for line in code if line in shown]
+        assert not leaked, f"the check's message prints the solution: {leaked}"
+
+
+OUTSIDE = re.compile(r"shared/seeds|\.\./shared|/work/|/tmp/praxium|/root/|/home/\w+")
+
+
+def test_the_project_stands_alone():
+    """No path outside the repository: a clone has no shared/ and no machine paths."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    hits = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix in (".png", ".whl") or not path.is_file():
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line) and name != "tests/test_notebooks.py":
+                hits.append(f"{name}:{n}: {line.strip()[:100]}")
+    assert not hits, "paths outside the repository:\n" + "\n".join(hits[:20])
