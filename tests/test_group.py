@@ -277,3 +277,20 @@ def test_runaway_output_is_cut_with_a_note(group, capsys):
                      f"dropped]") == 4
     assert "[rank 3] \n" not in out                 # no empty line before the note
     assert len(out) < 4 * (MAX_CHARS + 10 * MAX_CHARS // 1000 + 1000)
+
+
+def test_env_is_set_on_every_rank_before_it_joins_the_process_group():
+    with LocalGroup(world_size=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as g:
+        out = g.run(lambda: (os.environ.get("TORCH_DISTRIBUTED_DEBUG"),
+                             dist.get_debug_level().name))
+        assert out == [("DETAIL", "DETAIL")] * 2
+        assert g.env == {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} and "env=" in repr(g)
+    assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ
+
+
+@pytest.mark.parametrize("env, error, words", [
+    ({"A": 1}, TypeError, "dict of str to str"), (["A"], TypeError, "dict of str to str"),
+    ({"RANK": "3"}, ValueError, "cannot set RANK")])
+def test_bad_env_names_the_rule_and_starts_nothing(env, error, words):
+    with pytest.raises(error, match=words):
+        LocalGroup(world_size=2, env=env)

@@ -103,6 +103,23 @@ def _error_kind(summary: str) -> str:
     return head if re.fullmatch(r"[A-Za-z_][\w.]*", head) else "an error"
 
 
+_RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME")
+
+
+def _validate_env(env) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise TypeError(f"env must be a dict of str to str, such as "
+                        f"{{'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}}, got {env!r}")
+    taken = [k for k in env if k in _RESERVED_ENV]
+    if taken:
+        raise ValueError(f"env cannot set {', '.join(taken)}: LocalGroup sets "
+                         f"{', '.join(_RESERVED_ENV)} on every rank itself")
+    return dict(env)
+
+
 def _validate(world_size, backend, timeout) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int from 1 to {MAX_WORLD_SIZE}, "
@@ -189,10 +206,14 @@ class LocalGroup:
         progress: how to show ranks joining while the group starts: ``None`` shows a
             status line when called from a notebook cell, ``False`` shows nothing, a
             callable gets ``(up, world_size)``, here and at each :meth:`resize`.
+        env: environment variables (``{str: str}``) set on every rank before it joins
+            the process group, such as ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``, which
+            torch reads only then (notebook 11). The kernel's own environment is
+            unchanged.
 
     Raises:
-        TypeError, ValueError: bad ``world_size``, ``backend`` or ``timeout``; nothing
-            is started.
+        TypeError, ValueError: bad ``world_size``, ``backend``, ``timeout`` or ``env``;
+            nothing is started.
         RankError: a rank could not start or join the process group.
 
     Ranks persist across :meth:`run` calls, so state (a model, a tensor in a global)
@@ -206,8 +227,9 @@ class LocalGroup:
     """
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", timeout: float = 30.0,
-                 progress=None):
+                 progress=None, env: dict[str, str] | None = None):
         _validate(world_size, backend, timeout)
+        self._env = _validate_env(env)
         self._progress = progress
         self._world_size = world_size
         self._backend = backend
@@ -397,9 +419,15 @@ class LocalGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment variables this group sets on its ranks (a copy)."""
+        return dict(self._env)
+
     def __repr__(self) -> str:
+        env = f", env={self._env!r}" if self._env else ""
         return (f"LocalGroup(world_size={self._world_size}, backend={self._backend!r}, "
-                f"timeout={self._timeout:g}, state={self._state!r}, "
+                f"timeout={self._timeout:g}{env}, state={self._state!r}, "
                 f"alive={self.alive}/{self._world_size})")
 
     def _repr_html_(self) -> str:
@@ -475,7 +503,8 @@ class LocalGroup:
                             target=_rank_main, name=f"{processes.PROCESS_PREFIX}rank-{rank}",
                             daemon=True,
                             args=(rank, self._world_size, self._backend, tmpdir,
-                                  self._timeout + 5.0, child, ifname, list(sys.path)))
+                                  self._timeout + 5.0, child, ifname, list(sys.path),
+                                  self._env))
                         proc.start()
                     except BaseException:
                         parent.close()

@@ -393,7 +393,7 @@ class _Rank:
 
 
 def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, conn,
-         loopback_ifname: str, sys_path: list[str]) -> None:
+         loopback_ifname: str, sys_path: list[str], env: dict[str, str] | None = None) -> None:
     """Entry point of rank ``rank``; called by ``multiprocessing`` in a fresh process.
 
     Joins the default process group (``FileStore`` rendezvous in ``tmpdir``), reports
@@ -408,6 +408,7 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
         conn: this rank's end of the socket pair to the kernel.
         loopback_ifname: the loopback interface gloo is pinned to (``lo``, ``lo0``).
         sys_path: the kernel's ``sys.path``, so functions sent by reference import.
+        env: environment variables to set before joining the process group.
     """
     if hasattr(os, "setpgid"):
         os.setpgid(0, 0)  # a process group of its own: stopped as one, whatever it starts
@@ -415,6 +416,9 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
     mp.set_start_method(None, force=True)  # with the platform's default start method
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt does
     sys.modules["__main__"] = MAIN
+    os.environ.update(env or {})
+    if env and "TORCH_DISTRIBUTED_DEBUG" in env:
+        dist.set_debug_level_from_env()  # torch read it when the forkserver imported it
     os.environ.update(GLOO_SOCKET_IFNAME=loopback_ifname, RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
