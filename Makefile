@@ -3,8 +3,10 @@
 #               and open JupyterLab there (127.0.0.1 only)
 #   make test   create .venv, install, run the unit tests, the fault suite, the browser
 #               test and nbval on every notebook
-# Other targets: make unit (tests without the browser), make nbval, make notebooks
-# (re-execute every notebook top to bottom and save), make bench, make clean.
+# Other targets: make unit (tests without the browser), make nbval, make test-spawn (the
+# LocalGroup tests and notebook 01 with the spawn start method), make notebooks
+# (re-execute every notebook top to bottom and save), make bench, make workshop-bench,
+# make clean.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -17,7 +19,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 PORT ?= 8888
 LAB_DIR ?= reducelab-notebooks
 
-.PHONY: install browser lab test unit nbval notebooks bench clean
+.PHONY: install browser lab test test-spawn unit nbval notebooks bench workshop-bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing Reduce Lab into $(VENV): torch (CPU), JupyterLab, ipywidgets, matplotlib"
@@ -50,8 +52,17 @@ lab: install
 
 test: install browser
 	$(BIN)/python -m pytest tests -q
+	$(MAKE) --no-print-directory test-spawn
 	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=120 -p no:cacheprovider
+
+# Where there is no forkserver (Windows; macOS too, if a learner chooses), ranks start with
+# spawn. This runs the LocalGroup tests and notebook 01 with spawn forced on Linux.
+test-spawn: install
+	REDUCELAB_START_METHOD=spawn $(BIN)/python -m pytest -q tests/test_group.py \
+	  tests/faults/test_learner_code.py
+	REDUCELAB_START_METHOD=spawn $(BIN)/python -m pytest -q --nbval notebooks/01_all_reduce.ipynb \
+	  --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=120 -p no:cacheprovider
 
 unit: install
 	$(BIN)/python -m pytest tests -q --ignore=tests/browser
@@ -70,6 +81,10 @@ notebooks: install
 bench: install
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python benchmarks/bench.py
+
+# The first start in a fresh kernel, and a class of K learners on one machine.
+workshop-bench: install
+	$(BIN)/python benchmarks/workshop.py
 
 clean:
 	rm -rf $(VENV) helpers/*.egg-info

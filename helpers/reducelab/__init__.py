@@ -9,6 +9,38 @@ from .group import LocalGroup
 __all__ = ["GroupBusyError", "GroupClosedError", "LocalGroup", "RankError", "RankReport", "setup", "load_ipython_extension"]
 
 
+def _prewarm() -> None:
+    """Start the ranks' forkserver (it imports torch) in the background, at import.
+
+    In a notebook, the setup cell then imports torch in the kernel while the forkserver
+    imports it in its own process, and the first ``LocalGroup`` finds it ready, instead
+    of paying for the two imports one after the other. Only in a Jupyter kernel's main
+    process (or with ``REDUCELAB_PREWARM=1``); ``REDUCELAB_PREWARM=0`` turns it off.
+    """
+    import os
+    import sys
+    import threading
+    flag = os.environ.get("REDUCELAB_PREWARM", "")
+    if flag == "0":
+        return
+    import multiprocessing as mp
+    if mp.parent_process() is not None:
+        return  # a rank, a forkserver child, a DataLoader worker
+    if flag != "1" and "ipykernel" not in sys.modules:
+        return
+
+    def warm_up() -> None:
+        from .processes import context, warm
+        try:
+            warm(context())
+        except Exception:  # noqa: BLE001 - the first LocalGroup will start it and say why
+            pass
+    threading.Thread(target=warm_up, name="reducelab-prewarm", daemon=True).start()
+
+
+_prewarm()
+
+
 def load_ipython_extension(ipython) -> None:
     """``%load_ext reducelab``: registers the ``%%ranks`` cell magic (see reducelab.magic)."""
     from .magic import load_ipython_extension as load

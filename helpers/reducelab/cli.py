@@ -1,5 +1,5 @@
 """The ``reducelab`` command: ``reducelab lab [DIR]`` copies the notebooks for a learner
-and opens JupyterLab on that copy.
+and opens JupyterLab on that copy; ``reducelab doctor`` checks that they can run here.
 
 The notebooks a learner runs are a working copy, never the ones the project ships:
 JupyterLab saves every notebook it has open, so running the shipped ones would change
@@ -20,6 +20,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 DEFAULT_DIR = "reducelab-notebooks"
 """Where ``reducelab lab`` puts the learner's working copy, relative to the current folder."""
@@ -32,7 +33,10 @@ def shipped_notebooks() -> pathlib.Path:
         FileNotFoundError: no notebooks were found next to the package (a broken install).
     """
     here = pathlib.Path(__file__).resolve().parent
-    for candidate in (here / "notebooks", here.parents[1] / "notebooks"):
+    installed = pathlib.Path(sysconfig.get_path("data")) / "share" / "reducelab" / "notebooks"
+    user = pathlib.Path(sysconfig.get_path("data", f"{os.name}_user")) / "share" / \
+        "reducelab" / "notebooks"
+    for candidate in (here.parents[1] / "notebooks", installed, user):
         if any(candidate.glob("[0-9][0-9]_*.ipynb")):
             return candidate
     raise FileNotFoundError("no Reduce Lab notebooks were found next to the reducelab "
@@ -81,6 +85,141 @@ def copy_notebooks(target: pathlib.Path, source: pathlib.Path | None = None,
     return report
 
 
+NOTEBOOK_WORLD_SIZE = 4
+"""The world size most notebook cells use (explorers go up to 8)."""
+MEMORY_PER_LEARNER = 1.0
+"""GiB a learner needs free for a kernel with a group of 4 ranks, with room to spare
+(see the README's sizing rule)."""
+
+
+def _check(ok: bool | None, what: str, fix: str = "") -> dict:
+    return {"ok": ok, "what": what, "fix": fix}
+
+
+def doctor_checks(smoke: bool = True) -> list[dict]:
+    """Check that Reduce Lab can run here. Each check is ``{"ok": True | False | None,
+    "what": str, "fix": str}``; ``None`` is a warning that does not stop the notebooks.
+
+    Checks: Python and torch versions, torch's build (CPU or CUDA), gloo, the start
+    method ranks will use, the loopback interface, cores against the world sizes the
+    notebooks use, free memory, whether this environment's JupyterLab has the ipywidgets
+    extension, and (with ``smoke``) a real all_reduce on a group of 2 ranks.
+    """
+    checks = []
+    py = sys.version_info
+    checks.append(_check(py >= (3, 10), f"Python {py.major}.{py.minor}",
+                         "Reduce Lab needs Python 3.10 or newer."))
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        checks.append(_check(False, f"torch is not importable ({e})",
+                             "pip install torch --index-url https://download.pytorch.org/whl/cpu"))
+        return checks
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    checks.append(_check(version >= (2, 8), f"torch {torch.__version__}",
+                         "gloo gained ReduceOp.AVG in torch 2.8: pip install -U torch "
+                         "--index-url https://download.pytorch.org/whl/cpu"))
+    if torch.version.cuda:
+        checks.append(_check(None, f"torch is a CUDA build ({torch.version.cuda}); the "
+                                   f"notebooks use the CPU only",
+                             "it works; a CPU build is about ten times smaller: pip install "
+                             "torch --index-url https://download.pytorch.org/whl/cpu"))
+    else:
+        checks.append(_check(True, "torch is a CPU build"))
+    gloo = dist.is_available() and dist.is_gloo_available()
+    checks.append(_check(gloo, "gloo backend available" if gloo else "no gloo backend",
+                         "install an official torch wheel; this build lacks torch.distributed"))
+    import multiprocessing as mp
+
+    from .processes import context
+    method = context().get_start_method()
+    checks.append(_check(True, f"ranks start with {method}" + (
+        "" if method == "forkserver" else
+        " (no forkserver on this platform: each group start imports torch in every rank, "
+        "a few seconds)")))
+    if "forkserver" not in mp.get_all_start_methods():
+        checks[-1]["ok"] = None
+    from .group import loopback_interface
+    try:
+        checks.append(_check(True, f"loopback interface {loopback_interface()} "
+                                   f"(gloo stays on 127.0.0.1)"))
+    except RuntimeError as e:
+        checks.append(_check(False, str(e), "bring up the loopback interface (lo) with "
+                                            "127.0.0.1; gloo would otherwise listen on the "
+                                            "network"))
+    import psutil
+    cores = psutil.cpu_count(logical=True) or 1
+    checks.append(_check(True if cores >= NOTEBOOK_WORLD_SIZE else None,
+                         f"{cores} cores for world sizes of {NOTEBOOK_WORLD_SIZE} (up to 8)",
+                         "ranks outnumber cores: results stay right, but small collectives "
+                         "take milliseconds instead of microseconds, and timings show it"))
+    free = psutil.virtual_memory().available / 2**30
+    checks.append(_check(free >= MEMORY_PER_LEARNER, f"{free:.1f} GiB of memory free",
+                         f"a kernel with 4 ranks needs about {MEMORY_PER_LEARNER:g} GiB: "
+                         f"close other kernels (Kernel > Shut Down All Kernels)"))
+    import importlib.util
+    widgets = importlib.util.find_spec("ipywidgets") is not None
+    manager = importlib.util.find_spec("jupyterlab_widgets") is not None
+    checks.append(_check(widgets and manager,
+                         "ipywidgets and its JupyterLab extension are installed here"
+                         if widgets and manager else "ipywidgets or jupyterlab_widgets missing",
+                         "pip install ipywidgets jupyterlab_widgets in the environment that "
+                         "runs JupyterLab, then restart JupyterLab"))
+    if manager:
+        try:
+            out = subprocess.run([sys.executable, "-m", "jupyter", "labextension", "list"],
+                                 capture_output=True, text=True, timeout=60)
+            listed = "@jupyter-widgets/jupyterlab-manager" in out.stdout + out.stderr
+            checks.append(_check(listed or None, "JupyterLab here lists the widget manager"
+                                 if listed else "JupyterLab here does not list the widget manager",
+                                 "if your JupyterLab runs in another environment (a hub), "
+                                 "install jupyterlab_widgets there"))
+        except (OSError, subprocess.TimeoutExpired):
+            checks.append(_check(None, "no JupyterLab in this environment",
+                                 "pip install jupyterlab, or use the hub's JupyterLab with "
+                                 "jupyterlab_widgets installed"))
+    if smoke and gloo:
+        import time
+
+        from . import LocalGroup
+        t0 = time.monotonic()
+        try:
+            with LocalGroup(world_size=2, timeout=60, progress=False) as g:
+                out = g.run(_smoke)
+            ok = out == [3.0, 3.0]
+            checks.append(_check(ok, f"a group of 2 ranks started and ran all_reduce in "
+                                     f"{time.monotonic() - t0:.1f} s" if ok else
+                                     f"all_reduce gave {out}, expected [3.0, 3.0]",
+                                 "report this, with the output of `reducelab doctor`"))
+        except Exception as e:  # noqa: BLE001 - any failure is the finding
+            checks.append(_check(False, f"a group of 2 ranks failed: {type(e).__name__}: "
+                                        f"{str(e).splitlines()[0]}",
+                                 "report this, with the output of `reducelab doctor`"))
+    return checks
+
+
+def _smoke() -> float:
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _doctor(args) -> int:
+    checks = doctor_checks(smoke=not args.quick)
+    for c in checks:
+        mark = {True: "ok  ", False: "FAIL", None: "note"}[c["ok"]]
+        print(f"{mark} {c['what']}")
+        if c["ok"] is not True and c["fix"]:
+            print(f"     -> {c['fix']}")
+    failed = [c for c in checks if c["ok"] is False]
+    print("Reduce Lab can run here." if not failed else
+          f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed: see the fixes above.")
+    return 1 if failed else 0
+
+
 def _lab(args) -> int:
     target = pathlib.Path(args.dir).resolve()
     try:
@@ -125,8 +264,10 @@ def main(argv=None) -> int:
                      help="copy notebook NAME again, keeping the edited one under a new name")
     lab.add_argument("--dry-run", action="store_true",
                      help="copy the notebooks, print the JupyterLab command, do not start it")
+    doctor = sub.add_parser("doctor", help="check that Reduce Lab can run here")
+    doctor.add_argument("--quick", action="store_true", help="skip starting a real group")
     args = parser.parse_args(argv)
-    return _lab(args)
+    return _doctor(args) if args.command == "doctor" else _lab(args)
 
 
 if __name__ == "__main__":
