@@ -253,9 +253,9 @@ class LocalGroup:
         os.set_blocking(self._wake_w, False)
         self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         _LIVE.add(self)
-        _LATEST[:] = [weakref.ref(self)]
         with self._exclusive("LocalGroup()"):
             self._start(time.monotonic() + self._timeout, announce=True)
+        _LATEST[:] = [weakref.ref(self)]  # the kernel's current group: explorers follow it
 
     # --- public -----------------------------------------------------------------------
     @property
