@@ -12,22 +12,22 @@ import torch.distributed as dist
 from conftest import load_solution
 from reducelab.checks import reveal
 from reducelab.checks.all_reduce import check_mean_over_ranks, local_values
-from reducelab.widgets.all_reduce import AllReduceExplorer
+from reducelab.plots import message_png
+from reducelab.widgets.all_reduce import PATTERNS, AllReduceExplorer
 
 # Send this module's functions by value, as a notebook cell's are: the ranks then need
 # not import the test module (and everything it imports) before they can run them.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-
-
-
 def demo(op, pattern, dtype, n):
-    """The notebook's rank function, in short: rank+1 or one-hot inputs."""
+    """The notebook's rank function, in short: rank+1, signed or one-hot inputs."""
     rank = dist.get_rank()
     if pattern == "one-hot":
         x = torch.zeros(n)
         x[rank % n] = 1.0
+    elif pattern == "signed":
+        x = torch.full((n,), (rank // 2 + 1) * (1.0 if rank % 2 == 0 else -1.0))
     else:
         x = torch.full((n,), rank + 1.0)
     x = x.to(getattr(torch, dtype))
@@ -77,6 +77,62 @@ def test_refused_combination_shows_a_sentence_and_recovers(explorer):
     assert explorer.error is None and (explorer.result.after == 4).all()
     explorer.controls["dtype"].value = "float32"
     assert "refuses BXOR on float32" in explorer.message.value
+
+
+def test_a_refused_combination_replaces_the_figure_with_a_note(explorer):
+    explorer.controls["op"].value = "MAX"
+    old = bytes(explorer.image.value)
+    explorer.controls["op"].value = "BAND"                  # float32: refused by gloo
+    assert explorer.result is None
+    assert bytes(explorer.image.value) != old
+    assert bytes(explorer.image.value) == message_png(
+        "No figure for these settings: see the message below.")
+    assert "refuses BAND on float32" in explorer.message.value
+    assert "refuses BAND on float32" in explorer.text()     # the static text says it too
+    explorer.controls["dtype"].value = "int64"              # 1 & 2 & 3 & 4 = 0
+    assert explorer.error is None and (explorer.result.after == 0).all()
+
+
+def test_signed_inputs_cancel_under_sum_and_the_scale_grows_by_world_size(explorer):
+    assert "signed" in PATTERNS
+    explorer.controls["pattern"].value = "signed"
+    assert explorer.result.before[:, 0].tolist() == [1, -1, 2, -2]
+    assert (explorer.result.after == 0).all()               # +1 - 1 + 2 - 2
+    assert "Largest |value|: 2 before, 0 after" in explorer.text()
+    explorer.controls["world_size"].value = 5               # + 3
+    assert (explorer.result.after == 3).all()
+    explorer.controls["world_size"].value = 4
+
+
+def all_reduce_inputs(values):
+    x = torch.tensor([values[dist.get_rank()]])
+    dist.all_reduce(x)
+    return x.item()
+
+
+@pytest.mark.parametrize("values", [[1.0, 2.0, 3.0, 4.0], [1.0, -1.0, 2.0, -2.0], [1.0, -2.0, 3.0, -4.0],
+                                    [0.9, 1.1, 1.0, 1.0], [0.5] * 4])
+def test_sum_is_world_size_times_the_mean_and_bounded_by_the_largest_input(group, values):
+    """Step 2 of the notebook: what SUM does to any inputs."""
+    group.resize(4)
+    total = group.run(all_reduce_inputs, values)[0]
+    assert total == pytest.approx(4 * sum(values) / 4, abs=1e-6)
+    assert abs(total) <= 4 * max(abs(v) for v in values) + 1e-6
+
+
+def changed_by(op):
+    x = torch.tensor([dist.get_rank() + 1.0])
+    before = x.clone()
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+    return not torch.equal(before, x)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_max_leaves_only_the_rank_holding_the_maximum(group, world_size):
+    """Question 3's fact, at every world size the explorer allows."""
+    group.resize(world_size)
+    assert group.run(changed_by, "MAX") == [True] * (world_size - 1) + [False]
+    group.resize(4)
 
 
 def test_one_hot_sum_tells_every_rank_who_set_what(explorer):
@@ -140,3 +196,20 @@ def test_explorer_on_a_closed_group_says_so():
     g.close()
     ex.controls["op"].value = "MAX"
     assert "closed" in ex.message.value and "setup cell" in ex.message.value
+    assert ex.result is None
+
+
+def test_explorer_follows_the_new_group_once_the_setup_cell_runs_again():
+    """The notebook's last cell says so: close the group, run the setup cell again, and
+    the explorer runs on the new group."""
+    from reducelab import LocalGroup
+    old = LocalGroup(world_size=2)
+    ex = AllReduceExplorer(old, demo, n=2)
+    old.close()
+    new = LocalGroup(world_size=2)          # what re-running the setup cell does
+    try:
+        ex.controls["op"].value = "MAX"
+        assert ex.error is None and ex.group is new
+        assert (ex.result.after == 2).all()
+    finally:
+        new.close()

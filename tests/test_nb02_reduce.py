@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 
 import conftest
+from reducelab.plots import message_png
 from reducelab.checks.reduce import SIZES, check_reduce_keep_input, exercise_input
-from reducelab.plots.reduce import FULL, PARTIAL, UNCHANGED, ReduceGrid, cell_label, sweep_figure
+from reducelab.plots.reduce import (FULL, PARTIAL, STATUS_HATCHES, UNCHANGED, ReduceGrid,
+                                    cell_label, sweep_figure)
 from reducelab.widgets.reduce import (PATTERNS, ReduceExplorer, buffer_status,
                                       contributors)
 
@@ -200,7 +202,9 @@ def test_explorer_matches_reference_and_follows_controls(group):
     want = gloo_reduce_reference(inputs_10(4, 8), 0)
     np.testing.assert_array_equal(e.result.after, np.stack(want))
     assert e.result.changed_ranks() == [1, 2, 3]
-    assert "ranks 1, 2, 3 changed (6, 6, 6 of 8 elements" in e.message.value
+    assert "dst holds the full sum in 8 of 8" in e.message.value
+    # rank 1 holds [1110 1110 1111 1111 10 10 110 110]; ranks 2 and 3 the same counts
+    assert "ranks 1, 2, 3 each: 2 full, 4 partial, 2 unchanged" in e.message.value
 
     e.controls["world_size"].value = 3
     e.controls["dst"].value = 2
@@ -244,15 +248,47 @@ def test_explorer_explains_a_failing_rank_function(group):
     e = ReduceExplorer(group, broken, world_size=2)
     assert e.result is None and "ZeroDivisionError: boom" in e.message.value
     assert "could not run reduce" in e.text()
+    # no stale figure under the message: a plain note stands in for it
+    assert bytes(e.image.value) == message_png("No figure for these settings: see the message below.")
+
+
+def test_the_input_changes_the_figure_not_the_layout_even_at_32_elements(group):
+    """The input dropdown: at 32 elements no value fits a cell, yet the figure changes
+    (the input panel is coloured by value), while the after panel's layout does not."""
+    group.resize(4)
+    e = ReduceExplorer(group, reduce_once, world_size=4, dst=0, n=32)
+    before_png, status = bytes(e.image.value), e.result.status.copy()
+    e.controls["pattern"].value = "random ints"
+    assert bytes(e.image.value) != before_png
+    np.testing.assert_array_equal(e.result.status, status)
+    assert e.message.value.startswith("input random ints")
+
+
+@pytest.mark.parametrize("ws,n", [(1, 1), (8, 32), (8, 8), (2, 3)])
+def test_grid_follows_the_figure_rules_at_the_extremes(ws, n):
+    """Statuses carry a hatch as well as a colour; the audit fixture checks palette,
+    10 pt text and width of every figure drawn here."""
+    assert len(set(STATUS_HATCHES.values())) == 3
+    inputs = inputs_10(ws, n)
+    before, after = np.stack(inputs), np.stack(gloo_reduce_reference(inputs, ws - 1))
+    grid = ReduceGrid()
+    png_bytes = grid.draw(before, after, buffer_status(before, after), ws - 1)
+    assert png_bytes.startswith(PNG_MAGIC)
+    assert grid.fig.get_figheight() <= 4.5
+    hatches = {c.get_hatch() for c in grid.fig.axes[1].collections}
+    assert {"//", "xx"} <= hatches
 
 
 # --- the exercise check and its solution --------------------------------------------------
 def test_solution_passes(group):
     group.resize(4)
-    verdict = check_reduce_keep_input(load_solution().reduce_keep_input, group)
+    verdict = check_reduce_keep_input(group, load_solution().reduce_keep_input)
     assert verdict, verdict.message
-    group.resize(3)
-    assert check_reduce_keep_input(load_solution().reduce_keep_input, group)
+    assert group.world_size == 4                 # the check put the world size back
+    group.resize(1)
+    assert check_reduce_keep_input(group, load_solution().reduce_keep_input, world_sizes=(3,))
+    assert group.world_size == 1
+    group.resize(4)
 
 
 def stub(x, dst):
@@ -270,28 +306,28 @@ def returns_nothing(x, dst):
     dist.reduce(x.clone(), dst=dst)
 
 
-def test_check_explains_wrong_answers(group):
+def test_check_explains_wrong_answers_without_giving_the_solution(group):
     group.resize(4)
-    v = check_reduce_keep_input(stub, group)
+    v = check_reduce_keep_input(group, stub)
     assert not v
-    assert "x changed on ranks 0, 1, 2, 3" in v.message
-    assert "On rank 1 (not dst)" in v.message and "x.clone()" in v.message
+    assert "With world_size=2" in v.message and "x changed on ranks" in v.message
+    assert "On rank 1 (not dst)" in v.message
     assert "[10.0, 10.0, 10.0, 10.0] before" in v.message
+    assert "clone" not in v.message and "out =" not in v.message   # no solution code
+    assert group.world_size == 4
 
-    v = check_reduce_keep_input(clone_but_return_x, group)
+    v = check_reduce_keep_input(group, clone_but_return_x)
     assert not v and "dst's own input" in v.message
-    assert str([1111.0] * SIZES[0]) in v.message  # says what was expected
+    assert str([11.0] * SIZES[0]) in v.message  # says what was expected (world_size 2)
 
-    v = check_reduce_keep_input(returns_nothing, group)
+    v = check_reduce_keep_input(group, returns_nothing)
     assert not v and "returned None" in v.message
 
-    v = check_reduce_keep_input(lambda x, dst: 1 / 0, group)
+    v = check_reduce_keep_input(group, lambda x, dst: 1 / 0)
     assert not v and "ZeroDivisionError" in v.message
 
-    group.resize(1)
-    v = check_reduce_keep_input(load_solution().reduce_keep_input, group)
-    assert not v and "2 or more ranks" in v.message
-    group.resize(4)
+    with pytest.raises(ValueError, match="2 or more ranks"):
+        check_reduce_keep_input(group, stub, world_sizes=(1, 2))
 
 
 def test_exercise_input():

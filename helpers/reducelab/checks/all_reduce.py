@@ -1,7 +1,8 @@
 """Checks for notebook 01 (all_reduce and the reduce ops).
 
 Source: ``torch.distributed.all_reduce``,
-https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; the learner
+question "Why do values increase significantly after `torch.dist.all_reduce`?" (2025-01-30).
 """
 from __future__ import annotations
 

@@ -1,32 +1,40 @@
 """Figures of notebook 02: what each rank's buffer holds after ``dist.reduce``.
 
-Each element of each rank's tensor is drawn in one of three colours: the rank's input,
-unchanged; a partial sum (some ranks' contributions, not all); or the full result.
+Each element of each rank's tensor after the reduce is one of three things: the rank's
+input, unchanged; a partial sum (some ranks' contributions, not all); or the full sum.
 :class:`RankHeatmaps` colours by value, which hides that distinction, hence this module.
+The three statuses differ in colour *and* in hatching (none, ``//``, ``xx``), and the
+legend names them, so no one needs to tell the colours apart.
 
 Source: ``torch.distributed.reduce``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce ; the learner
-question is seed 002 (``/work/shared/seeds/002_849a4f4688f08166.txt``).
+question "Why does `torch.distributed.reduce` affect tensors other than the
+destination?" (2025-01-30).
 """
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.colors import BoundaryNorm, ListedColormap
-from matplotlib.patches import Patch
+from matplotlib.collections import PatchCollection
+from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm, Normalize
+from matplotlib.patches import Patch, Rectangle
 
-from . import DPI, new_figure, png
+from . import CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, PANEL_GREY, new_figure, png
 
 UNCHANGED, PARTIAL, FULL = 0, 1, 2
 """Status codes of one element after reduce (see :func:`reducelab.widgets.reduce.buffer_status`)."""
-STATUS_NAMES = {UNCHANGED: "input, unchanged", PARTIAL: "partial sum", FULL: "full sum"}
-STATUS_COLOURS = {UNCHANGED: "#d9d9d9", PARTIAL: "#f4a259", FULL: "#3c9d5d"}
-_INPUT = 3  # code of the "before" panel's cells
-_CMAP = ListedColormap([STATUS_COLOURS[UNCHANGED], STATUS_COLOURS[PARTIAL],
-                        STATUS_COLOURS[FULL], "#bcd4e6"]).with_extremes(bad="white")
-_NORM = BoundaryNorm([-0.5, 0.5, 1.5, 2.5, 3.5], _CMAP.N)
+STATUS_NAMES = {UNCHANGED: "unchanged", PARTIAL: "partial sum", FULL: "full sum"}
+STATUS_COLOURS = {UNCHANGED: NEUTRAL, PARTIAL: PALETTE["orange"], FULL: PALETTE["green"]}
+STATUS_HATCHES = {UNCHANGED: "", PARTIAL: "//", FULL: "xx"}
+"""The second cue beside colour: plain, diagonal lines, cross-hatch."""
+HATCH_COLOUR = PALETTE["black"]
+HATCH_WIDTH = 0.6
+"""Line width of the hatching, points: thin enough to keep the digits on top readable."""
+_STATUS_CMAP = ListedColormap([STATUS_COLOURS[k] for k in (UNCHANGED, PARTIAL, FULL)]
+                              ).with_extremes(bad=PANEL_GREY)
+_STATUS_NORM = BoundaryNorm([-0.5, 0.5, 1.5, 2.5], _STATUS_CMAP.N)
 
-MAX_LABELS = 16
-"""Values are written in the cells up to this many elements per rank."""
+_DIGIT_PX = 0.6 * MIN_FONT * DPI / 72
+"""Width of one digit at :data:`MIN_FONT` points, in pixels (a digit is about 0.6 em)."""
 
 
 def cell_label(v: float) -> str:
@@ -35,27 +43,58 @@ def cell_label(v: float) -> str:
     return str(int(v)) if v.is_integer() else f"{v:.3g}"
 
 
-def _font_size(longest: int, cell_px: float) -> float | None:
-    # the largest font whose `longest` characters fit in a cell (a digit is ~0.6 em wide)
-    for size in (8, 7, 6, 5):
-        if longest * 0.6 * size * DPI / 72 <= 0.9 * cell_px:
-            return size
-    return None
+def _legend_handles() -> list[Patch]:
+    handles = []
+    for k in (UNCHANGED, PARTIAL, FULL):
+        patch = Patch(facecolor=STATUS_COLOURS[k], hatch=STATUS_HATCHES[k],
+                      hatchcolor=HATCH_COLOUR, edgecolor=HATCH_COLOUR, linewidth=0.5,
+                      label=STATUS_NAMES[k])
+        patch.set_hatch_linewidth(HATCH_WIDTH)
+        handles.append(patch)
+    return handles
 
 
-def _legend(fig) -> None:
-    handles = [Patch(facecolor=STATUS_COLOURS[k], edgecolor="#888", label=v)
-               for k, v in STATUS_NAMES.items()]
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=9, frameon=False)
+def _hatch_layers(ax) -> dict[int, PatchCollection]:
+    """One transparent, hatched collection per status on ``ax``, filled by :func:`_set_hatches`."""
+    layers = {}
+    for k in (PARTIAL, FULL):
+        layer = PatchCollection([], facecolor="none", linewidth=0, hatch=STATUS_HATCHES[k],
+                                zorder=2)
+        layer.set_hatchcolor(HATCH_COLOUR)
+        layer.set_hatch_linewidth(HATCH_WIDTH)
+        ax.add_collection(layer, autolim=False)
+        layers[k] = layer
+    return layers
+
+
+def _set_hatches(layers: dict[int, PatchCollection], status: np.ndarray) -> None:
+    for k, layer in layers.items():
+        rows, cols = np.nonzero(status == k)
+        layer.set_paths([Rectangle((j - 0.5, i - 0.5), 1, 1) for i, j in zip(rows, cols)])
+
+
+def _value_norm(values: np.ndarray):
+    """Colour scale of the input panel: logarithmic when positive values span 100x or
+    more (``10**rank``), so every rank's row gets its own colour; else linear."""
+    lo, hi = float(np.nanmin(values)), float(np.nanmax(values))
+    if lo > 0 and hi / lo >= 100:
+        return LogNorm(lo, hi)
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    return Normalize(lo, hi)
 
 
 class ReduceGrid:
-    """Two panels, input and buffer after reduce, one row per rank and one column per element.
+    """Two panels, one row per rank and one column per element: each rank's input
+    ``x`` (coloured by value, with :data:`~reducelab.plots.CMAP`) and the same ``x``
+    after ``dist.reduce`` (coloured and hatched by status: unchanged, partial sum, full
+    sum). Values are written in the cells wherever they fit at
+    :data:`~reducelab.plots.MIN_FONT` points; under the input panel a colour bar gives
+    the values, under the other a legend names the statuses.
 
-    The "after" panel is coloured by status (unchanged / partial sum / full sum) and,
-    up to :data:`MAX_LABELS` elements, each cell shows its value. The figure persists
-    and is rebuilt only when ``world_size`` or the number of elements changes, so a
-    widget redraw costs one PNG encode. Used by :class:`reducelab.widgets.reduce.ReduceExplorer`.
+    The figure persists and is rebuilt only when ``world_size`` or the number of
+    elements changes, so a widget redraw costs one PNG encode. Used by
+    :class:`reducelab.widgets.reduce.ReduceExplorer`.
     """
 
     def __init__(self):
@@ -63,24 +102,42 @@ class ReduceGrid:
         self._shape = None
 
     def _build(self, world_size: int, n: int) -> None:
-        width = min(3.0 + 2 * max(n, 3) * 0.62, 14.0)
-        height = 1.5 + 0.42 * world_size
-        self.fig = new_figure(width, height)
-        axes = self.fig.subplots(1, 2, squeeze=False, width_ratios=[1, 1])[0]
-        self._axes, self._images, self._texts = axes, [], []
-        for ax in axes:
-            im = ax.imshow(np.zeros((world_size, n)), cmap=_CMAP, norm=_NORM, aspect="auto")
-            ax.set_xticks(range(n) if n <= MAX_LABELS else range(0, n, 4))
+        width = min(MAX_WIDTH, max(7.6, 3.6 + 1.1 * n))
+        self.fig = new_figure(width, 2.2 + 0.28 * world_size)
+        # row 0: the two panels; row 1: the colour bar under the input, the legend under
+        # the statuses (in an axes of its own, so the layout keeps room for it)
+        grid = self.fig.add_gridspec(2, 2, height_ratios=[0.28 * world_size + 0.3, 0.14])
+        axes = [self.fig.add_subplot(grid[0, 0])]
+        axes.append(self.fig.add_subplot(grid[0, 1], sharey=axes[0]))
+        self._axes = axes
+        ticks = range(n) if n <= 16 else sorted({*range(0, n, 4), n - 1})
+        self._input = axes[0].imshow(np.ones((world_size, n)), cmap=CMAP, aspect="auto")
+        self._status = axes[1].imshow(np.zeros((world_size, n)), cmap=_STATUS_CMAP,
+                                      norm=_STATUS_NORM, aspect="auto")
+        self._hatches = _hatch_layers(axes[1])
+        for ax, title in zip(axes, ("x before reduce: the input", "x after reduce")):
+            ax.set_xticks(ticks)
             ax.set_xlabel("element")
-            self._images.append(im)
-            texts = []
-            if n <= MAX_LABELS:
-                texts = [[ax.text(j, i, "", ha="center", va="center", fontsize=8)
-                          for j in range(n)] for i in range(world_size)]
-            self._texts.append(texts)
-        _legend(self.fig)
+            ax.set_title(title)
+        axes[1].tick_params(labelleft=False)
+        self._texts = [[[ax.text(j, i, "", ha="center", va="center", fontsize=MIN_FONT,
+                                 zorder=3) for j in range(n)] for i in range(world_size)]
+                       for ax in axes]
+        self._cbar = self.fig.colorbar(self._input, cax=self.fig.add_subplot(grid[1, 0]),
+                                       orientation="horizontal")
+        self._cbar.set_label("input value")
+        key = self.fig.add_subplot(grid[1, 1])
+        key.axis("off")
+        key.legend(handles=_legend_handles(), loc="center", frameon=False,
+                   ncols=3 if width >= 9.5 else 2, handlelength=1.6, columnspacing=1.0,
+                   borderaxespad=0)
+        # reserve room for the widest y labels and a title, then keep that layout
+        axes[0].set_yticks(range(world_size), [f"rank {r} (dst)" for r in range(world_size)])
+        self.fig.suptitle("dist.reduce")
+        self.fig.canvas.draw()
+        self.fig.set_layout_engine("none")
+        self._cell_px = axes[0].get_window_extent().width / n
         self._shape = (world_size, n)
-        self._frozen = False
 
     def draw(self, before, after, status, dst: int, title: str = "") -> bytes:
         """Draw and return PNG bytes.
@@ -107,33 +164,37 @@ class ReduceGrid:
             raise ValueError(f"dst must be a rank from 0 to {world_size - 1}, got {dst}")
         if self._shape != (world_size, n):
             self._build(world_size, n)
-        longest = max(len(cell_label(v)) for v in np.concatenate([before.ravel(), after.ravel()]))
-        panel_px = (self.fig.get_figwidth() - 2.4) / 2 * DPI
-        size = _font_size(longest, panel_px / n)
-        labels = [f"rank {r}" + (" (dst)" if r == dst else "") for r in range(world_size)]
-        panels = [(before, np.full(before.shape, _INPUT), "input (before reduce)"),
-                  (after, status, "buffer after reduce")]
-        for k, (values, codes, name) in enumerate(panels):
-            self._images[k].set_data(codes)
-            for i, row in enumerate(self._texts[k]):
-                for j, t in enumerate(row):
-                    t.set_text(cell_label(values[i, j]) if size else "")
-                    t.set_fontsize(size or 5)
-                    t.set_color("white" if codes[i, j] == FULL else "black")
-            self._axes[k].set_title(name, fontsize=10)
-            self._axes[k].set_yticks(range(world_size), labels)
-        self.fig.suptitle(title, fontsize=11)
-        data = png(self.fig)
-        if not self._frozen:
-            # Keep the first constrained layout: later draws change values and which row is
-            # dst, not the labels' widths, and skipping the layout pass saves ~20% per draw.
-            self.fig.set_layout_engine("none")
-            self._frozen = True
-        return data
+        norm = _value_norm(before)
+        self._input.set_norm(norm)
+        self._input.set_data(before)
+        self._status.set_data(status)
+        _set_hatches(self._hatches, status)
+        fits = self._cell_px * 0.9 / _DIGIT_PX
+        for k, values in enumerate((before, after)):
+            labels = [[cell_label(v) for v in row] for row in values]
+            show = max(len(x) for row in labels for x in row) <= fits
+            for i in range(world_size):
+                for j in range(n):
+                    t = self._texts[k][i][j]
+                    t.set_text(labels[i][j] if show else "")
+                    if k == 0:  # dark text on the light end of viridis, light on the dark end
+                        light = norm(values[i, j]) > 0.5
+                        t.set_color(PALETTE["black"] if light else PANEL_GREY)
+                        t.set_bbox(None)
+                    else:       # a box of the cell's own colour keeps digits clear of the hatching
+                        t.set_color(PALETTE["black"])
+                        t.set_bbox(dict(boxstyle="square,pad=0.15", linewidth=0,
+                                        facecolor=STATUS_COLOURS[int(status[i, j])]))
+        self._axes[0].set_yticks(range(world_size),
+                                 [f"rank {r}" + (" (dst)" if r == dst else "")
+                                  for r in range(world_size)])
+        self.fig.suptitle(title)
+        return png(self.fig)
 
 
 def sweep_figure(status_by_size: dict[int, np.ndarray], dst: int, title: str = "") -> bytes:
-    """Static figure: one panel per rank; row = tensor size ``n``, column = element index.
+    """Static figure: one panel per rank; row = tensor size ``n``, column = element index;
+    each cell coloured and hatched by status, as in :class:`ReduceGrid`.
 
     Args:
         status_by_size: ``{n: status}`` with ``status`` an int array of shape
@@ -143,7 +204,7 @@ def sweep_figure(status_by_size: dict[int, np.ndarray], dst: int, title: str = "
         title: optional figure title.
 
     Returns:
-        PNG bytes. Cells past the end of a tensor are white.
+        PNG bytes. Cells past the end of a tensor are light grey and blank.
 
     Raises:
         ValueError: ``status_by_size`` is empty or its arrays have different numbers of ranks.
@@ -155,19 +216,20 @@ def sweep_figure(status_by_size: dict[int, np.ndarray], dst: int, title: str = "
     if len(ranks) != 1:
         raise ValueError(f"every status array needs the same world_size; got {sorted(ranks)}")
     world_size, longest = ranks.pop(), max(sizes)
-    fig = new_figure(min(1.2 + 2.6 * world_size, 14.0), 1.6 + 0.13 * len(sizes))
+    fig = new_figure(min(MAX_WIDTH, 1.4 + 2.1 * world_size), min(4.5, 1.5 + 0.09 * len(sizes)))
     axes = fig.subplots(1, world_size, squeeze=False, sharey=True)[0]
+    shown = [i for i, n in enumerate(sizes) if i == 0 or n % 4 == 0]
     for r, ax in enumerate(axes):
         grid = np.full((len(sizes), longest), np.nan)
         for i, n in enumerate(sizes):
             grid[i, :n] = np.asarray(status_by_size[n])[r]
-        ax.imshow(np.ma.masked_invalid(grid), cmap=_CMAP, norm=_NORM, aspect="auto",
-                  interpolation="nearest")
-        ax.set_title(f"rank {r}" + (" (dst)" if r == dst else ""), fontsize=10)
+        ax.imshow(np.ma.masked_invalid(grid), cmap=_STATUS_CMAP, norm=_STATUS_NORM,
+                  aspect="auto", interpolation="nearest")
+        _set_hatches(_hatch_layers(ax), grid)
+        ax.set_title(f"rank {r}" + (" (dst)" if r == dst else ""))
         ax.set_xlabel("element")
-        step = max(1, len(sizes) // 8)
-        ax.set_yticks(range(0, len(sizes), step), [str(sizes[i]) for i in range(0, len(sizes), step)])
+        ax.set_yticks(shown, [str(sizes[i]) for i in shown])
     axes[0].set_ylabel("tensor size (elements)")
-    _legend(fig)
-    fig.suptitle(title, fontsize=11)
+    fig.legend(handles=_legend_handles(), loc="outside lower center", ncols=3, frameon=False)
+    fig.suptitle(title)
     return png(fig)

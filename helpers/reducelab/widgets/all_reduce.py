@@ -1,8 +1,10 @@
 """The all_reduce explorer of notebook 01: pick a ReduceOp, world size, input and dtype.
 
 Source: ``torch.distributed.all_reduce`` and ``ReduceOp``,
-https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; the
-learner question is seed 001 ("Why do values increase after all_reduce?").
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; gloo's
+AVG is a SUM followed by a division (pytorch/pytorch#149781, torch 2.8); the learner
+question "Why do values increase significantly after `torch.dist.all_reduce`?"
+(2025-01-30).
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from . import Explorer
 
 REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
 """The ``dist.ReduceOp`` names the explorer offers (PREMUL_SUM is NCCL/XCCL only)."""
-PATTERNS = ("rank+1", "random ints", "one-hot")
-"""Input patterns: ``rank+1`` everywhere; ints 0..7 seeded by rank; 1 at element ``rank``."""
+PATTERNS = ("rank+1", "signed", "random ints", "one-hot")
+"""Input patterns: ``rank+1`` everywhere; ``signed``, +1, -1, +2, -2, ... by rank (signed,
+as gradients are: an even number of ranks sums to 0); ints 0..7 seeded by rank; 1 at
+element ``rank``."""
 DTYPES = ("float32", "int64")
 BITWISE = ("BAND", "BOR", "BXOR")
 
@@ -30,9 +34,9 @@ def refusal(op: str, dtype: str, err: RankError | None = None) -> str:
         return (f"gloo refuses {op} on {dtype}: bitwise AND/OR/XOR combine the bits of "
                 f"integers, so they are defined for integer dtypes only. Pick int64.")
     if op == "AVG" and dtype == "int64":
-        return ("gloo refuses AVG on int64: the average of integers is a fraction, and it "
-                "cannot be written back into an int64 tensor in place. Pick float32, or "
-                "use SUM and divide yourself.")
+        return ("gloo refuses AVG on int64: its AVG is a SUM and then a division, whose "
+                "fraction cannot be written back into an int64 tensor in place. Pick "
+                "float32, or use SUM and divide yourself.")
     if err is not None:
         first = err.first_summary
         return f"gloo refused {op} on {dtype}: {first}"
@@ -89,12 +93,16 @@ class AllReduceExplorer(Explorer):
         self.group, self.fn, self.n = group, fn, n
         self.plot = RankHeatmaps(("before all_reduce", "after all_reduce"))
         world_size = world_size or group.world_size
+        style = {"description_width": "initial"}
         super().__init__({
-            "op": W.Dropdown(options=REDUCE_OPS, value=op, description="ReduceOp"),
+            "op": W.Dropdown(options=REDUCE_OPS, value=op, description="ReduceOp",
+                             style=style),
             "world_size": W.IntSlider(value=world_size, min=1, max=8, description="world_size",
-                                      continuous_update=False),
-            "pattern": W.Dropdown(options=PATTERNS, value=pattern, description="input"),
-            "dtype": W.ToggleButtons(options=DTYPES, value=dtype, description="dtype"),
+                                      continuous_update=False, style=style),
+            "pattern": W.Dropdown(options=PATTERNS, value=pattern, description="input",
+                                  style=style),
+            "dtype": W.ToggleButtons(options=DTYPES, value=dtype, description="dtype",
+                                     style={**style, "button_width": "80px"}),
         })
         self.refresh()
 
@@ -111,14 +119,16 @@ class AllReduceExplorer(Explorer):
                                     f"{result.world_size} ranks, {result.dtype}")
 
     def describe(self, result: AllReduceResult) -> str:
+        """One line: what the ranks hold afterwards, and how the largest magnitude
+        changed (the scale, which SUM multiplies by at most ``world_size``)."""
         same = bool((result.after == result.after[0]).all())
         row = ", ".join(fmt_value(v) for v in result.after[0])
         where = "every rank holds" if same else "rank 0 holds"
-        before0 = float(np.abs(result.before[0]).sum())
-        after0 = float(np.abs(result.after[0]).sum())
-        growth = f"x{after0 / before0:.3g}" if before0 else "from zero"
-        return (f"After all_reduce({result.op}) {where} [{row}]; "
-                f"rank 0's total magnitude changed {growth}.")
+        largest_in = float(np.abs(result.before).max())
+        largest_out = float(np.abs(result.after).max())
+        return (f"After all_reduce({result.op}) {where} [{row}]. Largest |value|: "
+                f"{fmt_value(largest_in)} before, {fmt_value(largest_out)} after "
+                f"(world_size={result.world_size}).")
 
     def explain_error(self, values: dict, err: RankError) -> str:
         return refusal(values["op"], values["dtype"], err)

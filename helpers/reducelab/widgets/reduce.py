@@ -8,8 +8,11 @@ tensors are used as the ring's work buffers.
 
 Source: ``torch.distributed.reduce``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce ; gloo's ring
-reduce, ``gloo/reduce.cc`` (https://github.com/pytorch/gloo); the learner question is
-seed 002 ("Why does reduce change tensors on ranks other than dst?").
+reduce, ``gloo/reduce.cc`` (https://github.com/pytorch/gloo), which torch's
+``ProcessGroupGloo`` (``AsyncReduceWork``) runs with your tensor as its only buffer;
+pytorch/pytorch#21480 and #76527 report the partial sums on non-dst ranks; the learner
+question "Why does `torch.distributed.reduce` affect tensors other than the
+destination?" (2025-01-30).
 """
 from __future__ import annotations
 
@@ -72,8 +75,8 @@ def contributors(value: float, world_size: int) -> list[int]:
     return [r for r, d in enumerate(digits) if d == "1"]
 
 
-def _ranks_text(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+def _plural(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
 
 
 @dataclass
@@ -104,6 +107,11 @@ class ReduceResult:
         """Ranks other than ``dst`` whose tensor no longer equals their input."""
         return [r for r in range(self.world_size)
                 if r != self.dst and (self.status[r] != UNCHANGED).any()]
+
+    def counts(self, rank: int) -> dict[int, int]:
+        """``{FULL: k, PARTIAL: k, UNCHANGED: k}``: how many of ``rank``'s elements hold
+        the full sum, a partial sum, or the input."""
+        return {k: int((self.status[rank] == k).sum()) for k in (FULL, PARTIAL, UNCHANGED)}
 
 
 class ReduceExplorer(Explorer):
@@ -142,14 +150,17 @@ class ReduceExplorer(Explorer):
         self.group, self.fn = group, fn
         self.plot = ReduceGrid()
         self._syncing = False
+        style = {"description_width": "initial"}
         super().__init__({
             "world_size": W.IntSlider(value=world_size, min=1, max=MAX_WORLD_SIZE,
-                                      description="world_size", continuous_update=False),
+                                      description="world_size", continuous_update=False,
+                                      style=style),
             "dst": W.IntSlider(value=dst, min=0, max=world_size - 1, description="dst",
-                               continuous_update=False),
+                               continuous_update=False, style=style),
             "n": W.IntSlider(value=n, min=1, max=MAX_ELEMENTS, description="elements",
-                             continuous_update=False),
-            "pattern": W.Dropdown(options=PATTERNS, value=pattern, description="input"),
+                             continuous_update=False, style=style),
+            "pattern": W.Dropdown(options=PATTERNS, value=pattern, description="input",
+                                  style=style),
         })
         self.refresh()
 
@@ -176,26 +187,29 @@ class ReduceExplorer(Explorer):
     def draw(self, result: ReduceResult) -> bytes:
         return self.plot.draw(result.before, result.after, result.status, result.dst,
                               title=f"dist.reduce(x, dst={result.dst}) on "
-                                    f"{result.world_size} ranks, {result.n} elements")
+                                    f"{_plural(result.world_size, 'rank')}, "
+                                    f"{_plural(result.n, 'element')}, input {result.pattern}")
 
     def describe(self, result: ReduceResult) -> str:
+        """One line: the settings, what dst holds, then each other rank's elements by
+        status (full sum / partial sum / unchanged)."""
         ws, n, dst = result.world_size, result.n, result.dst
-        full_on_dst = int((result.status[dst] == FULL).sum())
-        head = (f"world_size={ws}, dst={dst}, {n} elements: dst holds the full sum in "
-                f"{full_on_dst} of {n} elements.")
+        head = (f"input {result.pattern}, world_size={ws}, dst={dst}, "
+                f"{_plural(n, 'element')}: dst holds the full sum in "
+                f"{result.counts(dst)[FULL]} of {n}.")
         others = [r for r in range(ws) if r != dst]
         if not others:
             return head + " With one rank there is nothing to reduce; x is unchanged."
-        changed = result.changed_ranks()
-        kept = [r for r in others if r not in changed]
+        groups: dict[tuple, list[int]] = {}   # ranks with the same counts, in rank order
+        for r in others:
+            c = result.counts(r)
+            groups.setdefault((c[FULL], c[PARTIAL], c[UNCHANGED]), []).append(r)
         parts = []
-        if changed:
-            counts = ", ".join(str(int((result.status[r] != UNCHANGED).sum())) for r in changed)
-            parts.append(f"{_ranks_text(changed)} changed ({counts} of {n} elements, now "
-                         f"partial or full sums)")
-        if kept:
-            parts.append(f"{_ranks_text(kept)} kept the input")
-        return head + " Non-dst: " + "; ".join(parts) + "."
+        for (full, partial, unchanged), ranks in groups.items():
+            who = (f"rank {ranks[0]}" if len(ranks) == 1 else
+                   "ranks " + ", ".join(map(str, ranks)) + " each")
+            parts.append(f"{who}: {full} full, {partial} partial, {unchanged} unchanged")
+        return head + " Not dst: " + "; ".join(parts) + "."
 
     def explain_error(self, values: dict, err: RankError) -> str:
         first = err.first_summary
