@@ -294,3 +294,16 @@ def test_env_is_set_on_every_rank_before_it_joins_the_process_group():
 def test_bad_env_names_the_rule_and_starts_nothing(env, error, words):
     with pytest.raises(error, match=words):
         LocalGroup(world_size=2, env=env)
+
+
+def test_the_current_group_is_the_newest_open_one():
+    from reducelab.group import current_group
+    main = LocalGroup(world_size=2)
+    try:
+        assert current_group() is main
+        private = LocalGroup(world_size=1)          # a check's group of its own
+        assert current_group() is private
+        private.close()
+        assert current_group() is main              # the learner's group again
+    finally:
+        main.close()

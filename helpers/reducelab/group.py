@@ -164,13 +164,19 @@ def _close_fds(*fds: int) -> None:
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
-_LATEST: list = []  # [weakref to the LocalGroup made last]
+_STARTED: list = []  # weakrefs to the LocalGroups that started, oldest first
 
 
 def current_group() -> "LocalGroup | None":
-    """The LocalGroup made most recently in this kernel, if it is still open."""
-    g = _LATEST[0]() if _LATEST else None
-    return g if g is not None and g.state != "closed" else None
+    """The open LocalGroup started most recently in this kernel, or ``None``.
+
+    A group that a check starts and closes for itself does not hide the learner's own:
+    closed groups are skipped."""
+    for ref in reversed(_STARTED):
+        g = ref()
+        if g is not None and g.state != "closed":
+            return g
+    return None
 
 
 @atexit.register
@@ -255,7 +261,7 @@ class LocalGroup:
         _LIVE.add(self)
         with self._exclusive("LocalGroup()"):
             self._start(time.monotonic() + self._timeout, announce=True)
-        _LATEST[:] = [weakref.ref(self)]  # the kernel's current group: explorers follow it
+        _STARTED[:] = [r for r in _STARTED if r() is not None] + [weakref.ref(self)]
 
     # --- public -----------------------------------------------------------------------
     @property
