@@ -7,6 +7,7 @@ import ast
 import json
 import pathlib
 import sys
+import time
 
 import cloudpickle
 
@@ -17,9 +18,11 @@ import torch.distributed as dist
 
 import conftest
 from reducelab import LocalGroup, RankError
-from reducelab.checks.ring import (check_ring_all_gather, contributors, exercise_input,
-                                   naive_bytes_per_rank, ring_bytes_per_rank, root_bytes)
-from reducelab.plots.ring import RingStepsPlot, bytes_figure, cell_label
+from reducelab.checks.ring import (HANG_TIMEOUT, check_ring_all_gather, contributors,
+                                   exercise_input, naive_bytes_per_rank, ring_bytes_per_rank,
+                                   root_bytes)
+from reducelab.group import MARGIN
+from reducelab.plots.ring import RingStepsPlot, bytes_figure, cell_label, cyclic_run
 from reducelab.widgets.ring import RingExplorer, phase_of, run_from_traces
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -30,7 +33,7 @@ def notebook_functions() -> dict:
     """The functions defined in the notebook's code cells (only the ``def``s, not the calls),
     so that these tests run the very code a learner reads."""
     nb = json.loads(NOTEBOOK.read_text())
-    namespace = {"torch": torch, "dist": dist, "__name__": "nb06_cells"}
+    namespace = {"torch": torch, "dist": dist, "time": time, "__name__": "nb06_cells"}
     for index, cell in enumerate(nb["cells"]):
         if cell["cell_type"] != "code":
             continue
@@ -53,8 +56,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def load_solution():
     return conftest.load_solution("06_ring_all_gather")
-
-
 
 
 pytestmark = pytest.mark.usefixtures("keep_four_ranks")
@@ -142,6 +143,16 @@ def test_formulas_refuse_bad_input():
     assert cell_label(15.0, 4) == "all" and cell_label(5.0, 4) == "0+2"
 
 
+def test_labels_name_runs_of_ranks_around_the_ring():
+    bits = lambda ranks: float(sum(2 ** r for r in ranks))  # noqa: E731
+    assert cell_label(bits([5, 6, 7, 0, 1]), 8) == "5→1"
+    assert cell_label(bits([2, 3, 4, 5]), 8) == "2→5"
+    assert cell_label(bits([0, 1, 2]), 8) == "0+1+2"
+    assert cell_label(bits([0, 2, 4, 6]), 8) == "4 ranks"        # not a run: no range
+    assert cell_label(bits(range(8)), 8) == "all"
+    assert cyclic_run([7, 0], 8) == (7, 0) and cyclic_run([0, 2], 8) is None
+
+
 # --- float order ----------------------------------------------------------------------------
 def test_ring_adds_chunk_c_in_ring_order_from_rank_c(group):
     values = [1e8, 1.0, -1e8, 1.0]
@@ -162,6 +173,13 @@ def test_a_ring_of_blocking_sends_hangs_in_send():
             short.run(NB["blocking_ring"])
     assert {r.state for r in info.value.reports} == {"stuck"}
     assert all("waiting in send" in r.summary for r in info.value.reports)
+
+
+def test_gloo_send_returns_only_after_the_matching_recv(group):
+    (isend_back, wait_back, send_back), (first_recv, second_recv) = \
+        group.run(NB["when_does_send_return"])[:2]
+    assert isend_back < first_recv <= wait_back      # isend returns at once; wait does not
+    assert send_back >= second_recv                  # send waited for rank 1's recv
 
 
 # --- the explorer -----------------------------------------------------------------------------
@@ -227,6 +245,23 @@ def test_explorer_refuses_bad_arguments(group):
     assert [phase_of(k, 4) for k in range(7)] == ["input"] + ["reduce-scatter"] * 3 + ["all-gather"] * 3
 
 
+# --- the figures ------------------------------------------------------------------------------
+def test_ring_figure_fits_the_notebook_and_every_label_fits_its_cell():
+    plot = RingStepsPlot()
+    for n in (2, 4, 8):
+        states = simulate_ring(n)
+        for k in (0, n - 1, 2 * (n - 1)):
+            sent = None if k == 0 else [0] * n
+            plot.draw(states[k], sent, sent, f"step {k}")
+            assert plot.fig.get_figwidth() <= 9.6 and plot.fig.get_figheight() <= 4.5
+            renderer = plot.fig.canvas.get_renderer()
+            cell_px = plot._ax.get_window_extent().width / n
+            for row in plot._texts:
+                for t in row:
+                    assert t.get_fontsize() >= 10
+                    assert t.get_window_extent(renderer).width < 0.95 * cell_px, t.get_text()
+
+
 def test_bytes_figure_is_a_png():
     rows = [dict(world_size=n, size_bytes=400, ring=ring_bytes_per_rank(n, 400),
                  naive=naive_bytes_per_rank(n, 400), root=root_bytes(n, 400)) for n in (2, 4)]
@@ -235,9 +270,9 @@ def test_bytes_figure_is_a_png():
 
 # --- the exercise check -------------------------------------------------------------------------
 def test_solution_passes(group):
-    verdict = check_ring_all_gather(group, load_solution().ring_all_gather)
+    verdict = check_ring_all_gather(load_solution().ring_all_gather)
     assert verdict, verdict.message
-    assert group.world_size == 4
+    assert group.world_size == 4 and group.state != "closed"    # the learner's group untouched
 
 
 def stub(x):
@@ -247,36 +282,75 @@ def stub(x):
     return out
 
 
-def test_the_notebook_stub_fails_and_says_what_is_missing(group):
-    verdict = check_ring_all_gather(group, stub)
+def test_the_notebook_stub_fails_and_says_what_is_missing():
+    verdict = check_ring_all_gather(stub)
     assert not verdict
     assert "slice 1 is still zero" in verdict.message
-    assert "(r - s) % n" in verdict.message
+    assert "made 0 ring steps" in verdict.message and "(r - s) % n" in verdict.message
 
 
-def make_wrong_slot(send_recv):
-    def wrong_slot(x):        # receives the left rank's slice into the slice it just sent
+def make_ring(send_recv, send_index, recv_index, own_buffer=False, copy_x=True):
+    """A ring all_gather whose step s sends slice send_index(rank, step, n) and receives into
+    slice recv_index(rank, step, n) (straight into it, or into a buffer of its own that is
+    then copied there)."""
+    def ring(x):
         rank, n = dist.get_rank(), dist.get_world_size()
         out = torch.zeros(n * x.numel())
         slices = out.tensor_split(n)
-        slices[rank].copy_(x)
+        if copy_x:
+            slices[rank].copy_(x)
         for step in range(n - 1):
-            s = (rank - step) % n
-            incoming = torch.empty_like(x)
-            send_recv(slices[s], incoming)
-            slices[(rank + step + 1) % n].copy_(incoming)
+            target = slices[recv_index(rank, step, n)]
+            if own_buffer:
+                incoming = torch.empty_like(x)
+                send_recv(slices[send_index(rank, step, n)], incoming)
+                target.copy_(incoming)
+            else:
+                send_recv(slices[send_index(rank, step, n)], target)
         return out
-    return wrong_slot
+    return ring
 
 
-def test_a_slice_in_the_wrong_place_is_named(group):
-    verdict = check_ring_all_gather(group, make_wrong_slot(NB["send_recv"]), world_sizes=(3,))
+def right_send(rank, step, n):
+    return (rank - step) % n
+
+
+def right_recv(rank, step, n):
+    return (rank - step - 1) % n
+
+
+def test_a_wrong_send_index_is_named_as_the_send():
+    wrong = make_ring(NB["send_recv"], lambda r, s, n: (r + s) % n, right_recv)
+    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
     assert not verdict
-    assert "holds rank" in verdict.message and "wrong slice" in verdict.message
-    assert "still zero" in verdict.message
+    assert "send at step 1 is off" in verdict.message and "slice (r - s) % n" in verdict.message
+    assert "receive at step" not in verdict.message and "sends are right" not in verdict.message
 
 
-def test_sending_too_many_bytes_is_caught(group):
+def test_a_wrong_receive_slice_is_named_as_the_receive():
+    wrong = make_ring(NB["send_recv"], right_send, lambda r, s, n: (r + s + 1) % n)
+    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
+    assert not verdict
+    assert "sends are right" in verdict.message
+    assert "receive at step 0 is off" in verdict.message and "(r - s - 1) % n" in verdict.message
+
+
+def test_a_wrong_copy_from_a_buffer_of_its_own_is_named():
+    wrong = make_ring(NB["send_recv"], right_send, lambda r, s, n: (r + s + 1) % n,
+                      own_buffer=True)
+    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
+    assert not verdict
+    assert "sends are right" in verdict.message and "did not land there" in verdict.message
+
+
+def test_forgetting_the_own_slice_is_named():
+    wrong = make_ring(NB["send_recv"], right_send, right_recv, copy_x=False)
+    verdict = check_ring_all_gather(wrong, world_sizes=(2,))
+    assert not verdict
+    assert "copy x into slice" in verdict.message
+
+
+def test_sending_too_many_bytes_is_caught():
     send_recv = NB["send_recv"]
 
     def whole_output(x):     # right answer, but sends the whole output at each step
@@ -289,42 +363,57 @@ def test_sending_too_many_bytes_is_caught(group):
             out = torch.maximum(out, incoming)   # inputs are positive, zeros are "missing"
         return out
 
-    verdict = check_ring_all_gather(group, whole_output, world_sizes=(3,))
+    verdict = check_ring_all_gather(whole_output, world_sizes=(3,))
     assert not verdict
     assert "bytes" in verdict.message and str(2 * 3 * 4) in verdict.message
 
 
-def test_using_the_real_collective_is_refused(group):
+def test_using_the_real_collective_is_refused():
     def cheat(x):
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, x)
         return torch.cat(parts)
 
-    verdict = check_ring_all_gather(group, cheat, world_sizes=(2,))
+    verdict = check_ring_all_gather(cheat, world_sizes=(2,))
     assert not verdict
     assert "dist.all_gather" in verdict.message
-    # the check restored the real collectives on the ranks
-    assert group.run(all_reduce_ones) == [4.0] * 4
 
 
-def all_reduce_ones():
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
+def blocking(x):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(n * x.numel())
+    dist.send(x, dst=(rank + 1) % n)
+    dist.recv(out[: x.numel()], src=(rank - 1) % n)
+    return out
 
 
-def test_a_blocking_send_ring_is_explained():
-    def blocking(x):
-        rank, n = dist.get_rank(), dist.get_world_size()
-        out = torch.zeros(n * x.numel())
-        dist.send(x, dst=(rank + 1) % n)
-        dist.recv(out[: x.numel()], src=(rank - 1) % n)
-        return out
+def receiving_first(x):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(n * x.numel())
+    dist.recv(out[: x.numel()], src=(rank - 1) % n)
+    dist.send(x, dst=(rank + 1) % n)
+    return out
 
-    with LocalGroup(world_size=2, timeout=2) as short:
-        verdict = check_ring_all_gather(short, blocking, world_sizes=(2,))
+
+@pytest.mark.parametrize("fn, expected", [(blocking, "waiting in a blocking dist.send"),
+                                          (receiving_first, "waiting in dist.recv")])
+def test_a_ring_that_hangs_is_stopped_within_seconds_and_explained(fn, expected):
+    start = time.monotonic()
+    verdict = check_ring_all_gather(fn)
+    elapsed = time.monotonic() - start
     assert not verdict
-    assert "blocking dist.send" in verdict.message
+    assert expected in verdict.message
+    assert f"after {HANG_TIMEOUT:g} s" in verdict.message
+    # bounded by the check's own group (its timeout + LocalGroup's margin), not 30 s
+    assert elapsed < HANG_TIMEOUT + MARGIN + 5, elapsed
+
+
+def test_a_raising_function_is_reported_with_the_ranks_error():
+    def broken(x):
+        raise ValueError("my bug")
+
+    verdict = check_ring_all_gather(broken, world_sizes=(2,))
+    assert not verdict and "my bug" in verdict.message
 
 
 def test_exercise_inputs_are_distinct_per_rank():

@@ -6,7 +6,10 @@ are compared with a LocalGroup and with values computed in this process.
 from __future__ import annotations
 
 import glob
+import json
 import pathlib
+import runpy
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -19,11 +22,31 @@ import torch.distributed as dist
 import conftest
 from reducelab import LocalGroup
 from reducelab.checks.cluster import HEAD_NODE_COMMAND, check_node_command
+from reducelab.group import loopback_interface
 from reducelab.lessons import all_reduce_lesson, launcher_env, listening_sockets
 from reducelab.torchrun import (TorchrunError, function_spec, launcher_source, run_torchrun,
                                 sanitize, sanitize_env)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "07_notebook_to_cluster.ipynb"
+
+
+def notebook_cell(starts_with: str) -> str:
+    """The source of the notebook's code cell that starts with ``starts_with``."""
+    cells = [("".join(c["source"])) for c in json.loads(NOTEBOOK.read_text())["cells"]
+             if c["cell_type"] == "code"]
+    found = [c for c in cells if c.startswith(starts_with)]
+    assert len(found) == 1, starts_with
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def train_py(tmp_path_factory):
+    """The notebook's train.py, written where its %%writefile cell would write it."""
+    scratch = tmp_path_factory.mktemp("scratch")
+    cell = notebook_cell("%%writefile {scratch}/train.py")
+    (scratch / "train.py").write_text(cell.split("\n", 1)[1] + "\n")
+    return scratch
 
 
 def _solution(name: str):
@@ -88,6 +111,35 @@ def test_two_simulated_nodes_give_the_4_rank_result(two_nodes):
     assert two_nodes[all_reduce_lesson] == _reference_all_reduce(4)
 
 
+# --- the notebook's own train.py, under torchrun and through group.run ----------------
+def _expected_train_output(world_size: int, master_addr) -> list[str]:
+    ref = _reference_all_reduce(world_size)
+    lines = [f"RANK={r}, LOCAL_RANK={r}, WORLD_SIZE={world_size}, MASTER_ADDR={master_addr} "
+             f"| mine: {ref[r]['mine']}" for r in range(world_size)]
+    return lines + [f"sum on every rank: {ref[0]['sum']}"]
+
+
+def test_the_notebooks_torchrun_command_runs_train_py(train_py):
+    line = notebook_cell("lo = loopback_interface()").splitlines()[1]
+    assert line.startswith("!GLOO_SOCKET_IFNAME={lo} OMP_NUM_THREADS=1 {sys.executable} -m "
+                           "torch.distributed.run --standalone --nproc-per-node 2")
+    command = line[1:].format(lo=loopback_interface(), sys=sys, scratch=train_py)
+    proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=180,
+                          cwd=train_py)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == _expected_train_output(2, "localhost")
+    assert "OMP_NUM_THREADS" not in proc.stderr          # no warning: the command sets it
+    assert not _torchrun_procs()
+
+
+def test_the_same_main_runs_through_group_run(train_py, group2, capsys):
+    main = runpy.run_path(str(train_py / "train.py"), run_name="train")["main"]  # as %run -n
+    assert group2.run(main) == [_reference_all_reduce(2)[0]["sum"]] * 2
+    printed = [line.removeprefix("[rank 0] ") for line in capsys.readouterr().out.splitlines()]
+    assert printed == _expected_train_output(2, None)
+    assert group2.run(all_reduce_lesson) == _reference_all_reduce(2)   # the group goes on
+
+
 # --- the environment torchrun sets ----------------------------------------------------
 def test_standalone_env(standalone):
     envs = standalone[launcher_env]
@@ -98,6 +150,7 @@ def test_standalone_env(standalone):
         assert e["MASTER_ADDR"] == "localhost"
         assert e["MASTER_PORT"].isdigit() and e["MASTER_PORT"] != "29500"  # a free port
         assert e["OMP_NUM_THREADS"] == "1"
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"   # ranks use the agent's store
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
     clean = sanitize_env(envs[0])
     assert clean["MASTER_PORT"] == "<port>" and clean["TORCHELASTIC_RUN_ID"] == "<run id>"
@@ -123,6 +176,7 @@ def test_localgroup_sets_the_per_rank_variables_but_no_tcp_store(group2):
             (str(r), str(r), "2", "2")
         assert e["get_rank"] == r
         assert e["MASTER_ADDR"] is None and e["MASTER_PORT"] is None
+        assert e["GROUP_RANK"] is None and e["TORCHELASTIC_USE_AGENT_STORE"] is None
 
 
 # --- what listens where (the fact the notebook's question 1 teaches) -------------------
@@ -301,12 +355,41 @@ def test_node_layout_explorer_numbers_and_reduces_like_torchrun():
         assert g.world_size == 8 and ex.result.world_size == 8
         assert [r["node_sum"] for r in ex.result.ranks][-1] == 15.0   # 7 + 8
         assert all(r["world_sum"] == 36.0 for r in ex.result.ranks)
-        assert ex.controls["nproc_per_node"].max == 2
         ex.controls["nnodes"].value = 1
         ex.controls["nproc_per_node"].value = 3
         assert [r["local_rank"] for r in ex.result.ranks] == [0, 1, 2]
         assert "RANK = node_rank * 3 + LOCAL_RANK" in ex.message.value
         assert bytes(ex.image.value[:4]) == b"\x89PNG"
+
+
+def test_a_layout_beyond_8_ranks_is_refused_with_a_sentence_not_clamped():
+    import cloudpickle
+    from reducelab.widgets.cluster import NodeLayoutExplorer
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with LocalGroup(world_size=4, timeout=60) as g:
+        ex = NodeLayoutExplorer(g, node_view, nnodes=2, nproc_per_node=4)
+        figure = ex.image.value
+        ex.controls["nnodes"].value = 4                   # 4 x 4 = 16 ranks
+        assert ex.controls["nproc_per_node"].value == 4 and ex.controls["nproc_per_node"].max == 4
+        assert ex.result is None and g.world_size == 8    # nothing ran, nothing resized
+        assert "WORLD_SIZE 16" in ex.message.value and "at most 8 ranks" in ex.message.value
+        assert ex.image.value != figure                   # a note replaces the old figure
+        assert ex.text().splitlines()[1].startswith("--nnodes 4 --nproc-per-node 4 makes")
+        ex.controls["nproc_per_node"].value = 2           # back to 8 ranks: it runs again
+        assert ex.result.world_size == 8 and ex.refusal is None
+        assert "RANK = node_rank * 2" in ex.message.value
+
+
+def test_node_layout_figure_fits_at_every_layout():
+    from reducelab.plots.cluster import node_layout_figure
+    from reducelab.widgets.cluster import NodeLayout
+    from PIL import Image
+    import io
+    for n, p in [(1, 1), (1, 4), (4, 1), (2, 4), (4, 2)]:
+        ranks = [dict(rank=r, node_rank=r // p, local_rank=r % p, node_sum=1.0, world_sum=2.0)
+                 for r in range(n * p)]
+        width, height = Image.open(io.BytesIO(node_layout_figure(NodeLayout(n, p, ranks)))).size
+        assert width <= 960 and height <= 450, (n, p, width, height)
 
 
 def test_node_layout_explorer_refuses_bad_layouts():

@@ -75,8 +75,10 @@ def listening_sockets() -> dict:
     listening sockets, each ``"all interfaces (::)"``, ``"all interfaces (0.0.0.0)"``,
     ``"loopback (127.0.0.1)"`` or ``"one interface address"`` (addresses and ports are
     left out, so the result is deterministic). Under torchrun the launcher is the
-    torchrun agent, which hosts the rendezvous ``TCPStore`` with ``--standalone``; the
-    rank's own sockets are gloo's.
+    torchrun agent, which hosts the rendezvous ``TCPStore``; the rank's own sockets are
+    gloo's. Measured after every rank has joined (a barrier), so what the agent lists
+    is still open after the rendezvous: it stays open until the agent exits, at the end
+    of the job.
     """
     def scopes(proc: psutil.Process) -> list[str]:
         try:

@@ -19,7 +19,9 @@ What it exposes on the network, measured on torch 2.13 (see notebook 07): gloo i
 pinned to the loopback interface with ``GLOO_SOCKET_IFNAME``, but the rendezvous
 ``TCPStore`` that the torchrun agent hosts listens on the wildcard address ``::``
 (all interfaces, IPv4 too on a dual-stack host) whatever host name it is given, on a
-random port, for as long as the launch runs. It is unauthenticated.
+random port, for the whole job: the ranks' own ``init_process_group`` connects to it
+(``TORCHELASTIC_USE_AGENT_STORE=True``), and it closes only when the agent exits, after
+the last rank. It is unauthenticated.
 
 Sources: torchrun, https://pytorch.org/docs/stable/elastic/run.html; environment
 variable initialization and ``TCPStore``,
@@ -51,8 +53,11 @@ MAX_NNODES = 4
 
 TORCHRUN_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                      "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                     "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")
-"""The environment variables torchrun sets on each rank that notebook 07 shows."""
+                     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+                     "OMP_NUM_THREADS")
+"""The environment variables torchrun sets on each rank that notebook 07 shows (set in
+``LocalElasticAgent._start_workers``, ``torch/distributed/elastic/agent/server/
+local_elastic_agent.py``)."""
 
 _LAUNCHER = '''\
 """What torchrun runs on every rank: join the process group, call the functions, report."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, restoring_world_size
+from . import Verdict, failed, passed, raised_on_ranks
 
 
 # --- byte formulas ----------------------------------------------------------------------
@@ -89,6 +89,9 @@ def contributors(value: float, world_size: int) -> list[int]:
 # --- the exercise: all_gather from the ring's all-gather phase ------------------------
 EXERCISE_WORLD_SIZES = (2, 3, 4)
 EXERCISE_NUMEL = 3
+HANG_TIMEOUT = 3.0
+"""Seconds the check's own group waits for the ranks before it stops them and says where
+each was waiting (a ring that hangs costs this, not the learner's group's timeout)."""
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                 "broadcast", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                 "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object")
@@ -103,12 +106,38 @@ def exercise_input(rank: int, numel: int = EXERCISE_NUMEL) -> torch.Tensor:
     return 10.0 * rank + torch.arange(1, numel + 1, dtype=torch.float32)
 
 
+def _whose(slice_: torch.Tensor, world_size: int, numel: int):
+    """The rank whose exercise input ``slice_`` is, or ``None``."""
+    for r in range(world_size):
+        if slice_.shape == (numel,) and torch.equal(slice_.float(), exercise_input(r, numel)):
+            return r
+    return None
+
+
+def _slice_index(t: torch.Tensor, n: int, numel: int, input_storage: int):
+    """Which buffer ``t`` is: ``"x"`` (the input), the index of a slice of an ``n * numel``
+    buffer (the output, split into ``n`` slices), or ``None`` (some other buffer)."""
+    try:
+        storage = t.untyped_storage()
+    except Exception:  # noqa: BLE001 - not a plain dense tensor
+        return None
+    if storage.data_ptr() == input_storage:
+        return "x"
+    if (t.numel() == numel and t.is_contiguous() and t.storage_offset() % numel == 0
+            and storage.nbytes() == n * numel * t.element_size()):
+        return t.storage_offset() // numel
+    return None
+
+
 def _run_exercise(fn, numel):
-    """Runs on each rank: call ``fn(x)`` with collectives forbidden and sends counted."""
-    rank = dist.get_rank()
+    """Runs on each rank: call ``fn(x)`` with collectives forbidden, and record every send
+    (its bytes, which buffer, whose data) and every receive (into which buffer)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
     x = exercise_input(rank, numel)
-    counted = {"bytes": 0, "calls": 0}
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES + ("isend", "send")
+    mine = x.clone()
+    input_storage = mine.untyped_storage().data_ptr()
+    trace = {"bytes": 0, "sends": [], "recvs": []}
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES + ("isend", "send", "recv", "irecv")
              if hasattr(dist, name)}
 
     def forbid(name):
@@ -117,10 +146,19 @@ def _run_exercise(fn, numel):
                                f"your function called dist.{name}")
         return refuse
 
-    def counting(original):
+    def sending(original):
         def wrapper(tensor, *args, **kwargs):
-            counted["bytes"] += tensor.numel() * tensor.element_size()
-            counted["calls"] += 1
+            trace["bytes"] += tensor.numel() * tensor.element_size()
+            trace["sends"].append({
+                "buffer": _slice_index(tensor, n, numel, input_storage),
+                "whose": _whose(tensor.detach().reshape(-1), n, numel),
+                "zero": not bool(tensor.detach().any()), "numel": tensor.numel()})
+            return original(tensor, *args, **kwargs)
+        return wrapper
+
+    def receiving(original):
+        def wrapper(tensor, *args, **kwargs):
+            trace["recvs"].append({"buffer": _slice_index(tensor, n, numel, input_storage)})
             return original(tensor, *args, **kwargs)
         return wrapper
 
@@ -128,60 +166,139 @@ def _run_exercise(fn, numel):
         for name in _COLLECTIVES:
             if name in saved:
                 setattr(dist, name, forbid(name))
-        dist.isend, dist.send = counting(saved["isend"]), counting(saved["send"])
-        out = fn(x.clone())
+        dist.isend, dist.send = sending(saved["isend"]), sending(saved["send"])
+        dist.recv, dist.irecv = receiving(saved["recv"]), receiving(saved["irecv"])
+        out = fn(mine)
     finally:
         for name, original in saved.items():
             setattr(dist, name, original)
     # the reference, with the real collective (after restoring it)
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x)
-    return out, torch.cat(parts), counted["bytes"]
+    return out, torch.cat(parts), trace
 
 
-def _whose(slice_: torch.Tensor, world_size: int, numel: int):
-    for r in range(world_size):
-        if slice_.shape == (numel,) and torch.equal(slice_, exercise_input(r, numel)):
-            return r
-    return None
+def _held(send: dict, numel: int) -> str:
+    if send["numel"] != numel:
+        return f"a tensor of {send['numel']} elements, not one slice of {numel}"
+    if send["whose"] is not None:
+        return f"rank {send['whose']}'s tensor"
+    if send["zero"]:
+        return "zeros"
+    return "values that are no rank's tensor"
 
 
-def check_ring_all_gather(group: LocalGroup, fn, world_sizes=EXERCISE_WORLD_SIZES,
-                          numel: int = EXERCISE_NUMEL) -> Verdict:
+def _buffer(name) -> str:
+    return ("its input x" if name == "x" else f"slice {name}" if isinstance(name, int)
+            else "a buffer of its own")
+
+
+def _diagnose(n: int, numel: int, traces: list[dict]) -> str:
+    """The first step at which a rank's send or receive differs from the ring's: one or two
+    sentences that name that mistake, or a general hint when none is found."""
+    for s in range(n - 1):
+        for r in range(n):
+            sends, recvs = traces[r]["sends"], traces[r]["recvs"]
+            if s < len(sends):
+                send, want = sends[s], (r - s) % n
+                if send["whose"] != want or send["numel"] != numel:
+                    held = _held(send, numel)
+                    right_buffer = send["buffer"] == want or (send["buffer"] == "x" and want == r)
+                    if right_buffer and s == 0:
+                        return (f"At step 0 rank {r} sent its own slice, as it should, but the "
+                                f"slice held {held}: copy x into slice {r} before the first "
+                                f"step.")
+                    if right_buffer:
+                        return (f"Rank {r}'s sends are right: at step {s} it sent slice {want}. "
+                                f"But that slice held {held}, because at step {s - 1} the "
+                                f"data did not land there. Receive into the slice of the rank "
+                                f"the data came from: at step s, slice (r - s - 1) % n.")
+                    return (f"Rank {r}'s send at step {s} is off: it sent {_buffer(send['buffer'])}, "
+                            f"holding {held}. At step s, rank r passes on the slice it "
+                            f"received at step s - 1 (its own at step 0): slice (r - s) % n, "
+                            f"here slice {want}, which holds rank {want}'s tensor.")
+            if s < len(recvs) and isinstance(recvs[s]["buffer"], int):
+                into, want = recvs[s]["buffer"], (r - s - 1) % n
+                if into != want:
+                    return (f"Rank {r}'s sends are right, but its receive at step {s} is off: "
+                            f"it received into slice {into}. What arrives from rank "
+                            f"{(r - 1) % n} at step {s} is the slice that rank passed on, rank "
+                            f"{want}'s tensor: receive it into slice (r - s - 1) % n, here "
+                            f"slice {want}.")
+    steps = [len(t["sends"]) for t in traces]
+    short = next((r for r, k in enumerate(steps) if k < n - 1), None)
+    if short is not None:
+        k = steps[short]
+        return (f"Rank {short} made {k} ring step{'' if k == 1 else 's'} (send_recv calls); "
+                f"with world_size={n} it takes {n - 1} for every slice to arrive. At step s rank "
+                f"r sends the slice it received at step s - 1 (its own at step 0), that is "
+                f"slice (r - s) % n, and receives slice (r - s - 1) % n from rank r - 1.")
+    return ("Every send and receive went to the right slice, so the mistake is in what "
+            "the function returns: return the whole output, slice i holding rank i's x.")
+
+
+def _explain_hang(n: int, err: RankError, timeout: float) -> str:
+    stuck = [r for r in err.reports if r.state == "stuck"]
+    where = {r.collective for r in stuck}
+    head = (f"With world_size={n} the ranks had not finished after {timeout:g} s, so the "
+            f"check stopped them.")
+    if stuck and where == {"send"}:
+        return (f"{head} Every rank was waiting in a blocking dist.send. On gloo, send "
+                f"returns only once the receiver has called recv, so each rank waits for its "
+                f"right neighbour, which is itself waiting in send: no rank ever reaches its "
+                f"recv. Start the send with dist.isend (or use send_recv), then recv, then "
+                f"wait on the send.")
+    if stuck and where == {"recv"}:
+        return (f"{head} Every rank was waiting in dist.recv for its left neighbour, which "
+                f"was itself waiting in recv: nobody sent. Start the send with dist.isend "
+                f"first (or use send_recv), then recv.")
+    lines = "; ".join(f"rank {r.rank}: {r.summary}" for r in err.reports)
+    return (f"{head} The ranks wait for each other: every send needs a matching recv on "
+            f"the neighbour at the same step. Where each rank was: {lines}.")
+
+
+def check_ring_all_gather(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXERCISE_NUMEL,
+                          timeout: float = HANG_TIMEOUT) -> Verdict:
     """Exercise of notebook 06: ``fn(x)`` is ``all_gather`` built from the ring.
 
     On rank ``r``, ``fn`` gets ``x = exercise_input(r, numel)`` (float32, shape
     ``(numel,)``) and must return a float32 tensor of shape ``(world_size * numel,)``
-    whose slice ``i`` is rank ``i``'s ``x``, the result of
-    ``dist.all_gather`` concatenated, sending only with ``dist.isend``/``dist.send`` (each
-    rank may send ``(world_size - 1) * numel * 4`` bytes, as in the ring's all-gather
-    phase). Collectives are disabled on the ranks while ``fn`` runs, and every byte
-    passed to ``isend``/``send`` is counted.
+    whose slice ``i`` is rank ``i``'s ``x``, the result of ``dist.all_gather``
+    concatenated, sending only with ``dist.isend``/``dist.send`` (each rank may send
+    ``(world_size - 1) * numel * 4`` bytes, as in the ring's all-gather phase).
+    Collectives are disabled on the ranks while ``fn`` runs; every send (bytes, which
+    slice, whose data) and every receive (into which slice) is recorded, so a wrong
+    answer is told which step's send or receive went wrong.
 
-    Runs on real ranks at each world size in ``world_sizes`` (the group is resized, then
-    restored) and compares with the real ``all_gather`` on the same ranks.
+    The check runs on a :class:`~reducelab.LocalGroup` of its own, created and closed
+    inside it, with a ``timeout`` of a few seconds: a ring that hangs (every rank in a
+    blocking ``send``) is stopped after ``timeout`` seconds and explained, and the
+    learner's own group is left as it was.
+
+    Args:
+        fn: the learner's function, called on every rank as ``fn(x)``.
+        world_sizes: the world sizes to try, in order (each an int from 2 up).
+        numel: elements per rank (int >= 1).
+        timeout: seconds the check's group waits for the ranks (float > 0).
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that says, for a wrong answer, which rank's
-        slice holds what and why.
+        slice holds what, and which send or receive made it so.
     """
-    with restoring_world_size(group):
+    if not callable(fn):
+        return failed(f"check_ring_all_gather needs your function, ring_all_gather; got {fn!r}.")
+    with LocalGroup(world_size=world_sizes[0], timeout=timeout, progress=False) as own:
         for n in world_sizes:
-            group.resize(n)
+            own.resize(n)
             try:
-                out = group.run(_run_exercise, fn, numel)
+                out = own.run(_run_exercise, fn, numel)
             except RankError as e:
-                stuck = [r for r in e.reports if r.state == "stuck"]
-                if stuck and all("send" in r.summary and "isend" not in r.summary for r in stuck):
-                    return failed(f"With world_size={n} every rank waited in a blocking "
-                                  f"dist.send: each waits for its right neighbour to receive, "
-                                  f"and none receives. Send with dist.isend (or use send_recv), "
-                                  f"then recv, then wait on the send.")
-                first = e.reports[0].summary if e.reports else ""
-                return failed(f"With world_size={n} your function failed on the ranks: "
-                              f"{e.headline}. {first}")
+                if any(r.state == "stuck" for r in e.reports):
+                    return failed(_explain_hang(n, e, timeout))
+                return raised_on_ranks(f"With world_size={n}", e)
             per_rank = (n - 1) * numel * 4
-            for r, (got, want, sent) in enumerate(out):
+            traces = [trace for _, _, trace in out]
+            for r, (got, want, trace) in enumerate(out):
                 if not isinstance(got, torch.Tensor):
                     return failed(f"With world_size={n}, rank {r} returned {got!r}; expected a "
                                   f"tensor of {n * numel} elements: {want}.")
@@ -197,31 +314,23 @@ def check_ring_all_gather(group: LocalGroup, fn, world_sizes=EXERCISE_WORLD_SIZE
                         holder = _whose(piece, n, numel)
                         if holder is not None:
                             problems.append(f"slice {i} holds rank {holder}'s tensor")
+                        elif not piece.any() and i == r:
+                            problems.append(f"slice {i}, rank {r}'s own, is still zero")
                         elif not piece.any():
                             problems.append(f"slice {i} is still zero (never received)")
                         else:
                             problems.append(f"slice {i} holds {piece.tolist()}")
-                    hint = ""
-                    if any("holds rank" in p for p in problems):
-                        hint += (" Some data arrived but landed in the wrong slice: receive "
-                                 "the left neighbour's slice into the slice of the rank it "
-                                 "came from, (r - s - 1) % n at step s.")
-                    if any("never received" in p for p in problems):
-                        hint += (f" After {n - 1} ring step{'s' if n > 2 else ''} every slice "
-                                 f"must have arrived: at step s rank r sends the slice it "
-                                 f"received at step s - 1 (its own at step 0), that is slice "
-                                 f"(r - s) % n, and receives slice (r - s - 1) % n from "
-                                 f"rank r - 1.")
                     return failed(f"With world_size={n}, rank {r} returned {got}, expected "
-                                  f"{want}: {'; '.join(problems)}.{hint}")
-                if sent != per_rank:
+                                  f"{want}: {'; '.join(problems)}. "
+                                  f"{_diagnose(n, numel, traces)}")
+                if trace["bytes"] != per_rank:
                     return failed(f"With world_size={n}, the result is right, but rank {r} "
-                                  f"passed {sent} bytes to isend/send; the ring's all-gather "
-                                  f"phase sends {n - 1} slices of {numel * 4} bytes = "
-                                  f"{per_rank} bytes. Send one slice per step, not the whole "
+                                  f"passed {trace['bytes']} bytes to isend/send; the ring's "
+                                  f"all-gather phase sends {n - 1} slices of {numel * 4} bytes "
+                                  f"= {per_rank} bytes. Send one slice per step, not the whole "
                                   f"output.")
-        return passed(f"At world sizes {', '.join(map(str, world_sizes))} every rank gathered "
-                      f"every rank's tensor in world_size - 1 ring steps, sending "
-                      f"(world_size - 1) x {numel * 4} bytes: the same as the real all_gather. "
-                      f"This is the ring's all-gather phase, started from each rank's own "
-                      f"slice instead of a reduced chunk.")
+    return passed(f"At world sizes {', '.join(map(str, world_sizes))} every rank gathered "
+                  f"every rank's tensor in world_size - 1 ring steps, sending "
+                  f"(world_size - 1) x {numel * 4} bytes: the same as the real all_gather. "
+                  f"This is the ring's all-gather phase, started from each rank's own "
+                  f"slice instead of a reduced chunk.")

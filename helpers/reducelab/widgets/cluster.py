@@ -55,6 +55,10 @@ class NodeLayoutExplorer(Explorer):
 
     Raises:
         TypeError: ``fn`` is not callable. ValueError: a layout outside the ranges above.
+
+    Both sliders keep their full range, 1 to 4. A layout of more than
+    :data:`MAX_WORLD_SIZE` ranks is refused with a sentence that says so (and a note in
+    place of the figure); nothing is changed behind the learner's back.
     """
 
     def __init__(self, group: LocalGroup, fn, nnodes: int = 2, nproc_per_node: int = 2):
@@ -67,28 +71,43 @@ class NodeLayoutExplorer(Explorer):
             raise ValueError(f"nnodes * nproc_per_node must be at most {MAX_WORLD_SIZE}, "
                              f"got {nnodes} * {nproc_per_node}")
         self.group, self.fn = group, fn
+        self.refusal: str | None = None
+        style = {"description_width": "initial"}
         super().__init__({
             "nnodes": W.IntSlider(value=nnodes, min=1, max=4, description="--nnodes",
-                                  continuous_update=False),
-            "nproc_per_node": W.IntSlider(value=nproc_per_node, min=1,
-                                          max=MAX_WORLD_SIZE // nnodes,
+                                  continuous_update=False, style=style),
+            "nproc_per_node": W.IntSlider(value=nproc_per_node, min=1, max=4,
                                           description="--nproc-per-node",
-                                          continuous_update=False,
-                                          style={"description_width": "initial"}),
+                                          continuous_update=False, style=style),
         })
         self.refresh()
 
-    def _on_change(self, change) -> None:
-        if getattr(self, "_clamping", False):
-            return  # the nnodes change below refreshes once, for both values
-        if change["owner"] is self.controls["nnodes"]:
-            per = self.controls["nproc_per_node"]
-            self._clamping = True
-            try:
-                per.max = min(4, MAX_WORLD_SIZE // change["new"])  # also clamps its value
-            finally:
-                self._clamping = False
-        self.refresh()
+    @staticmethod
+    def too_many(nnodes: int, nproc_per_node: int) -> str | None:
+        """The sentence that refuses a layout of more than :data:`MAX_WORLD_SIZE` ranks,
+        or ``None`` when the layout fits."""
+        world_size = nnodes * nproc_per_node
+        if world_size <= MAX_WORLD_SIZE:
+            return None
+        return (f"--nnodes {nnodes} --nproc-per-node {nproc_per_node} makes WORLD_SIZE "
+                f"{world_size}; this explorer starts at most {MAX_WORLD_SIZE} ranks on one "
+                f"machine (torchrun has no such limit). Lower --nnodes or --nproc-per-node.")
+
+    def refresh(self) -> None:
+        """Refuse a layout of more than :data:`MAX_WORLD_SIZE` ranks with one sentence,
+        else run it on the ranks."""
+        self.refusal = self.too_many(**self.values)
+        if self.refusal is not None:
+            self.result, self.error = None, None
+            self._refuse(self.refusal)
+            return
+        super().refresh()
+
+    def text(self) -> str:
+        if self.refusal is not None:
+            settings = ", ".join(f"{k}={v}" for k, v in self.values.items())
+            return f"{type(self).__name__}({settings})\n{self.refusal}"
+        return super().text()
 
     def compute(self, nnodes, nproc_per_node) -> NodeLayout:
         world_size = nnodes * nproc_per_node

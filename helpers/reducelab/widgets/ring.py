@@ -126,10 +126,12 @@ class RingExplorer(Explorer):
         self.plot = RingStepsPlot()
         self.runs: dict[int, RingRun] = {}
         self._syncing = False
+        style = {"description_width": "initial"}  # labels are never cut off
         super().__init__({
             "world_size": W.IntSlider(value=world_size, min=MIN_WORLD_SIZE, max=MAX_WORLD_SIZE,
-                                      description="world_size", continuous_update=False),
-            "step": W.IntSlider(value=step, min=0, max=last, description="step"),
+                                      description="world_size", continuous_update=False,
+                                      style=style),
+            "step": W.IntSlider(value=step, min=0, max=last, description="step", style=style),
         })
         self.refresh()
 
@@ -156,11 +158,14 @@ class RingExplorer(Explorer):
         n = run.world_size
         phase = phase_of(k, n)
         if k == 0:
-            title = f"step 0/{run.steps}: the input\nrank r holds 2**r in every chunk"
+            title = (f"step 0 of {run.steps}: the input\n"
+                     f"rank r holds 2**r in every chunk")
         else:
             i = k if k <= n - 1 else k - (n - 1)
-            title = (f"step {k}/{run.steps}: {phase} step {i} of {n - 1}\n"
-                     f"orange: sent to rank r+1, blue: received from rank r-1")
+            what = ("each rank adds the chunk it receives to its own copy"
+                    if phase == "reduce-scatter" else
+                    "each rank overwrites its copy with the complete chunk it receives")
+            title = f"step {k} of {run.steps}: {phase} step {i} of {n - 1}\n{what}"
         sent = None if k == 0 else run.sent[k]
         received = None if k == 0 else run.received[k]
         return self.plot.draw(run.values[k], sent, received, title)
