@@ -1,9 +1,16 @@
 """Tests of notebook 05 (syncing gradients by hand on a device mesh): the mesh explorer, the
-exercise check, the figures, and the facts the notebook teaches, each measured on real gloo
-ranks against a layout or gradient computed in one process."""
+exercise check, the figures, the facts the notebook teaches (each measured on real gloo
+ranks against a layout or gradient computed in one process), and the notebook's own
+structure where it is particular to this notebook."""
 from __future__ import annotations
 
+import json
+import math
+import pathlib
+import re
+import sys
 
+import cloudpickle
 import numpy as np
 import pytest
 import torch
@@ -11,19 +18,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import conftest
-from reducelab.checks.mesh import (check_mesh_sync, global_batch, local_batch, local_grads,
-                                   reference_grads, tiny_model)
-from reducelab.plots.mesh import MeshGrid, group_index, timeline_figure
+from reducelab import RankError
+from reducelab.checks.mesh import (check_mesh_sync, global_batch, live_process_groups,
+                                   local_batch, local_grads, reference_grads, run_and_release,
+                                   tiny_model)
+from reducelab.plots import MIN_FONT, PALETTE, RANK_COLOURS
+from reducelab.plots.mesh import GROUP_COLOURS, MeshGrid, group_index, sync_cost_figure
 from reducelab.widgets.mesh import MESH_SHAPES, MeshExplorer, expected_groups
+
+# Send this module's functions by value, as a notebook cell's are.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MESH_3D = (2, 2, 1)  # (dp, tp, cp), as in the notebook
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "05_device_mesh_sync.ipynb"
+MY_FILES = [NOTEBOOK, NOTEBOOK.parent / "solutions" / "05_mesh_sync.py"] + [
+    NOTEBOOK.parents[1] / "helpers" / "reducelab" / pkg / "mesh.py"
+    for pkg in ("plots", "widgets", "checks")]
 
 
 def load_solution():
     return conftest.load_solution("05_mesh_sync")
-
-
 
 
 pytestmark = pytest.mark.usefixtures("keep_four_ranks")
@@ -40,6 +55,12 @@ def mesh_groups(dp, cp, dim):
             "sum": x.item()}
 
 
+def open_files_and_groups():
+    import os
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0, \
+        live_process_groups()
+
+
 def sum_divide_vs_avg(n, dtype):
     g = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
     g = g.to(getattr(torch, dtype))
@@ -48,6 +69,47 @@ def sum_divide_vs_avg(n, dtype):
     summed = summed / dist.get_world_size()
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
     return g, summed, averaged
+
+
+def handles():
+    x = torch.ones(3)
+    blocking = dist.all_reduce(x)
+    work = dist.all_reduce(x, async_op=True)
+    waited = work.wait()
+    return type(blocking).__name__, type(work).__name__, waited, work.is_completed(), x.tolist()
+
+
+def async_then_wait_equals_blocking():
+    """The notebook's async pattern (issue, compute, wait) reduces what blocking does."""
+    torch.manual_seed(dist.get_rank())
+    grads = [torch.randn(1000) for _ in range(4)]
+    blocking = [g.clone() for g in grads]
+    for g in blocking:
+        dist.all_reduce(g, op=dist.ReduceOp.AVG)
+    works = [dist.all_reduce(g, op=dist.ReduceOp.AVG, async_op=True) for g in grads]
+    a = torch.randn(50, 50)
+    _ = a @ a
+    for w in works:
+        w.wait()
+    return all(torch.equal(g, b) for g, b in zip(grads, blocking))
+
+
+def sync_ways(n_tensors, way, numel=1200):
+    """The notebook's sync_cost, returning the synced tensors instead of a time."""
+    grads = [torch.full((numel // n_tensors,), float(dist.get_rank() + 1) * (k + 1))
+             for k in range(n_tensors)]
+    if way == "blocking":
+        for g in grads:
+            dist.all_reduce(g)
+    elif way == "async":
+        for w in [dist.all_reduce(g, async_op=True) for g in grads]:
+            w.wait()
+    else:
+        bucket = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(bucket)
+        for g, part in zip(grads, bucket.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+    return [g.clone() for g in grads]
 
 
 def dp_cp_group(world):
@@ -61,6 +123,21 @@ def compare_flatten():
     world = init_device_mesh("cpu", MESH_3D, mesh_dim_names=("dp", "tp", "cp"))
     private = world["dp", "cp"]._flatten(mesh_dim_name="dp_cp").get_group()
     return dist.get_process_group_ranks(private), dist.get_process_group_ranks(dp_cp_group(world))
+
+
+def five_steps(make_group_each_step):
+    from torch.distributed.device_mesh import init_device_mesh
+    world = init_device_mesh("cpu", MESH_3D, mesh_dim_names=("dp", "tp", "cp"))
+    sync_group = dp_cp_group(world)
+    new_groups = []
+    for _ in range(5):
+        before = live_process_groups()
+        if make_group_each_step:
+            sync_group = dp_cp_group(world)
+        grad = torch.ones(3)
+        dist.all_reduce(grad, group=sync_group)
+        new_groups.append(live_process_groups() - before)
+    return new_groups
 
 
 def input_for(dp_index, cp_index):
@@ -88,17 +165,25 @@ def all_reduce_dtensor_directly():
     return "worked"
 
 
-def seed_dtensor_sync(rows):
+def to_local_is_a_view():
+    world, weight = tp_step(4)
+    g = weight.grad
+    local = g.to_local()
+    same_memory = local.data_ptr() == g.to_local().data_ptr()
+    local.fill_(100.0 + dist.get_rank())
+    return same_memory, g.full_tensor()[:, 0].tolist()
+
+
+def page_dtensor_sync(rows):
     from torch.distributed.tensor import DTensor
     world, weight = tp_step(rows)
     sync_mesh = world["dp", "cp"]._flatten(mesh_dim_name="dp_cp")
     g = weight.grad
     local_grad = g.to_local()
     dist.all_reduce(local_grad, op=dist.ReduceOp.SUM, group=sync_mesh.get_group())
-    aliased = torch.equal(g.to_local(), local_grad)
     local_grad = local_grad / sync_mesh.size()
     weight.grad = DTensor.from_local(local_grad, device_mesh=g.device_mesh, placements=g.placements)
-    return aliased, weight.grad.full_tensor()
+    return weight.grad.full_tensor()
 
 
 def public_dtensor_sync(rows):
@@ -134,7 +219,7 @@ def ddp_then_cp(sync_cp):
     return out
 
 
-# wrong answers to the exercise
+# answers to the exercise
 def no_sync(model, mesh):
     pass
 
@@ -164,6 +249,33 @@ def raises(model, mesh):
     raise ValueError("not written yet")
 
 
+def new_group_every_call(model, mesh):
+    """The notebook's old solution: right gradients, one new process group per call."""
+    ranks = mesh.mesh.flatten().tolist()
+    dp_cp = dist.new_group(ranks)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=dp_cp)
+        p.grad /= len(ranks)
+
+
+def new_group_once(model, mesh):
+    """A group made on the first call and reused on the next ones is fine."""
+    cache = globals().setdefault("_groups", {})
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    if ranks not in cache:
+        cache[ranks] = dist.new_group(list(ranks))
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=cache[ranks])
+        p.grad /= len(ranks)
+
+
+def whole_world(model, mesh):
+    """The default group is every dp x cp rank here (no tp): right, and makes no group."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
 # --- the layout, in one process --------------------------------------------------------------
 def test_expected_groups_row_major_layout():
     assert expected_groups(2, 2, "dp") == [[0, 2], [1, 3], [0, 2], [1, 3]]
@@ -187,17 +299,22 @@ def test_group_index_numbers_groups_by_lowest_rank():
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2), (4, 1)])
 def test_real_mesh_groups_match_the_layout(group, shape):
     for dim in ("dp", "cp"):
-        out = group.run(mesh_groups, *shape, dim)
+        out = group.run(run_and_release, mesh_groups, *shape, dim)
         assert [sorted(o["ranks"]) for o in out] == expected_groups(*shape, dim)
         assert [o["sum"] for o in out] == [sum(g) for g in expected_groups(*shape, dim)]
         assert [tuple(o["coord"]) for o in out] == [divmod(r, shape[1]) for r in range(4)]
+
+
+def test_question_1_cp_group_of_a_4_by_1_mesh_is_the_rank_alone(group):
+    out = group.run(run_and_release, mesh_groups, 4, 1, "cp")
+    assert out[1]["ranks"] == [1] and [o["sum"] for o in out] == [0, 1, 2, 3]
 
 
 def test_explorer_draws_real_groups_and_resizes(group):
     ex = MeshExplorer(group, mesh_groups, shape=(2, 2), dim="dp")
     assert ex.result.groups == expected_groups(2, 2, "dp") and ex.result.sums_match
     assert ex.image.value[:8] == PNG
-    assert ex.text() == ("MeshExplorer(shape=(2, 2), dim=dp)\n2 dp group(s) of 2 rank(s) on 4 ranks: "
+    assert ex.text() == ("MeshExplorer(shape=(2, 2), dim=dp)\n2 dp groups of 2 ranks on 4 ranks: "
                          "[0, 2] [1, 3]; each rank's all_reduce(SUM) of rank ids equals its "
                          "group's sum.")
     first = ex.image.value
@@ -206,11 +323,41 @@ def test_explorer_draws_real_groups_and_resizes(group):
     assert ex.image.value != first
     ex.controls["shape"].value = (1, 4)
     assert group.world_size == 4 and ex.result.groups == expected_groups(1, 4, "cp")
+    assert "1 cp group of 4 ranks" in ex.message.value
     ex.controls["shape"].value = (2, 4)
     assert group.world_size == 8
     assert ex.result.groups == expected_groups(2, 4, "cp")
     assert ex.result.sums == [6, 6, 6, 6, 22, 22, 22, 22]
-    assert "2 cp group(s) of 4 rank(s) on 8 ranks" in ex.message.value
+    assert "2 cp groups of 4 ranks on 8 ranks" in ex.message.value
+
+
+def test_explorer_controls_show_their_labels_in_full(group):
+    ex = MeshExplorer(group, mesh_groups)
+    for w in ex.controls.values():
+        assert w.style.description_width == "initial", w.description
+    assert ex.controls["shape"].description == "mesh (dp, cp)"
+
+
+def test_explorer_does_not_pile_up_process_groups(group):
+    """Every refresh builds a mesh; run_and_release destroys its groups, so a learner can
+    move the controls for as long as they like without running out of file descriptors."""
+    ex = MeshExplorer(group, mesh_groups, shape=(2, 2), dim="dp")
+    start = group.run(open_files_and_groups)
+    for k in range(12):
+        ex.controls["dim"].value = "cp" if k % 2 == 0 else "dp"
+        assert ex.error is None
+    assert group.run(open_files_and_groups) == start
+    ex.controls["shape"].value = (1, 4)   # a dimension that spans the world: the default group
+    ex.controls["dim"].value = "dp"
+    ex.controls["dim"].value = "cp"
+    assert group.run(open_files_and_groups)[0][1] == start[0][1]   # the default group survives
+    assert group.run(sum_divide_vs_avg, 4, "float32")[0][2].shape == (4,)
+
+
+def test_without_release_every_mesh_adds_process_groups(group):
+    before = group.run(open_files_and_groups)[0][1]
+    group.run(mesh_groups, 2, 2, "dp")
+    assert group.run(open_files_and_groups)[0][1] == before + 2   # one per mesh dimension
 
 
 def test_explorer_rejects_bad_initial_values(group):
@@ -221,7 +368,7 @@ def test_explorer_rejects_bad_initial_values(group):
     assert (2, 2) in MESH_SHAPES
 
 
-# --- step 3: SUM then divide against AVG -----------------------------------------------------
+# --- step 3: SUM then divide against AVG, and bfloat16's precision ------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_avg_is_sum_then_divide_bit_for_bit_on_gloo(group, dtype):
     out = group.run(sum_divide_vs_avg, 100_000, dtype)
@@ -234,12 +381,48 @@ def test_avg_is_sum_then_divide_bit_for_bit_on_gloo(group, dtype):
     assert not torch.equal(out[0][2].double(), exact)  # rounded, not exact
 
 
-# --- step 5: the private call and the public stand-in ----------------------------------------
+def test_bfloat16_keeps_7_mantissa_bits_8_bits_of_precision():
+    assert torch.finfo(torch.bfloat16).eps == 2.0 ** -7
+    assert torch.finfo(torch.float32).eps == 2.0 ** -23
+    assert torch.tensor(1 + 2 ** -8, dtype=torch.bfloat16).item() == 1.0   # below half a step
+    assert torch.tensor(1 + 2 ** -7, dtype=torch.bfloat16).item() == 1 + 2 ** -7
+
+
+# --- step 4: async handles, overlap pattern, buckets ------------------------------------------
+def test_async_handles_and_results(group):
+    assert group.run(handles)[0] == ("NoneType", "Work", True, True, [16.0, 16.0, 16.0])
+    assert all(group.run(async_then_wait_equals_blocking))
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_a_flat_bucket_reduces_exactly_what_one_call_per_tensor_does(group, n):
+    blocking = group.run(sync_ways, n, "blocking")
+    for way in ("async", "bucket"):
+        for got, want in zip(group.run(sync_ways, n, way), blocking):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert blocking[0][-1][0].item() == 10 * n   # (1 + 2 + 3 + 4) * n
+
+
+def test_ddp_documents_its_25_mib_buckets_and_a_transformer_has_hundreds_of_tensors():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    doc = " ".join(DDP.__doc__.split())
+    assert "a default size of 25 MiB" in doc and "overlap with backward computation" in doc
+    encoder = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, batch_first=True), num_layers=24)
+    assert len(list(encoder.parameters())) == 288
+
+
+# --- step 5: the private call, public stand-ins, and groups made once ------------------------------
 def test_flatten_is_private_and_new_subgroups_gives_the_same_ranks(group):
     from torch.distributed.device_mesh import DeviceMesh
     assert hasattr(DeviceMesh, "_flatten") and not hasattr(DeviceMesh, "flatten")
-    out = group.run(compare_flatten)
+    out = group.run(run_and_release, compare_flatten)
     assert out == [([0, 2], [0, 2]), ([1, 3], [1, 3]), ([0, 2], [0, 2]), ([1, 3], [1, 3])]
+
+
+def test_a_group_made_inside_every_step_adds_one_group_per_step(group):
+    assert group.run(run_and_release, five_steps, False)[0] == [0] * 5
+    assert group.run(run_and_release, five_steps, True) == [[1] * 5] * 4
 
 
 # --- step 6: DTensor gradients -----------------------------------------------------------------
@@ -247,17 +430,22 @@ def test_all_reduce_refuses_a_dtensor(group):
     assert all("sharding strategy" in m for m in group.run(all_reduce_dtensor_directly))
 
 
-def test_seed_dtensor_pattern_works_for_even_shards_and_to_local_aliases(group):
+def test_to_local_is_a_view_of_the_shard(group):
+    out = group.run(to_local_is_a_view)
+    assert all(same for same, _ in out)
+    assert [column for _, column in out] == [[100.0, 100.0, 101.0, 101.0]] * 2 + \
+        [[102.0, 102.0, 103.0, 103.0]] * 2
+
+
+def test_page_dtensor_pattern_works_for_even_shards(group):
     want = reference_grad(4)
-    for aliased, full in group.run(seed_dtensor_sync, 4):
-        assert aliased
+    for full in group.run(page_dtensor_sync, 4):
         torch.testing.assert_close(full, want, atol=1e-6, rtol=1e-5)
 
 
-def test_seed_dtensor_pattern_fails_for_uneven_shards(group):
-    from reducelab import RankError
+def test_page_dtensor_pattern_fails_for_uneven_shards(group):
     with pytest.raises(RankError) as info:
-        group.run(seed_dtensor_sync, 5)
+        group.run(page_dtensor_sync, 5)
     assert "size '[6, 3]'" in str(info.value) and "'[5, 3]'" in str(info.value)
 
 
@@ -293,10 +481,35 @@ def test_exercise_data_mean_of_local_grads_is_the_reference():
         local_batch(2, 0, 2, 2)
 
 
-def test_solution_passes(group):
-    verdict = check_mesh_sync(group, load_solution().sync_grads)
+def test_solution_passes_and_makes_no_process_group(group):
+    import inspect
+    solution = load_solution().sync_grads
+    assert "new_group" not in inspect.getsource(solution)
+    verdict = check_mesh_sync(group, solution)
     assert verdict, verdict.message
     assert "(2, 2), (1, 4), (4, 1)" in verdict.message
+    assert "no new process group" in verdict.message
+
+
+@pytest.mark.parametrize("fn", [new_group_once, whole_world])
+def test_other_right_answers_pass(group, fn):
+    verdict = check_mesh_sync(group, fn)
+    assert verdict, verdict.message
+
+
+def test_a_new_group_at_every_call_is_named(group):
+    verdict = check_mesh_sync(group, new_group_every_call)
+    assert not verdict
+    assert "gradients are right" in verdict.message
+    assert "made 1 new process group (dist.new_group" in verdict.message
+    assert "once, outside sync_grads" in verdict.message
+
+
+def test_the_check_leaves_no_process_groups_behind(group):
+    start = group.run(open_files_and_groups)
+    check_mesh_sync(group, new_group_every_call)
+    check_mesh_sync(group, load_solution().sync_grads)
+    assert group.run(open_files_and_groups) == start
 
 
 @pytest.mark.parametrize("fn, says", [
@@ -315,19 +528,119 @@ def test_wrong_answers_fail_with_an_explanation(group, fn, says):
         assert "Expected every rank to hold the mean over all 4 ranks" in verdict.message
 
 
+def test_no_check_message_prints_the_solution(group):
+    code = [line.strip() for line in
+            (NOTEBOOK.parent / "solutions" / "05_mesh_sync.py").read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", "def "))]
+    for fn in (no_sync, dp_only, sum_only, new_group_every_call, raises):
+        message = check_mesh_sync(group, fn).message
+        assert not [line for line in code if line in message], fn.__name__
+
+
 # --- figures -----------------------------------------------------------------------------------
-def test_timeline_figure_and_its_errors():
-    runs = {"blocking": [[("all_reduce 0", 0.0, 0.01), ("compute", 0.01, 0.03)]] * 2,
-            "async": [[("all_reduce 0", 0.0, 0.02), ("compute", 0.0, 0.02), ("wait", 0.02, 0.021)]] * 2}
-    assert timeline_figure(runs)[:8] == PNG
-    with pytest.raises(ValueError, match="runs is empty"):
-        timeline_figure({})
-    with pytest.raises(ValueError, match="compute, wait or all_reduce"):
-        timeline_figure({"x": [[("sleep", 0.0, 1.0)]]})
+def test_group_colours_come_from_the_palette():
+    assert list(GROUP_COLOURS) == list(RANK_COLOURS)
+    assert set(GROUP_COLOURS) <= set(PALETTE.values())
 
 
-def test_mesh_grid_rejects_bad_shapes():
+@pytest.mark.parametrize("shape", MESH_SHAPES)
+@pytest.mark.parametrize("dim", ["dp", "cp"])
+def test_mesh_grid_at_every_shape_labels_each_group_and_fits(shape, dim):
+    """Every shape the explorer offers (world sizes 4 and 8): the audit fixture checks the
+    palette, 10 pt text and the width; here the groups are labelled in words and the
+    figure fits one screen with the controls."""
+    dp, cp = shape
+    groups = expected_groups(dp, cp, dim)
     grid = MeshGrid()
-    assert grid.draw(np.zeros((2, 2), int), [["a", "b"], ["c", "d"]])[:8] == PNG
-    with pytest.raises(ValueError, match="labels"):
-        grid.draw(np.zeros((2, 2), int), [["a"]])
+    data = grid.draw([divmod(r, cp) for r in range(dp * cp)], groups,
+                     [f"sum = {sum(g)}" for g in groups], dim, title=f'mesh["{dim}"]')
+    assert data[:8] == PNG
+    width, height = grid.fig.get_size_inches()
+    assert width <= 9.6 and height <= 4.5
+    texts = [t.get_text() for t in grid.fig.findobj(lambda a: hasattr(a, "get_text"))]
+    for ranks in {tuple(g) for g in groups}:
+        members = ", ".join(map(str, ranks))
+        assert any(f"[{members}]" in t and f"{dim} group" in t for t in texts), ranks
+    assert all(t.get_fontsize() >= MIN_FONT for t in grid.fig.texts + grid.fig.axes[0].texts)
+
+
+def test_mesh_grid_rejects_bad_input():
+    grid = MeshGrid()
+    coords = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(ValueError, match="one coordinate, group and line per rank"):
+        grid.draw(coords, expected_groups(2, 2, "dp"), ["a"], "dp")
+    with pytest.raises(ValueError, match="dim must be"):
+        grid.draw(coords, expected_groups(2, 2, "dp"), ["a"] * 4, "tp")
+    with pytest.raises(ValueError, match="not a full column"):
+        grid.draw(coords, expected_groups(2, 2, "cp"), ["a"] * 4, "dp")
+
+
+def test_sync_cost_figure_and_its_errors():
+    seconds = {"blocking": {1: 0.01, 16: 0.05, 256: 0.4}, "async": {1: 0.01, 16: 0.03, 256: 0.2},
+               "bucket": {1: 0.011, 16: 0.011, 256: 0.012}}
+    assert sync_cost_figure(seconds, 1_000_000, 2)[:8] == PNG
+    same_end = {way: {1: 0.01, 256: 0.1} for way in seconds}   # labels must not overlap
+    assert sync_cost_figure(same_end, 1_000_000, 2)[:8] == PNG
+    with pytest.raises(ValueError, match="seconds is empty"):
+        sync_cost_figure({}, 10, 2)
+    with pytest.raises(ValueError, match="unknown way"):
+        sync_cost_figure({"ring": {1: 0.1}}, 10, 2)
+    with pytest.raises(ValueError, match="> 0 seconds"):
+        sync_cost_figure({"bucket": {1: 0.0}}, 10, 2)
+
+
+# --- the notebook, where its rules are particular to it ------------------------------------------
+def _cells():
+    return json.loads(NOTEBOOK.read_text())["cells"]
+
+
+def _src(cell) -> str:
+    return "".join(cell["source"])
+
+
+def test_question_cells_set_their_own_world_size_and_never_touch_the_explorer():
+    code = [c for c in _cells() if c["cell_type"] == "code"]
+    questions = [c for c in code if "reveal(answer_" in _src(c)]
+    assert len(questions) == 3
+    for c in questions:
+        assert _src(c).startswith("group.resize(4)"), _src(c)[:60]
+        assert "explorer" not in _src(c)
+    explorer_at = next(i for i, c in enumerate(code) if "MeshExplorer(" in _src(c))
+    for c in code[explorer_at + 1:]:
+        assert not re.search(r"explorer\.\w", _src(c)), _src(c)[:80]
+
+
+def test_timing_cells_are_tagged_and_no_prose_quotes_a_timing():
+    cells = _cells()
+    for c in cells:
+        if c["cell_type"] == "code" and re.search(r"group\.run\((overlap_step|sync_cost)", _src(c)):
+            assert "nbval-ignore-output" in c["metadata"].get("tags", []), _src(c)[:60]
+        if c["cell_type"] == "markdown":
+            assert not re.search(r"\d+(\.\d+)?\s?ms\b", _src(c)), _src(c)[:80]
+
+
+def test_group_stays_open_and_no_progress_false():
+    text = NOTEBOOK.read_text()
+    assert "progress=False" not in text
+    last = [c for c in _cells() if c["cell_type"] == "code"][-1]
+    assert _src(last) == "# group.close()"
+
+
+def test_the_learner_question_is_cited_by_title_and_date_and_no_seed_wording():
+    text = NOTEBOOK.read_text()
+    assert ("Usage pattern for torch.distributed.all_reduce for gradient synchronization "
+            "within HuggingFace Transformers distributed training") in text
+    assert "2025-12-18" in text
+    outside = "shared" + "/seeds"   # spelled in two parts, so this file does not hold it
+    for path in MY_FILES:
+        body = path.read_text()
+        assert outside not in body, path.name
+        assert not re.search(r"seed 00\d|the seed's|seed_dtensor", body, re.I), path.name
+
+
+def test_bfloat16_is_described_with_7_stored_mantissa_bits():
+    prose = "\n".join(_src(c) for c in _cells() if c["cell_type"] == "markdown")
+    assert not re.search(r"8 bits of mantissa|8 mantissa bits|8-bit mantissa", prose)
+    assert "7 mantissa bits, 8 bits of precision" in prose
+    assert any("torch.finfo(dtype)" in _src(c) for c in _cells() if c["cell_type"] == "code")
+    assert math.log2(1 / torch.finfo(torch.bfloat16).eps) == 7

@@ -4,17 +4,20 @@ The exercise: every rank of a (dp, cp) mesh holds a different slice of one globa
 (data parallel: different sequences; context parallel: different tokens of the same
 sequences), runs forward and backward on its slice, and then the learner's
 ``sync_grads(model, mesh)`` must leave every rank with the gradient that one process
-gets on the whole batch.
+gets on the whole batch, without making a new process group on every call.
 
-Source: ``torch.distributed.all_reduce``,
+Source: ``torch.distributed.all_reduce`` and ``new_group``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce , and
 ``torch.distributed.device_mesh``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh ;
-the learner question is seed 004 (``/work/shared/seeds/004_038b5ad5d55791f3.txt``).
+the learner question is "Usage pattern for torch.distributed.all_reduce for gradient
+synchronization within HuggingFace Transformers distributed training" (a knowledge-base
+page, last updated 2025-12-18).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -97,22 +100,69 @@ def local_grads(dp_index: int, cp_index: int, dp: int, cp: int) -> dict[str, tor
     return _grads(model)
 
 
-def train_step(sync_grads, dp: int, cp: int) -> dict[str, torch.Tensor]:
-    """Runs on every rank: build the (dp, cp) mesh, backward on the local slice, call
-    ``sync_grads(model, mesh)``, return ``{parameter name: gradient}``.
+def live_process_groups() -> int:
+    """How many process groups this rank holds: the default one, those
+    ``init_device_mesh`` made, and every one ``dist.new_group`` made since (they stay
+    until ``destroy_process_group``). Reads torch's registry of groups,
+    ``torch.distributed.distributed_c10d._world.pg_map``, a private attribute of
+    torch 2.13, only to count its entries; call it on a rank."""
+    from torch.distributed import distributed_c10d
+    return len(distributed_c10d._world.pg_map)
+
+
+def run_and_release(fn, *args):
+    """Runs on a rank: return ``fn(*args)``, then destroy every process group that the
+    call made (``init_device_mesh`` makes one per mesh dimension on every call, and each
+    holds sockets until it is destroyed); the default group is never destroyed.
+
+    A training script builds its mesh once, but a rank here lives across many calls
+    (every control change of the notebook 05 explorer, every check), so groups would pile
+    up until the rank runs out of file descriptors. Every rank must call it (it ends with
+    a barrier on the default group, so no rank closes a group another still uses). If
+    ``fn`` raises, nothing is destroyed (the group restarts its ranks after a failure
+    anyway). Reads torch's registry of groups, the private
+    ``torch.distributed.distributed_c10d._world.pg_map`` of torch 2.13.
+    """
+    from torch.distributed import distributed_c10d
+    before = set(distributed_c10d._world.pg_map)
+    result = fn(*args)
+    default = distributed_c10d._world.default_pg
+    made = [pg for pg in distributed_c10d._world.pg_map if pg not in before and pg is not default]
+    if default is not None:   # every rank calls this, whatever groups it holds
+        dist.barrier()        # every rank is done with the groups before any rank closes them
+    for pg in made:
+        dist.destroy_process_group(pg)
+    return result
+
+
+def train_step(sync_grads, dp: int, cp: int, steps: int = 2):
+    """Runs on every rank: build the (dp, cp) mesh, then ``steps`` times: backward on the
+    local slice and ``sync_grads(model, mesh)``.
 
     The local loss is the mean over the rank's tokens; all ranks hold equally many
     tokens, so the mean over ranks of the local gradients is the full-batch gradient.
+
+    Returns:
+        ``(grads, made)``: ``grads`` is ``{parameter name: gradient after the last
+        step}`` (``None`` for a parameter left without one); ``made[k]`` is how many new
+        process groups the rank holds after step ``k``'s ``sync_grads`` call
+        (:func:`live_process_groups`).
     """
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
     dp_index, cp_index = mesh.get_coordinate()
     model = tiny_model()
     x, y = local_batch(dp_index, cp_index, dp, cp)
-    F.mse_loss(model(x), y).backward()
-    sync_grads(model, mesh)
-    return {name: (p.grad.detach().clone() if p.grad is not None else None)
-            for name, p in model.named_parameters()}
+    made = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        before = live_process_groups()
+        sync_grads(model, mesh)
+        made.append(live_process_groups() - before)
+    grads = {name: (p.grad.detach().clone() if p.grad is not None else None)
+             for name, p in model.named_parameters()}
+    return grads, made
 
 
 def _same(a: dict, b: dict, atol: float = ATOL) -> bool:
@@ -158,42 +208,58 @@ def _diagnose(got: dict, rank: int, dp: int, cp: int, ref: dict, local: dict) ->
 
 def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Verdict:
     """Exercise of notebook 05: ``sync_grads(model, mesh)`` must average every
-    ``p.grad`` in place over all dp x cp ranks.
+    ``p.grad`` in place over all dp x cp ranks, and must not make a new process group
+    on every call.
 
-    Runs :func:`train_step` with ``sync_grads`` on real ranks for each ``(dp, cp)`` in
-    ``shapes`` (the group is resized to ``dp * cp`` if needed, then restored) and
-    compares every rank's gradients with :func:`reference_grads` (absolute tolerance
-    1e-6, relative 1e-5).
+    Runs :func:`train_step` (two steps) with ``sync_grads`` on real ranks for each
+    ``(dp, cp)`` in ``shapes`` (the group is resized to ``dp * cp`` if needed, then
+    restored) and compares every rank's gradients with :func:`reference_grads`
+    (absolute tolerance 1e-6, relative 1e-5). A process group made on the first call
+    and reused is fine; one made again on the second call is named.
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that says, for a wrong answer, which mesh and
         rank disagree and what its gradients equal instead (unsynced, dp only, cp only,
-        a SUM).
+        a SUM), or how many process groups each call made.
     """
     ref = reference_grads()
     with restoring_world_size(group):
         for dp, cp in shapes:
             group.resize(dp * cp)  # a no-op when it already has that many ranks
             try:
-                out = group.run(train_step, sync_grads, dp, cp)
+                out = group.run(run_and_release, train_step, sync_grads, dp, cp)
             except RankError as e:
                 return raised_on_ranks(f"On the mesh (dp={dp}, cp={cp})", e)
             local = {(i, j): local_grads(i, j, dp, cp) for i in range(dp) for j in range(cp)}
-            for rank, got in enumerate(out):
+            for rank, (got, _) in enumerate(out):
                 if not _same(got, ref):
-                    worst = max((got[k] - v).abs().max().item() for k, v in ref.items()
-                                if got.get(k) is not None and got[k].shape == v.shape)
+                    diffs = [(got[k] - v).abs().max().item() for k, v in ref.items()
+                             if got.get(k) is not None and got[k].shape == v.shape]
+                    worst = f"largest difference {max(diffs):.3g}" if diffs else "no gradients"
                     return failed(
                         f"On the mesh (dp={dp}, cp={cp}), rank {rank}'s gradients differ from "
-                        f"the single-process full-batch gradient (largest difference "
-                        f"{worst:.3g}; expected at most {ATOL:g}). Expected every rank to hold "
-                        f"the mean over all {dp * cp} ranks' local gradients."
-                        + _diagnose(got, rank, dp, cp, ref, local))
+                        f"the single-process full-batch gradient ({worst}; expected at most "
+                        f"{ATOL:g}). Expected every rank to hold the mean over all {dp * cp} "
+                        f"ranks' local gradients." + _diagnose(got, rank, dp, cp, ref, local))
+            made = out[0][1]
+            if made[-1] > 0:
+                return failed(
+                    f"On the mesh (dp={dp}, cp={cp}) the gradients are right, but every call "
+                    f"of sync_grads made {made[-1]} new process group{'' if made[-1] == 1 else 's'} "
+                    f"(dist.new_group, or new_subgroups_by_enumeration, inside it). Each new "
+                    f"group is a collective that every rank of the job must join, it opens new "
+                    f"connections (on GPUs, a new NCCL communicator), and it stays until "
+                    f"destroy_process_group: called at every training step, sync_grads would "
+                    f"pile up groups step after step. Reduce over groups that already exist "
+                    f"(the mesh made one per dimension, and a SUM along one dimension and then "
+                    f"the other covers the whole grid), or make the group "
+                    f"once, outside sync_grads.")
         listed = ", ".join(f"({dp}, {cp})" for dp, cp in shapes)
         return passed(f"On the meshes {listed}, every rank's gradients match the single-process "
-                      f"full-batch gradient to {ATOL:g}: averaging over all dp x cp ranks is "
-                      f"right because each rank's loss is a mean over equally many tokens.")
+                      f"full-batch gradient to {ATOL:g}, and a second call made no new process "
+                      f"group: averaging over all dp x cp ranks is right because each rank's "
+                      f"loss is a mean over equally many tokens.")
 
 
 __all__ = ["check_mesh_sync", "tiny_model", "global_batch", "local_batch", "reference_grads",
-           "local_grads", "train_step", "EXERCISE_SHAPES"]
+           "local_grads", "train_step", "live_process_groups", "run_and_release", "EXERCISE_SHAPES"]

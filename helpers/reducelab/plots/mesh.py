@@ -1,23 +1,34 @@
-"""Figures of notebook 05: a (dp, cp) device mesh coloured by process group, and a
-timeline of compute and all_reduce on each rank.
+"""Figures of notebook 05: a (dp, cp) device mesh with its process groups along one
+dimension, and the cost of syncing the same gradients with more or fewer all_reduce calls.
+
+* :class:`MeshGrid`: the ranks of a ``(dp, cp)`` mesh as a grid. Each process group is
+  filled with one colour, outlined, and labelled with its ranks beside the grid, so the
+  grouping reads without colour.
+* :func:`sync_cost_figure`: wall time of syncing one fixed number of gradient elements
+  against the number of tensors they are split into, for a per-tensor loop, the same
+  loop with ``async_op=True``, and one flat bucket.
 
 Source: ``torch.distributed.device_mesh.init_device_mesh``,
-https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh ,
-and ``all_reduce(..., async_op=True)``,
-https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; the learner
-question is seed 004 (``/work/shared/seeds/004_038b5ad5d55791f3.txt``).
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh ;
+gradient buckets: ``bucket_cap_mb`` of ``torch.nn.parallel.DistributedDataParallel``
+(``torch/nn/parallel/distributed.py``) and Li et al., "PyTorch Distributed: Experiences
+on Accelerating Data Parallel Training", VLDB 2020.
 """
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.colors import ListedColormap
+from matplotlib.patches import FancyBboxPatch, Rectangle
 
-from . import new_figure, png
+from ..palette import PANEL_GREY, TEXT_GREY
+from . import MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, new_figure, png
 
-GROUP_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2",
-                 "#edc948", "#9c755f")
-"""One colour per process group, in the order of the group's lowest rank."""
-_CMAP = ListedColormap(GROUP_COLOURS)
+GROUP_COLOURS = tuple(RANK_COLOURS)
+"""Fill of process group ``k`` (groups numbered by their lowest rank): ``GROUP_COLOURS[k]``,
+from the project's palette; every group is also outlined and labelled with its ranks."""
+OUTLINE = PALETTE["black"]
+"""Colour of the outline around each process group and of the text in the cells."""
+CELL_W, CELL_H = 1.15, 0.72
+"""Size of one rank's cell, inches."""
 
 
 def group_index(coords: list[tuple[int, int]], groups: list[list[int]]) -> np.ndarray:
@@ -47,118 +58,159 @@ def group_index(coords: list[tuple[int, int]], groups: list[list[int]]) -> np.nd
 
 
 class MeshGrid:
-    """One panel: the ranks of a (dp, cp) mesh as a grid, coloured by process group.
+    """The ranks of a ``(dp, cp)`` mesh as a grid, with the process groups along one
+    dimension drawn on it (used by :class:`reducelab.widgets.mesh.MeshExplorer`).
 
-    Rows are the ``dp`` index, columns the ``cp`` index; each cell says its global rank
-    and a second line (for example the value the rank holds after an all_reduce over its
-    group). The figure persists and is rebuilt only when the mesh shape changes. Used by
-    :class:`reducelab.widgets.mesh.MeshExplorer`.
+    Rows are the ``dp`` index, columns the ``cp`` index (``init_device_mesh``'s row-major
+    layout). Each cell says its global rank and a second line (the explorer writes the
+    value that rank's ``all_reduce`` returned). Each group is filled with
+    ``GROUP_COLOURS[k]``, outlined, and labelled beside the grid: under its column for
+    ``dim="dp"``, right of its row for ``dim="cp"``. Figures are at most 4.4 in tall
+    (4 rows) and 7 in wide (4 columns), drawn at their shown size.
     """
 
     def __init__(self):
         self.fig = None
-        self._shape = None
 
-    def _build(self, dp: int, cp: int) -> None:
-        self.fig = new_figure(1.6 + 1.05 * cp, 1.3 + 0.8 * dp)
-        self.ax = self.fig.subplots()
-        self.im = self.ax.imshow(np.zeros((dp, cp)), cmap=_CMAP, vmin=-0.5,
-                                 vmax=len(GROUP_COLOURS) - 0.5, aspect="equal")
-        self.ax.set_xticks(range(cp), [f"cp {j}" for j in range(cp)])
-        self.ax.set_yticks(range(dp), [f"dp {i}" for i in range(dp)])
-        self.ax.tick_params(length=0)
-        for k in range(1, cp):
-            self.ax.axvline(k - 0.5, color="white", linewidth=2)
-        for k in range(1, dp):
-            self.ax.axhline(k - 0.5, color="white", linewidth=2)
-        self.texts = [[self.ax.text(j, i, "", ha="center", va="center", fontsize=9,
-                                    color="white") for j in range(cp)] for i in range(dp)]
-        self._shape = (dp, cp)
-
-    def draw(self, grid, labels, title: str = "") -> bytes:
+    def draw(self, coords: list[tuple[int, int]], groups: list[list[int]],
+             lines: list[str], dim: str, title: str = "") -> bytes:
         """Draw and return PNG bytes.
 
         Args:
-            grid: ``int`` array-like of shape ``(dp, cp)``, the group number of each cell
-                (from :func:`group_index`); at most :data:`GROUP_COLOURS` groups.
-            labels: ``(dp, cp)`` nested list of strings written in the cells.
+            coords: ``coords[rank] = (dp_index, cp_index)``.
+            groups: ``groups[rank]``, the sorted global ranks of that rank's group along
+                ``dim``; every group is one full column (``dp``) or row (``cp``).
+            lines: ``lines[rank]``, a short second line written in the rank's cell.
+            dim: ``"dp"`` or ``"cp"``, the dimension the groups run along.
             title: optional figure title.
 
         Raises:
-            ValueError: ``grid`` is not 2-D, ``labels`` has another shape, or there are
-                more groups than colours.
+            ValueError: the lists differ in length, ``dim`` is not ``"dp"`` or ``"cp"``,
+                there are more groups than :data:`GROUP_COLOURS`, or a group is not a
+                full column (``dp``) or row (``cp``) of the grid.
         """
-        grid = np.asarray(grid)
-        if grid.ndim != 2:
-            raise ValueError(f"grid must have shape (dp, cp), got {grid.shape}")
-        if np.asarray(labels, dtype=object).shape != grid.shape:
-            raise ValueError(f"labels must have the grid's shape {grid.shape}")
+        if not len(coords) == len(groups) == len(lines):
+            raise ValueError(f"need one coordinate, group and line per rank; got "
+                             f"{len(coords)}, {len(groups)} and {len(lines)}")
+        if dim not in ("dp", "cp"):
+            raise ValueError(f"dim must be 'dp' or 'cp', got {dim!r}")
+        grid = group_index(coords, groups)
+        dp, cp = grid.shape
         if grid.max() >= len(GROUP_COLOURS):
-            raise ValueError(f"at most {len(GROUP_COLOURS)} groups can be coloured, "
+            raise ValueError(f"at most {len(GROUP_COLOURS)} groups can be drawn, "
                              f"got {grid.max() + 1}")
-        if self._shape != grid.shape:
-            self._build(*grid.shape)
-        self.im.set_data(grid)
-        for i, row in enumerate(self.texts):
-            for j, t in enumerate(row):
-                t.set_text(labels[i][j])
-        self.ax.set_title(title, fontsize=10)
-        return png(self.fig)
+        where = {}
+        for rank, (i, j) in enumerate(coords):
+            where.setdefault(tuple(groups[rank]), []).append((i, j))
+        for ranks, cells in where.items():
+            rows, cols = {i for i, _ in cells}, {j for _, j in cells}
+            full = len(cols) == 1 and len(rows) == dp if dim == "dp" else \
+                len(rows) == 1 and len(cols) == cp
+            if not full:
+                raise ValueError(f"group {list(ranks)} is not a full {'column' if dim == 'dp' else 'row'} "
+                                 f"of the ({dp}, {cp}) mesh")
+
+        label_w = 2.1 if dim == "cp" else 0.3
+        label_h = 0.75 if dim == "dp" else 0.1
+        title_w = 0.11 * len(title) + 0.3   # a 12 pt title is about 0.11 in per character
+        self.fig = fig = new_figure(max(0.8 + CELL_W * cp + label_w, title_w),
+                                    0.75 + CELL_H * dp + label_h)
+        ax = fig.subplots()
+        ax.set_xlim(-0.5, cp - 0.5)
+        ax.set_ylim(dp - 0.5, -0.5)
+        ax.set_aspect("auto")
+        ax.set_xticks(range(cp), [f"cp {j}" for j in range(cp)])
+        ax.set_yticks(range(dp), [f"dp {i}" for i in range(dp)])
+        ax.xaxis.tick_top()
+        ax.tick_params(length=0)
+        for side in ax.spines.values():
+            side.set_visible(False)
+        for rank, (i, j) in enumerate(coords):
+            k = int(grid[i, j])
+            ax.add_patch(Rectangle((j - 0.46, i - 0.44), 0.92, 0.88, facecolor=GROUP_COLOURS[k],
+                                   linewidth=0))
+            ax.text(j, i, f"rank {rank}\n{lines[rank]}", ha="center", va="center",
+                    fontsize=MIN_FONT, color=OUTLINE, linespacing=1.3,
+                    bbox=dict(boxstyle="round,pad=0.25", facecolor=PANEL_GREY, linewidth=0))
+        for ranks, cells in sorted(where.items(), key=lambda kv: min(kv[0])):
+            rows = [i for i, _ in cells]
+            cols = [j for _, j in cells]
+            r0, r1, c0, c1 = min(rows), max(rows), min(cols), max(cols)
+            ax.add_patch(FancyBboxPatch((c0 - 0.48, r0 - 0.46), c1 - c0 + 0.96, r1 - r0 + 0.92,
+                                        boxstyle="round,pad=0,rounding_size=0.08",
+                                        facecolor="none", edgecolor=OUTLINE, linewidth=2))
+            members = ", ".join(map(str, ranks))
+            if dim == "dp":
+                name = f"dp group\n[{members}]"
+                ax.text(c0, r1 + 0.55, name, ha="center", va="top", fontsize=MIN_FONT,
+                        color=TEXT_GREY, clip_on=False)
+            else:
+                ax.text(c1 + 0.56, r0, f"cp group [{members}]", ha="left", va="center", fontsize=MIN_FONT,
+                        color=TEXT_GREY, clip_on=False)
+        fig.suptitle(title)
+        return png(fig)
 
 
-LANE_COLOURS = {"compute": "#4e79a7", "all_reduce": "#f28e2b", "wait": "#bab0ac"}
+SYNC_STYLES = {
+    "blocking": (PALETTE["vermillion"], MARKERS[0], "-", "one all_reduce per tensor"),
+    "async": (PALETTE["orange"], MARKERS[1], "--", "per tensor, async_op=True"),
+    "bucket": (PALETTE["blue"], MARKERS[2], "-", "one flat bucket"),
+}
+"""Colour, marker, line style and label of each way to sync in :func:`sync_cost_figure`."""
 
 
-def timeline_figure(runs: dict[str, list[list[tuple[str, float, float]]]], title: str = "") -> bytes:
-    """Per-rank timelines of compute and all_reduce, one panel per variant.
+def sync_cost_figure(seconds: dict[str, dict[int, float]], numel: int, world_size: int,
+                     title: str = "") -> bytes:
+    """Wall time to sync ``numel`` gradient elements against the number of tensors they
+    are split into, one line per way to sync, log-log; return PNG bytes.
 
     Args:
-        runs: ``{variant: events}``, e.g. ``{"blocking": ..., "async_op=True": ...}``, where
-            ``events[rank]`` is a list of ``(name, start, end)``; ``name`` is ``"compute"``,
-            ``"wait"`` or starts with ``"all_reduce"``; ``start`` and ``end`` are seconds
-            since the rank passed a barrier.
-        title: optional figure title.
+        seconds: ``{way: {n_tensors: seconds}}``; ``way`` is a key of
+            :data:`SYNC_STYLES` (``"blocking"``, ``"async"``, ``"bucket"``), seconds are
+            the measured wall time of one sync (for example the slowest rank's fastest run).
+        numel: total gradient elements (float32) synced each time, for the axis label.
+        world_size: ranks that took part, for the title.
+        title: optional figure title; a default names ``numel`` and ``world_size``.
 
-    Returns:
-        PNG bytes. Each rank has one lane for compute (and waits) and one lane per
-        all_reduce, so overlapping intervals stay visible. The x axis is in milliseconds.
+    Each line is labelled at its right end (no legend to match colours against), and
+    each way has its own marker and line style.
 
     Raises:
-        ValueError: ``runs`` is empty, or an event name is not one of the three kinds.
+        ValueError: ``seconds`` is empty, names an unknown way, or holds a time <= 0.
     """
-    if not runs:
-        raise ValueError("runs is empty; pass at least one variant")
-    world_size = max(len(ev) for ev in runs.values())
-    n_ar = max(sum(1 for e in rank if e[0].startswith("all_reduce"))
-               for ev in runs.values() for rank in ev)
-    lanes = 1 + n_ar
-    fig = new_figure(10, 1.2 + 0.13 * world_size * (lanes + 0.6) * len(runs))
-    axes = fig.subplots(len(runs), 1, squeeze=False, sharex=True)[:, 0]
-    end = max(e[2] for ev in runs.values() for rank in ev for e in rank) * 1000
-    for ax, (variant, events) in zip(axes, runs.items()):
-        yticks, ylabels = [], []
-        for r, rank_events in enumerate(events):
-            base = r * (lanes + 0.6)
-            yticks.append(base + (lanes - 1) / 2)
-            ylabels.append(f"rank {r}")
-            k = 0
-            for name, s, e in rank_events:
-                kind = "all_reduce" if name.startswith("all_reduce") else name
-                if kind not in LANE_COLOURS:
-                    raise ValueError(f"event name must be compute, wait or all_reduce..., got {name!r}")
-                if kind == "all_reduce":
-                    lane, k = 1 + k, k + 1
-                else:
-                    lane = 0
-                ax.barh(base + lane, (e - s) * 1000, left=s * 1000, height=0.85,
-                        color=LANE_COLOURS[kind], edgecolor="white", linewidth=0.5)
-        ax.set_yticks(yticks, ylabels)
-        ax.invert_yaxis()
-        ax.set_xlim(0, end * 1.02)
-        ax.set_title(variant, fontsize=10, loc="left")
-    axes[-1].set_xlabel("milliseconds since the barrier")
-    from matplotlib.patches import Patch
-    fig.legend(handles=[Patch(color=c, label=k) for k, c in LANE_COLOURS.items()],
-               loc="outside lower center", ncols=3, fontsize=9, frameon=False)
-    fig.suptitle(title, fontsize=11)
+    if not seconds:
+        raise ValueError("seconds is empty; pass at least one way to sync")
+    unknown = set(seconds) - set(SYNC_STYLES)
+    if unknown:
+        raise ValueError(f"unknown way(s) {sorted(unknown)}; use {', '.join(SYNC_STYLES)}")
+    if any(t <= 0 for times in seconds.values() for t in times.values()):
+        raise ValueError("every time must be > 0 seconds (the axes are logarithmic)")
+    fig = new_figure(8.0, 3.6)
+    ax = fig.subplots()
+    counts = sorted({n for times in seconds.values() for n in times})
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ends = []
+    for way, times in seconds.items():
+        colour, marker, style, label = SYNC_STYLES[way]
+        xs = sorted(times)
+        ys = [times[n] * 1000 for n in xs]
+        ax.plot(xs, ys, color=colour, marker=marker, linestyle=style, linewidth=2, markersize=7)
+        ends.append([np.log10(ys[-1]), xs[-1], label])
+    # label each line at its right end; nudge labels apart (in log10 units) so none overlap
+    ends.sort()
+    lo, hi = np.log10(ax.get_ylim())
+    gap = 0.08 * (hi - lo)          # a 10 pt line of text on an axes about 2.6 in tall
+    for a, b in zip(ends, ends[1:]):
+        b[0] = max(b[0], a[0] + gap)
+    for y, x, label in ends:
+        ax.annotate(label, (x * 1.12, 10 ** y), va="center", ha="left", fontsize=MIN_FONT,
+                    color=OUTLINE, annotation_clip=False)
+    ax.set_xticks(counts, [str(n) for n in counts])
+    ax.minorticks_off()
+    ax.set_xlim(counts[0] / 1.4, counts[-1] * 1.4)
+    ax.set_xlabel(f"number of gradient tensors holding the same {numel:,} float32 elements")
+    ax.set_ylabel("ms per sync (slowest rank)")
+    ax.grid(True, which="major", color=PANEL_GREY)
+    fig.suptitle(title or f"{world_size} ranks: the same gradients, synced in more or fewer calls")
     return png(fig)

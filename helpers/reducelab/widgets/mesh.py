@@ -4,11 +4,14 @@ and see which ranks reduce together along it.
 The notebook's rank function builds the mesh with ``init_device_mesh("cpu", (dp, cp),
 mesh_dim_names=("dp", "cp"))`` on the group's gloo ranks, asks the sub-mesh for its
 process group, and runs a real ``all_reduce(SUM)`` of the rank ids over that group. The
-figure draws the ranks as a dp x cp grid coloured by group.
+figure draws the ranks as a dp x cp grid; each process group is filled, outlined and
+labelled with its ranks.
 
 Source: ``torch.distributed.device_mesh``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh ;
-the learner question is seed 004 (``/work/shared/seeds/004_038b5ad5d55791f3.txt``).
+the learner question is "Usage pattern for torch.distributed.all_reduce for gradient
+synchronization within HuggingFace Transformers distributed training" (a knowledge-base
+page, last updated 2025-12-18).
 """
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 import ipywidgets as W
 import numpy as np
 
+from ..checks.mesh import run_and_release
 from ..group import LocalGroup
-from ..plots.mesh import MeshGrid, group_index
+from ..plots.mesh import MeshGrid
 from . import Explorer
 
 MESH_SHAPES = ((1, 4), (2, 2), (4, 1), (2, 4), (4, 2))
@@ -92,7 +96,9 @@ class MeshExplorer(Explorer):
         fn: the notebook's rank function, called on every rank as ``fn(dp, cp, dim)``. It
             must return a dict with ``"coord"`` (``(dp_index, cp_index)``), ``"ranks"``
             (list of the global ranks in the group along ``dim``) and ``"sum"`` (the
-            rank's value after ``all_reduce(SUM)`` of rank ids over that group).
+            rank's value after ``all_reduce(SUM)`` of rank ids over that group). The
+            process groups it makes are destroyed after each call
+            (:func:`reducelab.checks.mesh.run_and_release`).
         shape: initial ``(dp, cp)``, one of :data:`MESH_SHAPES`.
         dim: initial dimension, one of :data:`MESH_DIMS`.
 
@@ -108,33 +114,44 @@ class MeshExplorer(Explorer):
             raise ValueError(f"dim must be one of {', '.join(MESH_DIMS)}; got {dim!r}")
         self.group, self.fn = group, fn
         self.plot = MeshGrid()
-        options = [(f"dp={d} x cp={c}", (d, c)) for d, c in MESH_SHAPES]
+        options = [(f"dp={d} x cp={c}  ({d * c} ranks)", (d, c)) for d, c in MESH_SHAPES]
+        wide = {"description_width": "initial"}  # labels in full, never "mesh (dp,…"
         super().__init__({
-            "shape": W.Dropdown(options=options, value=shape, description="mesh (dp, cp)"),
-            "dim": W.ToggleButtons(options=MESH_DIMS, value=dim, description="reduce along"),
+            "shape": W.Dropdown(options=options, value=shape, description="mesh (dp, cp)",
+                                style=wide, layout=W.Layout(width="auto")),
+            "dim": W.ToggleButtons(options=MESH_DIMS, value=dim, description="reduce along",
+                                   style={**wide, "button_width": "4em"}),
         })
         self.refresh()
 
     def compute(self, shape, dim) -> MeshResult:
         dp, cp = shape
         self.group.resize(dp * cp)  # no-op when it already has that many ranks
-        out = self.group.run(self.fn, dp, cp, dim)
+        # the rank function builds a mesh each call; its process groups are destroyed
+        # after it returns, so a learner can move the controls for as long as they like
+        out = self.group.run(run_and_release, self.fn, dp, cp, dim)
         return MeshResult(dp, cp, dim, [tuple(o["coord"]) for o in out],
                           [sorted(int(r) for r in o["ranks"]) for o in out],
                           [int(o["sum"]) for o in out])
 
     def draw(self, result: MeshResult) -> bytes:
-        grid = group_index(result.coords, result.groups)
-        labels = [["" for _ in range(result.cp)] for _ in range(result.dp)]
-        for rank, ((i, j), s) in enumerate(zip(result.coords, result.sums)):
-            labels[i][j] = f"rank {rank}\nsum={s}"
-        return self.plot.draw(grid, labels, title=f'mesh["{result.dim}"]: one colour per '
-                                                  f'process group')
+        n = len({tuple(g) for g in result.groups})
+        size = len(result.groups[0])
+        return self.plot.draw(result.coords, result.groups,
+                              [f"sum = {s}" for s in result.sums], result.dim,
+                              title=f'mesh["{result.dim}"]: {_count(n, "group")} of '
+                                    f'{_count(size, "rank")}')
 
     def describe(self, result: MeshResult) -> str:
         distinct = sorted({tuple(g) for g in result.groups}, key=min)
         listed = " ".join(str(list(g)) for g in distinct)
         check = ("each rank's all_reduce(SUM) of rank ids equals its group's sum"
                  if result.sums_match else "an all_reduce sum does NOT match its group")
-        return (f"{len(distinct)} {result.dim} group(s) of {len(distinct[0])} rank(s) on "
-                f"{result.world_size} ranks: {listed}; {check}.")
+        return (f"{_count(len(distinct), result.dim + ' group')} of "
+                f"{_count(len(distinct[0]), 'rank')} on {result.world_size} ranks: {listed}; "
+                f"{check}.")
+
+
+def _count(n: int, noun: str) -> str:
+    """``_count(1, "rank")`` is ``"1 rank"``, ``_count(2, "rank")`` is ``"2 ranks"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
