@@ -16,7 +16,9 @@ import torch.nn.functional as F
 import conftest
 from reducelab import LocalGroup
 from reducelab.checks.loss import UNEVEN_BATCHES, check_global_mean_loss, exercise_losses
-from reducelab.plots.loss import LossAggregationPlot, gradient_variants
+from reducelab import plots
+from reducelab.plots import message_png
+from reducelab.plots.loss import LossAggregationPlot, gradient_variants, parameter_drift
 from reducelab.widgets.loss import LossExplorer, parse_batch_sizes
 
 
@@ -123,18 +125,37 @@ def test_explorer_resizes_the_group_and_redraws(group):
     assert "(equal)" in ex.text()
 
 
+NOTE_PNG = message_png("No figure for these settings: see the message below.")
+"""What an explorer shows in place of its figure after a refusal."""
+
+
 @pytest.mark.parametrize("text, says", [
     ("0,2", "from 1 to 64"), ("2,x", "whole numbers"), ("", "1 to 8"),
     ("1,1,1,1,1,1,1,1,1", "got 9"), ("2,65", "got 65"), ("2,-1", "whole numbers"),
+    ("3;5", "separated by commas"),
 ])
-def test_explorer_refuses_bad_batch_sizes_with_one_sentence(group, text, says):
+def test_explorer_refuses_bad_batch_sizes_with_one_sentence_and_no_old_figure(group, text, says):
     ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean)
+    figure = ex.image.value
     ex.controls["local_batch_sizes"].value = text
     assert ex.result is None
     assert says in ex.message.value and says in ex.text()
+    assert "such as 3,5,8,2" in ex.message.value  # names what is valid
+    assert "Traceback" not in ex.message.value
+    assert ex.image.value == NOTE_PNG != figure  # the old figure is gone
     assert group.world_size == 4  # nothing was started for bad input
     ex.controls["local_batch_sizes"].value = "2,2,2,2"
     assert ex.result is not None and ex.input_error is None
+    assert ex.image.value not in (NOTE_PNG, figure)
+
+
+@pytest.mark.parametrize("text", ["5", "64,64,64,64,64,64,64,64", "1,1,1,30"])
+def test_explorer_draws_the_extremes(group, text, tmp_path):
+    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, local_batch_sizes=text)
+    sizes = parse_batch_sizes(text)
+    assert ex.result.local_batch_sizes == sizes and group.world_size == len(sizes)
+    assert ex.result.weighted == pytest.approx(reference_mean(sizes), rel=1e-5)
+    assert ex.image.value[:4] == b"\x89PNG"
 
 
 def test_parse_batch_sizes():
@@ -228,7 +249,69 @@ def test_check_rejects_a_non_function(group):
         check_global_mean_loss(group, 3)
 
 
-# --- step 3: gradient accumulation ----------------------------------------------------------
+# --- step 3: the popular answer's loop, without and with DDP ---------------------------------
+def example_1_loop(wrap_in_ddp, steps=10, lr=0.01):
+    """As in notebook 03: the answer's example 1 on one rank (the same start everywhere)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Linear(10, 2)
+    if wrap_in_ddp:
+        model = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    criterion = nn.CrossEntropyLoss()
+    torch.manual_seed(rank)
+    inputs, targets = torch.randn(32, 10), torch.randint(0, 2, (32,))
+
+    def parameters():
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    history, logged = [parameters()], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        local_loss = criterion(model(inputs), targets)
+        local_loss.backward()
+        optimizer.step()
+        reduced_loss = local_loss.clone()
+        dist.all_reduce(reduced_loss, op=dist.ReduceOp.SUM)
+        logged.append((reduced_loss / world_size).item())
+        history.append(parameters())
+    return torch.stack(history), logged
+
+
+def spread(out):
+    """Per step: the largest (max - min over ranks) of any parameter element."""
+    h = torch.stack([history for history, _ in out])
+    return (h.max(0).values - h.min(0).values).max(1).values
+
+
+def test_without_ddp_the_ranks_drift_apart_although_they_log_one_loss(group):
+    out = group.run(example_1_loop, False)
+    gaps = spread(out)
+    assert gaps[0] == 0                          # the same start
+    assert (gaps[1:] > 0).all() and (gaps.diff() > 0).all()  # apart, and further every step
+    assert gaps[-1] > 5 * gaps[1]
+    logged = [log for _, log in out]
+    assert all(log == logged[0] for log in logged)  # every rank prints the same "Global Loss"
+
+
+def test_with_ddp_the_ranks_stay_identical(group):
+    out = group.run(example_1_loop, True)
+    assert (spread(out) == 0).all()
+    plain = group.run(example_1_loop, False)
+    assert not torch.equal(out[0][0][-1], plain[0][0][-1])  # and DDP really trained
+
+
+def test_parameter_drift_figure(group):
+    runs = [torch.stack([h for h, _ in group.run(example_1_loop, ddp)]) for ddp in (False, True)]
+    assert parameter_drift(*runs)[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="shape"):
+        parameter_drift(runs[0], runs[1][:, :3])
+    with pytest.raises(ValueError, match="shape"):
+        parameter_drift(runs[0][0], runs[1][0])
+
+
+# --- step 4: gradient accumulation ----------------------------------------------------------
 def accumulated_grad(variant, micro_batches=4, micro_batch_size=2):
     from torch.nn.parallel import DistributedDataParallel as DDP
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -288,7 +371,7 @@ def test_zero_grad_inside_the_loop_keeps_only_the_last_micro_batch(group):
     assert not torch.allclose(g, reference_grad(4), atol=1e-3)
 
 
-# --- step 4: backward through all_reduce, and DDP -------------------------------------------
+# --- step 5: backward through all_reduce, and DDP -------------------------------------------
 def backward_through_all_reduce():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -335,7 +418,7 @@ def test_ddp_syncs_gradients_of_the_local_loss_and_leaves_the_losses_local(group
     assert len({round(loss, 6) for loss, _ in out}) == 4
 
 
-# --- seed 003's launch on a CPU machine -----------------------------------------------------
+# --- the popular answer's launch on a CPU machine -------------------------------------------
 def _never_called(rank, marker):  # pragma: no cover - mp.spawn with nprocs=0 starts nothing
     pathlib.Path(marker).write_text("ran")
 
@@ -357,3 +440,38 @@ def test_plots_refuse_bad_input():
     with pytest.raises(ValueError, match="2 labels"):
         gradient_variants([1.0, 2.0], {}, names=["a"])
     assert gradient_variants([1.0, -1.0], {"x": [0.5, -0.5]})[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="at most 7"):
+        gradient_variants([1.0], {str(k): [1.0] for k in range(8)})
+
+
+@pytest.fixture()
+def drawn():
+    """The matplotlib figures the package draws during the test, in order."""
+    figures = []
+    plots.AUDITS.append(figures.append)
+    yield figures
+    plots.AUDITS.remove(figures.append)
+
+
+def test_gradient_variants_tell_series_apart_without_colour(drawn):
+    gradient_variants([1.0, -1.0], {"a": [1.0, -1.0], "b": [2.0, -2.0], "c": [0.5, 0.5]})
+    ax = drawn[-1].axes[0]
+    legend = ax.get_legend()
+    hatches = [h.get_hatch() or "" for h in legend.legend_handles]
+    assert len(set(hatches)) == 4  # every series has its own hatching, the reference none
+    assert [t.get_text() for t in legend.get_texts()][1:] == ["a", "b", "c"]
+    # the legend sits right of the axes, over no bar
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1
+
+
+def test_loss_plot_lines_differ_in_dash_and_legend_gives_values(drawn):
+    plot = LossAggregationPlot()
+    plot.draw([[1.0, 2.0], [3.0]], 2.25, 2.0, 2.0)
+    ax = drawn[-1].axes[0]
+    lines = ax.get_legend().get_lines()
+    dashes = {(line._unscaled_dash_pattern[0], tuple(line._unscaled_dash_pattern[1] or ()))
+              for line in lines}
+    assert len(dashes) == 3  # solid, dashed, dotted: not told apart by colour alone
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert texts == ["reference, one process: 2.0000", "all_reduce(sum) / all_reduce(count): 2.0000",
+                     "all_reduce(mean) / world_size: 2.2500"]

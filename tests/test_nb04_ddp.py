@@ -1,10 +1,13 @@
 """Notebook 04: DDP gradients, loss reductions and the real reduce_op warning.
 
-Facts the notebook teaches (on real gloo ranks), the explorer driven headless, the
-exercise check, the data helpers and the plots.
+Facts the notebook teaches (on real gloo ranks, against single-process references), the
+torch source it shows, the explorer driven headless, the exercise check, the data
+helpers and the figures.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import warnings
 
 import pytest
@@ -12,26 +15,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import conftest
-from reducelab import LocalGroup
-from reducelab.checks.ddp import (check_loss_scale, compare_gradients, expected_factor,
-                                  explain)
-from reducelab.data import (batch_order, first_ranks, load_digits_tensors, local_slice,
-                            split_sizes)
-from reducelab.plots.ddp import GradientScatter, loss_curves
-from reducelab.widgets.ddp import GradientFactorExplorer, gradient_table, run_comparison
+from reducelab import plots
+from reducelab.checks.ddp import (CHECK_WORLD_SIZES, check_loss_scale, compare_gradients,
+                                  expected_factor, explain)
+from reducelab.data import batch_order, load_digits_tensors, local_slice, split_sizes
+from reducelab.plots import message_png
+from reducelab.plots.ddp import GradientScatter, loss_curves, sample_weights
+from reducelab.widgets.ddp import GradientFactorExplorer
 
 PNG = b"\x89PNG"
+NOTE_PNG = message_png("No figure for these settings: see the message below.")
 
-
-@pytest.fixture(scope="module")
-def group():
-    g = LocalGroup(world_size=4, timeout=120)  # first DDP use imports torch._dynamo per rank
-    yield g
-    g.close()
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +44,11 @@ def load_solution():
 
 # --- rank functions, as in the notebook -------------------------------------------------
 
-def ddp_gradient(X, y, reduction, world_size, split):
-    pg = first_ranks(world_size)
-    if pg is None:
-        return None
-    part = local_slice(len(X), world_size, dist.get_rank(pg), split)
+def ddp_gradient(X, y, reduction, split):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    part = local_slice(len(X), world_size, rank, split)
     torch.manual_seed(0)
-    model = DDP(nn.Linear(64, 10), process_group=pg)
+    model = DDP(nn.Linear(64, 10))
     F.cross_entropy(model(X[part]), y[part], reduction=reduction).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -64,12 +61,14 @@ def full_batch_gradient(X, y, reduction):
 
 
 def reference_ddp_gradient(X, y, reduction, sizes):
-    """What DDP should give, computed in one process: mean over ranks of local gradients."""
+    """What DDP should give, computed in one process: each local gradient divided by
+    world_size, then summed."""
     grads, start = [], 0
     for n in sizes:
-        grads.append(full_batch_gradient(X[start:start + n], y[start:start + n], reduction))
+        grads.append(full_batch_gradient(X[start:start + n], y[start:start + n], reduction)
+                     / len(sizes))
         start += n
-    return torch.stack(grads).mean(0)
+    return torch.stack(grads).sum(0)
 
 
 def warnings_of(what):
@@ -91,7 +90,6 @@ def warnings_of(what):
 
 
 def accumulate(X, y, use_no_sync, micro_batches=4):
-    import contextlib
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DDP(nn.Linear(64, 10))
@@ -99,7 +97,7 @@ def accumulate(X, y, use_no_sync, micro_batches=4):
 
     def counting_allreduce(state, bucket):
         state["all_reduce"] += 1
-        return allreduce_hook(None, bucket)
+        return default_hooks.allreduce_hook(None, bucket)
 
     model.register_comm_hook(counter, counting_allreduce)
     mine = local_slice(len(X), world_size, rank)
@@ -108,6 +106,34 @@ def accumulate(X, y, use_no_sync, micro_batches=4):
         with model.no_sync() if use_no_sync and not last else contextlib.nullcontext():
             (F.cross_entropy(model(xb), yb) / micro_batches).backward()
     return counter["all_reduce"], torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def both_orders():
+    g = torch.tensor([40000.0], dtype=torch.float16)
+    world_size = dist.get_world_size()
+    late = g.clone()
+    dist.all_reduce(late, op=dist.ReduceOp.SUM)
+    late /= world_size
+    early = g / world_size
+    dist.all_reduce(early, op=dist.ReduceOp.SUM)
+    return late.item(), early.item()
+
+
+def bucket_as_the_hook_sees_it(X, y):
+    """A comm hook that records the bucket DDP hands it, then runs torch's default hook."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(64, 10))
+    seen = {}
+
+    def recording(state, bucket):
+        seen["bucket"] = bucket.buffer().clone()
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, recording)
+    part = local_slice(len(X), world_size, rank)
+    F.cross_entropy(model(X[part]), y[part]).backward()
+    return seen["bucket"], torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 # --- facts -------------------------------------------------------------------------------
@@ -121,32 +147,61 @@ def test_reduce_op_attribute_warns_on_every_call(group):
 
 
 def test_ddp_with_cross_entropy_or_summing_loss_does_not_warn(group):
-    assert group.run(warnings_of, "ce") == [[]] * 4
-    assert group.run(warnings_of, "sum") == [[]] * 4
+    group.resize(2)
+    assert group.run(warnings_of, "ce") == [[]] * 2
+    assert group.run(warnings_of, "sum") == [[]] * 2
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("split", ["equal", "uneven"])
-@pytest.mark.parametrize("world_size", [1, 3, 4])
-def test_ddp_gradient_is_mean_of_local_gradients(group, batch, reduction, split, world_size):
+def test_the_default_hook_divides_before_the_all_reduce():
+    """The source the notebook prints: the division comes first, for the stated reason."""
+    src = inspect.getsource(default_hooks._allreduce_fut)
+    assert "Apply the division first to avoid overflow, especially for FP16." in src
+    assert src.index("tensor.div_(group_to_use.size())") < src.index("dist.all_reduce(")
+    assert "_allreduce_fut(process_group, bucket.buffer())" in inspect.getsource(
+        default_hooks.allreduce_hook)
+    # the hook's docstring, which the notebook quotes, still says the mean comes after
+    assert "callback takes the mean" in " ".join(default_hooks.allreduce_hook.__doc__.split())
+
+
+def test_with_a_hook_the_bucket_arrives_undivided_and_leaves_averaged(group, batch):
+    """The reducer leaves the division to a registered hook (Note [DDP Communication Hook])."""
     X, y = batch
-    r = run_comparison(group, ddp_gradient, full_batch_gradient, X, y, reduction, world_size, split)
-    ref = reference_ddp_gradient(X, y, reduction, split_sizes(len(X), world_size, split))
-    torch.testing.assert_close(r.ddp, ref, rtol=1e-4, atol=1e-5)
-    expected = expected_factor(reduction, world_size, split)
-    if expected is None:
-        assert not r.comparison.constant
-        assert r.comparison.ratio_min < 0.9 and r.comparison.ratio_max > 1.1
-    else:
-        assert r.comparison.constant
-        assert r.comparison.factor == pytest.approx(expected, rel=1e-4)
-        torch.testing.assert_close(r.ddp, expected * r.full, rtol=1e-4, atol=1e-5)
+    out = group.run(bucket_as_the_hook_sees_it, X, y)
+    sizes = split_sizes(len(X), 4)
+    local = [full_batch_gradient(X[r * sizes[0]:(r + 1) * sizes[0]], y[r * sizes[0]:(r + 1) * sizes[0]],
+                                 "mean") for r in range(4)]
+    for rank, (bucket, grad) in enumerate(out):
+        # the bucket holds this rank's own gradient, in reverse parameter order (bias first)
+        assert torch.allclose(bucket.sort().values, local[rank].sort().values, atol=1e-6)
+        torch.testing.assert_close(grad, torch.stack(local).mean(0), rtol=1e-4, atol=1e-6)
 
 
-def test_sum_reduction_gives_full_batch_over_world_size(group, batch):
+def test_float16_dividing_first_does_not_overflow(group):
+    assert group.run(both_orders) == [(float("inf"), 40000.0)] * 4
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4, 8])
+def test_ddp_gradient_is_the_sum_of_local_gradients_over_world_size(group, batch, world_size):
     X, y = batch
-    r = run_comparison(group, ddp_gradient, full_batch_gradient, X, y, "sum", 4, "equal")
-    torch.testing.assert_close(r.ddp * 4, full_batch_gradient(X, y, "sum"), rtol=1e-4, atol=1e-4)
+    group.resize(world_size)
+    for reduction in ("mean", "sum"):
+        full = full_batch_gradient(X, y, reduction)
+        for split in ("equal", "uneven"):
+            outs = group.run(ddp_gradient, X, y, reduction, split)
+            assert all(torch.equal(o, outs[0]) for o in outs)  # the same on every rank
+            ref = reference_ddp_gradient(X, y, reduction, split_sizes(len(X), world_size, split))
+            torch.testing.assert_close(outs[0], ref, rtol=1e-4, atol=1e-5)
+            comparison = compare_gradients(outs[0], full)
+            expected = expected_factor(reduction, world_size, split)
+            if expected is None:
+                assert not comparison.constant
+                assert comparison.ratio_min < 0.9 and comparison.ratio_max > 1.1
+            else:
+                assert comparison.constant
+                assert comparison.factor == pytest.approx(expected, rel=1e-4)
+            if (reduction, split, world_size) == ("sum", "uneven", 8):  # question 2
+                k = (outs[0] @ full / (full @ full)).item()
+                assert round(k, 4) == 0.125
 
 
 def test_no_sync_saves_all_reduces_and_keeps_the_gradient(group, batch):
@@ -160,57 +215,58 @@ def test_no_sync_saves_all_reduces_and_keeps_the_gradient(group, batch):
         torch.testing.assert_close(g, full, rtol=1e-4, atol=1e-6)
 
 
-def test_gradient_table_rows(group, batch):
-    X, y = batch
-    text = gradient_table(group, ddp_gradient, full_batch_gradient, X, y, world_sizes=(1, 2, 4))
-    lines = text.splitlines()
-    assert lines[2].split()[:5] == ["mean", "equal", "1", "x", "1"]
-    assert lines[4].split() == ["sum", "equal", "1", "x", "0.5", "x", "0.25", "x"]
-    assert lines[5].split() == ["sum", "uneven", "1", "x", "0.5", "x", "0.25", "x"]
-    assert "varies" in lines[3]
-    with pytest.raises(ValueError, match="world_size must be an int from 1 to 4"):
-        gradient_table(group, ddp_gradient, full_batch_gradient, X, y, world_sizes=(5,))
-
-
 # --- explorer ------------------------------------------------------------------------------
 
-def test_explorer_follows_controls(group, batch):
+def test_explorer_follows_controls_and_resizes_the_one_group(group, batch):
     X, y = batch
     e = GradientFactorExplorer(group, ddp_gradient, full_batch_gradient, X, y,
                                reduction="sum", world_size=4, split="equal")
-    try:
-        assert e.result.comparison.factor == pytest.approx(0.25, rel=1e-4)
-        assert bytes(e.image.value).startswith(PNG)
-        assert "0.25 x the full-batch gradient" in e.message.value
-        e.controls["world_size"].value = 2
-        assert e.result.sizes == [420, 420]
-        torch.testing.assert_close(e.result.ddp, full_batch_gradient(X, y, "sum") / 2,
-                                   rtol=1e-4, atol=1e-4)
-        e.controls["reduction"].value = "mean"
-        e.controls["split"].value = "uneven"
-        assert e.result.sizes == [280, 560]
-        assert not e.result.comparison.constant
-        ref = reference_ddp_gradient(X, y, "mean", [280, 560])
-        torch.testing.assert_close(e.result.ddp, ref, rtol=1e-4, atol=1e-6)
-        assert "no single factor" in e.text()
-        assert e.text().startswith("GradientFactorExplorer(reduction=mean, world_size=2, split=uneven)")
-    finally:
-        e.close()
+    assert e.result.comparison.factor == pytest.approx(0.25, rel=1e-4) and e.result.agree
+    assert bytes(e.image.value).startswith(PNG)
+    assert "0.25 x the full-batch gradient" in e.message.value
+    e.controls["world_size"].value = 2
+    assert group.world_size == 2 and e.result.sizes == [420, 420]
+    torch.testing.assert_close(e.result.ddp, full_batch_gradient(X, y, "sum") / 2,
+                               rtol=1e-4, atol=1e-4)
+    e.controls["reduction"].value = "mean"
+    e.controls["split"].value = "uneven"
+    assert e.result.sizes == [280, 560]
+    assert not e.result.comparison.constant
+    torch.testing.assert_close(e.result.ddp, reference_ddp_gradient(X, y, "mean", [280, 560]),
+                               rtol=1e-4, atol=1e-6)
+    assert "no single factor" in e.text()
+    assert e.text().startswith("GradientFactorExplorer(reduction=mean, world_size=2, split=uneven)")
 
 
-def test_explorer_above_group_size_uses_a_private_group(group, batch):
+def test_explorer_extremes_run_on_the_one_group(group, batch):
     X, y = batch
     e = GradientFactorExplorer(group, ddp_gradient, full_batch_gradient, X, y,
-                               reduction="sum", world_size=4, split="uneven")
-    try:
-        e.controls["world_size"].value = 5
-        assert e.error is None
-        assert e.result.comparison.factor == pytest.approx(0.2, rel=1e-4)
-        assert group.world_size == 4  # the notebook's group is left as it was
-        assert e._big is not None and e._big.world_size == 8
-    finally:
-        e.close()
-    assert e._big is None
+                               reduction="sum", world_size=8, split="uneven")
+    for reduction, world_size, split, factor in [
+            ("sum", 8, "uneven", 0.125), ("mean", 8, "uneven", None), ("mean", 8, "equal", 1.0),
+            ("mean", 1, "equal", 1.0), ("mean", 1, "uneven", 1.0)]:
+        for name, value in (("reduction", reduction), ("world_size", world_size), ("split", split)):
+            e.controls[name].value = value
+        assert e.error is None and group.world_size == world_size  # no second, private group
+        assert e.result.sizes == split_sizes(840, world_size, split)
+        if factor is None:
+            assert not e.result.comparison.constant
+        else:
+            assert e.result.comparison.factor == pytest.approx(factor, rel=1e-4)
+        assert bytes(e.image.value).startswith(PNG)
+
+
+def test_explorer_refuses_a_global_batch_it_cannot_split(group, batch):
+    X, y = batch[0][:10], batch[1][:10]
+    e = GradientFactorExplorer(group, ddp_gradient, full_batch_gradient, X, y,
+                               reduction="mean", world_size=2, split="equal")
+    figure = e.image.value
+    e.controls["world_size"].value = 3
+    assert e.result is None and "pick another world_size or split" in e.message.value
+    assert "divisible" in e.text()
+    assert e.image.value == NOTE_PNG != figure
+    e.controls["world_size"].value = 5
+    assert e.result is not None and e.result.sizes == [2] * 5
 
 
 def test_explorer_rejects_bad_initial_values(group, batch):
@@ -221,44 +277,71 @@ def test_explorer_rejects_bad_initial_values(group, batch):
         GradientFactorExplorer(group, ddp_gradient, full_batch_gradient, X, y, split="random")
     with pytest.raises(ValueError, match="world_size must be from 1 to 8"):
         GradientFactorExplorer(group, ddp_gradient, full_batch_gradient, X, y, world_size=9)
+    with pytest.raises(TypeError, match="ddp_gradient"):
+        GradientFactorExplorer(group, None, full_batch_gradient, X, y)
 
 
 # --- exercise check ------------------------------------------------------------------------
 
-def test_solution_passes(group, batch):
-    v = check_loss_scale(load_solution().loss_scale, group, *batch)
+def test_solution_passes_and_the_world_size_is_restored(group, batch):
+    group.resize(2)
+    v = check_loss_scale(group, load_solution().loss_scale, *batch)
     assert v, v.message
+    assert "world_size 4 and 3" in v.message
+    assert group.world_size == 2
 
 
 def test_stub_fails_and_says_why(group, batch):
-    v = check_loss_scale(lambda reduction, world_size, local_batch, global_batch: 1.0, group, *batch)
+    v = check_loss_scale(group, lambda reduction, world_size, local_batch, global_batch: 1.0, *batch)
     assert not v
     assert "reduction='mean'" in v.message and "uneven" in v.message
     assert "expected exactly 1 x" in v.message and "local_batch" in v.message
 
 
 def test_scale_that_only_fixes_sum_fails_on_mean(group, batch):
-    v = check_loss_scale(lambda r, w, n, N: float(w), group, *batch)
+    v = check_loss_scale(group, lambda r, w, n, N: float(w), *batch)
     assert not v
     assert "reduction='mean'" in v.message and "4 x the full-batch gradient" in v.message
 
 
 def test_scale_right_for_mean_only_fails_on_sum_with_factor(group, batch):
-    v = check_loss_scale(lambda r, w, n, N: w * n / N, group, *batch)
+    v = check_loss_scale(group, lambda r, w, n, N: w * n / N, *batch)
     assert not v
     assert "reduction='sum'" in v.message and "0.25 x the full-batch gradient" in v.message
     assert "world_size=4" in v.message
 
 
-def test_check_reports_none_and_exceptions(group, batch):
-    v = check_loss_scale(lambda *a: None, group, *batch)
+def test_a_scale_that_hard_codes_four_ranks_fails_at_three(group, batch):
+    def hard_coded(reduction, world_size, local_batch, global_batch):
+        return 4.0 if reduction == "sum" else 4 * local_batch / global_batch
+    v = check_loss_scale(group, hard_coded, *batch)
+    assert not v and "world_size=3" in v.message
+    assert CHECK_WORLD_SIZES == (4, 3)
+
+
+def test_check_reports_none_exceptions_and_rank_errors(group, batch):
+    v = check_loss_scale(group, lambda *a: None, *batch)
     assert not v and "TODO" in v.message
 
     def boom(*a):
         raise ZeroDivisionError("oops")
-    v = check_loss_scale(boom, group, *batch)
+    v = check_loss_scale(group, boom, *batch)
     assert not v and "ZeroDivisionError: oops" in v.message
-    assert not check_loss_scale("not a function", group, *batch)
+    assert not check_loss_scale(group, "not a function", *batch)
+    v = check_loss_scale(group, lambda *a: torch.tensor([1.0, 2.0]), *batch)  # not a number
+    assert not v and "finite number" in v.message
+    with pytest.raises(ValueError, match="divisible"):
+        check_loss_scale(group, boom, batch[0][:10], batch[1][:10])
+    assert group.world_size == 4
+
+
+def test_check_messages_never_print_the_solution(group, batch):
+    solution = [line.strip() for line in
+                (conftest.SOLUTIONS / "04_loss_scale.py").read_text().splitlines()
+                if line.strip().startswith("return")]
+    for fn in (lambda *a: 1.0, lambda r, w, n, N: float(w), lambda r, w, n, N: w * n / N):
+        message = check_loss_scale(group, fn, *batch).message
+        assert not any(line in message for line in solution)
 
 
 # --- pure helpers ------------------------------------------------------------------------
@@ -283,8 +366,19 @@ def test_expected_factor_and_explain():
     assert expected_factor("mean", 8, "uneven") is None
     assert expected_factor("mean", 1, "uneven") == 1.0
     assert "1/3" in explain("sum", 3, "equal", [1, 1, 1])
+    assert "divides each rank's gradient by world_size=3" in explain("sum", 3, "equal", [1, 1, 1])
     with pytest.raises(ValueError, match="reduction must be one of"):
         expected_factor("avg", 2, "equal")
+
+
+def test_sample_weights_explain_the_factors():
+    assert sample_weights([84, 168, 252, 336], "mean").tolist() == pytest.approx([2.5, 1.25, 5 / 6, 0.625])
+    assert sample_weights([210] * 4, "mean").tolist() == [1.0] * 4
+    assert sample_weights([1, 5], "sum").tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match="reduction"):
+        sample_weights([1], "max")
+    with pytest.raises(ValueError, match="positive"):
+        sample_weights([0, 2], "mean")
 
 
 def test_digits_loader():
@@ -328,9 +422,20 @@ def test_batch_order_is_seeded_and_drops_last():
     assert len(set(torch.cat(a[:3]).tolist())) == 96
 
 
-def test_plots_return_png():
+@pytest.fixture()
+def drawn():
+    """The matplotlib figures the package draws during the test, in order."""
+    figures = []
+    plots.AUDITS.append(figures.append)
+    yield figures
+    plots.AUDITS.remove(figures.append)
+
+
+def test_plots_return_png_and_refuse_bad_input():
     s = GradientScatter()
-    assert s.draw([0.5, -1.0], [1.0, -2.0], 0.5, True, title="t").startswith(PNG)
+    assert s.draw([0.5, -1.0], [1.0, -2.0], 0.5, True, sizes=[3, 5], reduction="mean",
+                  title="t").startswith(PNG)
+    assert s.draw([0.5, -1.0], [1.0, -2.0], 0.5, True).startswith(PNG)  # no weight panel
     with pytest.raises(ValueError, match="same length"):
         s.draw([1.0], [1.0, 2.0], 1.0, True)
     assert loss_curves({"a": [2.0, 1.0], "b": [2.0, 1.5]}, reference="a").startswith(PNG)
@@ -338,3 +443,18 @@ def test_plots_return_png():
         loss_curves({"a": [1.0]}, reference="z")
     with pytest.raises(ValueError, match="empty"):
         loss_curves({})
+
+
+def test_figures_fit_beside_the_controls_and_legends_cover_no_data(drawn):
+    curves = {f"run {k}": [2.0 - 0.1 * k - 0.01 * s for s in range(50)] for k in range(6)}
+    loss_curves(curves, reference="run 0")
+    fig = drawn[-1]
+    assert fig.get_figheight() <= 4.5 and fig.get_figwidth() <= plots.MAX_WIDTH
+    legend = fig.legends[0]
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent())  # the legend is below the panels
+    s = GradientScatter()
+    s.draw([0.5, -1.0], [1.0, -2.0], 0.5, True, sizes=[3, 5], reduction="sum")
+    assert drawn[-1].get_figheight() <= 4.5

@@ -129,32 +129,3 @@ def batch_order(num_samples: int, global_batch: int, epochs: int, seed: int = 0)
         perm = torch.randperm(num_samples, generator=g)
         out += list(perm[: num_samples // global_batch * global_batch].split(global_batch))
     return out
-
-
-_FIRST_RANKS: dict = {}
-
-
-def first_ranks(world_size: int):
-    """Process group of ranks ``0..world_size-1``; runs on every rank of the default group.
-
-    Lets one running group of ``W`` ranks act as a smaller group of ``world_size <= W``
-    ranks without restarting (notebook 04 compares world sizes this way). Every rank of
-    the default process group must call it with the same ``world_size`` (``new_group``
-    is collective); groups are created once per rank process and cached.
-
-    Returns:
-        The ``ProcessGroup`` on ranks ``0..world_size-1``, ``None`` on the other ranks.
-
-    Raises:
-        ValueError: ``world_size`` is not from 1 to the default group's size.
-    """
-    import torch.distributed as dist
-    full = dist.get_world_size()
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= full:
-        raise ValueError(f"world_size must be an int from 1 to {full} (the ranks running), "
-                         f"got {world_size!r}")
-    if world_size == full:
-        return dist.group.WORLD
-    if world_size not in _FIRST_RANKS:
-        _FIRST_RANKS[world_size] = dist.new_group(ranks=list(range(world_size)))
-    return _FIRST_RANKS[world_size] if dist.get_rank() < world_size else None

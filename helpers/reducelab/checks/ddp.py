@@ -5,9 +5,12 @@ multiple of the single-process full-batch gradient, and of which factor
 (:func:`compare_gradients`). This module imports only ``torch``, so its rank functions
 can run on the ranks.
 
-Source: DistributedDataParallel averages gradients over the ranks of its process
-group, https://pytorch.org/docs/stable/notes/ddp.html and
-https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html
+Source: DistributedDataParallel divides each gradient by the size of its process group
+while it copies it into a gradient bucket, then all_reduces the bucket with a sum
+(``Reducer::set_divide_factor`` and ``Reducer::mark_variable_ready_dense`` in
+``torch/csrc/distributed/c10d/reducer.cpp``; with a communication hook, DDP's default
+``allreduce_hook`` in ``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``
+divides first too); https://pytorch.org/docs/stable/notes/ddp.html
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import Verdict, failed, passed
+from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
+from ..errors import RankError
 from ..data import SPLITS, local_slice, split_sizes
 
 REDUCTIONS = ("mean", "sum")
@@ -87,8 +91,8 @@ def compare_gradients(ddp: torch.Tensor, full: torch.Tensor) -> GradientComparis
 def expected_factor(reduction: str, world_size: int, split: str) -> float | None:
     """The factor DDP gradient / full-batch gradient that theory predicts, or ``None``.
 
-    DDP all_reduces each gradient with a sum and divides by ``world_size``:
-    ``ddp = (1/W) * sum_r grad(loss_r)``. With ``reduction="sum"`` the local sums add up
+    DDP divides each gradient by ``world_size`` and all_reduces it with a sum:
+    ``ddp = sum_r grad(loss_r) / W``. With ``reduction="sum"`` the local sums add up
     to the full-batch sum, so the factor is ``1/W`` for any split. With ``"mean"`` and
     equal local batches, the mean of the local means is the global mean: factor 1. With
     ``"mean"`` and uneven local batches no single factor exists (``None``).
@@ -109,12 +113,13 @@ def explain(reduction: str, world_size: int, split: str, sizes: list[int]) -> st
         return ("With one rank DDP's all_reduce has nothing to add and divides by 1: "
                 "the DDP gradient is the full-batch gradient.")
     if reduction == "sum":
-        return (f"Each rank's summed loss covers only its own samples; DDP adds the {W} "
-                f"gradients (together they are the full-batch sum) and then divides by "
-                f"world_size={W}, so the factor is 1/{W} whatever the split.")
+        return (f"Each rank's summed loss covers only its own samples; DDP divides each "
+                f"rank's gradient by world_size={W} and sums the {W} of them (undivided, "
+                f"they would add up to the full-batch sum), so the factor is 1/{W} "
+                f"whatever the split.")
     if split == "equal":
         return (f"Each rank averages over {sizes[0]} samples; DDP averages the {W} local "
-                f"means, and the mean of equal-sized means is the global mean: factor 1.")
+                f"gradients, and the mean of equal-sized means is the global mean: factor 1.")
     return (f"DDP gives each local mean the same weight 1/{W}, but the local batches "
             f"{sizes} differ, so a sample on a small rank counts more than one on a big "
             f"rank: a different gradient, not a rescaled one.")
@@ -153,30 +158,57 @@ def _full_batch_gradient(X, y, reduction):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def check_loss_scale(loss_scale, group, X: torch.Tensor, y: torch.Tensor) -> Verdict:
+CHECK_WORLD_SIZES = (4, 3)
+"""World sizes :func:`check_loss_scale` runs at (a scale that hard-codes 4 fails at 3)."""
+
+
+def check_loss_scale(group, loss_scale, X: torch.Tensor, y: torch.Tensor,
+                     world_sizes=CHECK_WORLD_SIZES) -> Verdict:
     """Check the exercise of notebook 04: a loss scale that makes DDP match one process.
 
     ``loss_scale(reduction, world_size, local_batch, global_batch) -> float`` is the
-    number each rank multiplies its local loss by before ``backward()``. The check runs
-    real DDP on every rank of ``group`` for each loss reduction (``"mean"``, ``"sum"``)
-    and split (``"equal"``, ``"uneven"``) and compares the gradient with the
-    single-process full-batch gradient of the same reduction.
+    number each rank multiplies its local loss by before ``backward()``. For each world
+    size in ``world_sizes`` the check resizes ``group``, runs real DDP on every rank for
+    each loss reduction (``"mean"``, ``"sum"``) and split (``"equal"``, ``"uneven"``),
+    and compares the gradient with the single-process full-batch gradient of the same
+    reduction. The group's world size is restored afterwards.
 
     Args:
-        loss_scale: the learner's function.
         group: a running :class:`~reducelab.LocalGroup`.
+        loss_scale: the learner's function.
         X, y: the global batch, ``float32 (N, F)`` and ``int64 (N,)``; ``N`` must be
-            divisible by ``group.world_size``.
+            divisible by every world size in ``world_sizes``.
+        world_sizes: ints of 2 or more.
 
     Returns:
-        A :class:`Verdict` that names the first failing case, the factor it found and why.
+        A :class:`Verdict` that names the first failing case, the factor it found and
+        why; it never shows a solution.
+
+    Raises:
+        ValueError: a world size below 2, or ``N`` not divisible by one.
     """
     if not callable(loss_scale):
         return failed(f"check_loss_scale needs your function loss_scale, got {loss_scale!r}.")
-    W, N = group.world_size, len(X)
-    if W < 2:
-        return failed("Run the check on a group of at least 2 ranks; with one rank any "
-                      "scale of 1 passes and proves nothing.")
+    N = len(X)
+    for W in world_sizes:
+        if W < 2:
+            raise ValueError(f"world sizes must be 2 or more (with one rank any scale of 1 "
+                             f"passes), got {W}")
+        split_sizes(N, W, "equal")  # raises ValueError when N is not divisible by W
+    with restoring_world_size(group):
+        for W in world_sizes:
+            group.resize(W)
+            verdict = _check_at(group, loss_scale, X, y, W, N)
+            if verdict is not None:
+                return verdict
+    sizes = " and ".join(str(w) for w in world_sizes)
+    return passed(f"With your scales DDP's gradient equals the single-process full-batch "
+                  f"gradient for 'mean' and 'sum', equal and uneven local batches, on "
+                  f"world_size {sizes}. DDP still divides by world_size; your scale undoes it.")
+
+
+def _check_at(group, loss_scale, X, y, W: int, N: int) -> Verdict | None:
+    """The failing :class:`Verdict` of the first wrong case at world size ``W``, or ``None``."""
     for reduction in REDUCTIONS:
         full = _full_batch_gradient(X, y, reduction)
         for split in SPLITS:
@@ -192,7 +224,10 @@ def check_loss_scale(loss_scale, group, X: torch.Tensor, y: torch.Tensor) -> Ver
                 return failed(f"loss_scale must return a finite number; for "
                               f"reduction={reduction!r} it returned {bad!r}"
                               + (" (the TODO stub)." if bad is None else "."))
-            ddp = group.run(_scaled_ddp_gradient, X, y, reduction, split, scales)[0]
+            try:
+                ddp = group.run(_scaled_ddp_gradient, X, y, reduction, split, scales)[0]
+            except RankError as err:
+                return raised_on_ranks(f"With world_size={W} and reduction={reduction!r}", err)
             cmp = compare_gradients(ddp, full)
             if cmp.constant and abs(cmp.factor - 1) < TOLERANCE:
                 continue
@@ -203,16 +238,14 @@ def check_loss_scale(loss_scale, group, X: torch.Tensor, y: torch.Tensor) -> Ver
                    f"the DDP gradient was not a multiple of the full-batch gradient "
                    f"(element-wise ratios from {cmp.ratio_min:.2f} to {cmp.ratio_max:.2f})")
             if reduction == "sum":
-                why = (f"DDP divides the summed gradients by world_size={W}; "
-                       f"the local sums already add up to the full-batch sum, so the "
+                why = (f"DDP divides every rank's gradient by world_size={W} before it sums "
+                       f"them; the local sums already add up to the full-batch sum, so the "
                        f"scale has to undo only that division.")
             else:
-                why = (f"with 'mean' rank r's loss is divided by its local_batch, the "
+                why = (f"with 'mean' rank r's loss is divided by its own local_batch, the "
                        f"full-batch loss by global_batch={N}, and DDP divides by "
-                       f"world_size={W} on top: the scale must turn (1/world_size) x "
-                       f"(1/local_batch) into 1/global_batch, so it depends on local_batch.")
+                       f"world_size={W} on top: each sample must end up weighted "
+                       f"1/global_batch, so the scale depends on local_batch.")
             return failed(f"For {case} your scales {[_fmt(float(s)) for s in scales]} gave: "
                           f"{got}; expected exactly 1 x. Why: {why}")
-    return passed(f"With your scales DDP's gradient equals the single-process full-batch "
-                  f"gradient for 'mean' and 'sum', equal and uneven local batches, on "
-                  f"world_size={W}. DDP still averages over ranks; your scale undoes it.")
+    return None

@@ -2,7 +2,8 @@
 
 Source: ``torch.distributed.all_reduce``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; the
-learner question is seed ``003_01e4708bffbae090.txt``.
+learner question "How can I aggregate losses from all GPUs in DistributedDataParallel?"
+(2025-01-30).
 """
 from __future__ import annotations
 

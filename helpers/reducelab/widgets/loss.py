@@ -3,12 +3,11 @@ compare ``all_reduce(loss) / world_size`` with the batch-size-weighted global me
 
 Source: ``torch.distributed.all_reduce``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce ; the
-learner question is seed ``003_01e4708bffbae090.txt`` ("How do I aggregate the loss from
-all ranks?").
+learner question "How can I aggregate losses from all GPUs in DistributedDataParallel?"
+(2025-01-30).
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 
 import ipywidgets as W
@@ -43,15 +42,17 @@ def parse_batch_sizes(text: str) -> list[int]:
         raise TypeError(f"local batch sizes must be a str such as '3,5,8,2', got {type(text).__name__}")
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not 1 <= len(parts) <= MAX_WORLD_SIZE:
-        raise ValueError(f"give 1 to {MAX_WORLD_SIZE} local batch sizes (one per rank), "
-                         f"separated by commas, got {len(parts)}")
+        raise ValueError(f"Type 1 to {MAX_WORLD_SIZE} local batch sizes, one per rank, "
+                         f"separated by commas, such as 3,5,8,2; got {len(parts)}.")
     sizes = []
     for p in parts:
         if not p.isdigit():
-            raise ValueError(f"local batch sizes must be whole numbers from 1 to {MAX_LOCAL_BATCH}, got {p!r}")
+            raise ValueError(f"Local batch sizes are whole numbers from 1 to {MAX_LOCAL_BATCH}, "
+                             f"separated by commas, such as 3,5,8,2; got {p!r}.")
         n = int(p)
         if not 1 <= n <= MAX_LOCAL_BATCH:
-            raise ValueError(f"each local batch size must be from 1 to {MAX_LOCAL_BATCH}, got {n}")
+            raise ValueError(f"Each local batch size is a whole number from 1 to "
+                             f"{MAX_LOCAL_BATCH}, such as 3,5,8,2; got {n}.")
         sizes.append(n)
     return sizes
 
@@ -129,13 +130,14 @@ class LossExplorer(Explorer):
         self.refresh()
 
     def refresh(self) -> None:
-        """Parse the text; refuse bad input with one sentence, else run on the ranks."""
+        """Parse the text; refuse bad input with one sentence that names what is valid,
+        and a note in place of the old figure; else run on the ranks."""
         try:
             parse_batch_sizes(self.controls["local_batch_sizes"].value)
         except ValueError as e:
             self.input_error = str(e)
             self.result, self.error = None, None
-            self.message.value = f'<span style="color:#b3261e">⛔ {html.escape(self.input_error)}</span>'
+            self._refuse(self.input_error)
             return
         self.input_error = None
         super().refresh()
