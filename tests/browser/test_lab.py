@@ -61,11 +61,12 @@ PLANS = {
     "01_all_reduce.ipynb": Plan(("answer_1 = None", "answer_1 = 20.0")),
     "02_reduce_and_aliasing.ipynb": Plan(("answer_1 = None", "answer_1 = [0]")),
     "03_loss_aggregation.ipynb": Plan(("answer_1 = None", "answer_1 = 0.5"),
-                                      {"local_batch_sizes": "2,6,4"}),
+                                      {"local batch sizes": "2,6,4"}),
     "04_ddp_gradients.ipynb": Plan(("answer_1 = None", "answer_1 = 3.0")),
-    "05_device_mesh_sync.ipynb": Plan(("answer_1 = None", "answer_1 = 99.0")),
+    "05_device_mesh_sync.ipynb": Plan(("answer_1 = None", "answer_1 = [0, 1]")),
     "06_ring_all_reduce.ipynb": Plan(("answer_1 = None", "answer_1 = 0")),
-    "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", "answer_1 = 'one interface'")),
+    "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", "answer_1 = False")),
+    "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
 }
 """One entry per notebook; a notebook without an entry fails the test."""
 
