@@ -249,7 +249,7 @@ def bench_notebook_explorers(repeat: int = 10) -> dict:
     import nbclient
     import nbformat
     out = {}
-    for path in sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("0*.ipynb")):
+    for path in sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         upto = next((i for i, c in enumerate(code) if "explorer = " in c.source), None)

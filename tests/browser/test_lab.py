@@ -67,6 +67,7 @@ PLANS = {
     "06_ring_all_reduce.ipynb": Plan(("answer_1 = None", "answer_1 = 0")),
     "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", "answer_1 = False")),
     "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
+    "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 1")),
 }
 """One entry per notebook; a notebook without an entry fails the test."""
 
