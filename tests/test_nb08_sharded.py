@@ -1,0 +1,560 @@
+"""Tests of notebook 08 (sharded data parallelism): the facts the notebook states, each run
+on real gloo ranks with the notebook's own rank functions (read from its code cells); the
+sharding explorer driven headlessly by setting its controls; the ZeRO-2 exercise check on
+the stub, the solution and each usual mistake; and the figures."""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import pathlib
+import sys
+import types
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import conftest
+from reducelab import RankError
+from reducelab.checks.sharded import (ATOL, GLOBAL_BATCH, LAYOUT, NUMEL, check_zero2_step,
+                                      exercise_run, flat_gradient, global_batches, initial_flat,
+                                      load_digits_tensors, local_part, make_model, placed,
+                                      placed_dtensors, reference_run)
+from reducelab.plots import MAX_WIDTH
+from reducelab.plots.sharded import (ShardingFigure, collective_figure, compact, memory_figure,
+                                     memory_formula, precision_figure, sent_formula)
+from reducelab.widgets.sharded import REDUCE_DTYPES, SHARDINGS, ShardingExplorer
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "08_sharded_data_parallel.ipynb"
+STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
+
+
+def notebook_functions() -> types.SimpleNamespace:
+    """The notebook's imports and ``def``s (nothing else of its cells runs), in a module of
+    their own that the ranks cannot import, so that its functions travel by value as a
+    notebook cell's do."""
+    module = types.ModuleType("nb08_cells")
+    sys.modules.pop("nb08_cells", None)
+    cells = [c for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
+    for cell in cells:
+        source = "".join(cell["source"])
+        tree = ast.parse(source)
+        keep = [node for node in tree.body
+                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef))]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb08", "exec"), module.__dict__)
+    X, y = load_digits_tensors()
+    module.X, module.y = X, y
+    return module
+
+
+NB = notebook_functions()
+X, y = NB.X, NB.y
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(X, y, steps=3)
+
+
+# --- step 1: reduce_scatter, all_gather, all_reduce -------------------------------------------
+def test_rank_r_keeps_piece_r_of_the_sum(group):
+    out = group.run(NB.reduce_scatter_then_all_gather, 8, "i + 10 * rank")
+    for rank, (_, shard, gathered, summed) in enumerate(out):
+        want = 4 * torch.arange(8.0) + 60
+        assert shard.tolist() == want[2 * rank:2 * rank + 2].tolist()
+        assert torch.equal(gathered, want) and torch.equal(summed, want)
+    assert out[2][1].tolist() == [76.0, 80.0]          # question 1
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_composition_equals_all_reduce_bit_for_bit_on_gloo(group, world_size, dtype):
+    group.resize(world_size)
+    out = group.run(NB.composed_and_all_reduce, 120_000, dtype)
+    assert all(torch.equal(summed, composed) for _, summed, composed in out)
+    exact = torch.stack([g.double() for g, _, _ in out]).sum(0)
+    error = (out[0][1].double() - exact).abs().max().item()
+    assert 0 < error < (1e-5 if dtype == "float32" else 0.2)   # rounded, not exact
+
+
+def test_old_names_warn_and_point_to_the_single_names(group):
+    messages = group.run(NB.old_names)[0]
+    assert len(messages) == 2 and all(m.startswith("FutureWarning") for m in messages)
+    assert "reduce_scatter_single" in messages[0] and "all_gather_single" in messages[1]
+
+
+@pytest.mark.skipif(NB.bytes_written() is None, reason="needs Linux's write_chars")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_counted_from_the_tensors_and_what_gloo_writes(group, world_size):
+    group.resize(world_size)
+    numel, S = 400_000, 1_600_000
+    f = (world_size - 1) / world_size
+    for rank_rows in group.run(NB.bytes_per_collective, numel):
+        counted = {name: c for name, (c, _) in rank_rows.items()}
+        measured = {name: m for name, (_, m) in rank_rows.items()}
+        assert counted == {"all_reduce": 2 * f * S, "reduce_scatter": f * S, "all_gather": f * S}
+        assert measured["all_reduce"] == pytest.approx(2 * f * S, rel=0.01)
+        assert measured["all_gather"] == pytest.approx(f * S, rel=0.01)
+        # gloo's reduce_scatter sends what its all_reduce sends: twice the ring formula
+        assert measured["reduce_scatter"] == pytest.approx(2 * f * S, rel=0.01)
+
+
+def test_counting_sees_every_call_and_restores_the_collectives(group):
+    def count():
+        before = dist.all_reduce
+        with NB.counting_collectives() as sent:
+            t = torch.ones(8)
+            dist.all_reduce(t)
+            dist.reduce_scatter_single(torch.empty(2), torch.ones(8))
+            dist.all_gather_single(output_tensor=torch.empty(8), input_tensor=torch.ones(2))
+        return sent, dist.all_reduce is before
+    sent, restored = group.run(count)[0]
+    assert restored
+    assert sent == [("all_reduce", 48.0), ("reduce_scatter", 24.0), ("all_gather", 24.0)]
+
+
+# --- step 2: ZeRO by hand -----------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_stage_steps_to_ddps_parameters_and_one_process(group, reference, world_size):
+    group.resize(world_size)
+    runs = {s: group.run(NB.zero_train, s, X, y, 3) for s in STAGES}
+    ddp = runs["DDP"][0]["params"]
+    for stage, out in runs.items():
+        for o in out:
+            for step in range(3):
+                assert torch.equal(o["params"][step], ddp[step]), (stage, step)   # bit for bit
+                assert (o["params"][step] - reference["params"][step]).abs().max() < 1e-7
+    assert not torch.equal(ddp[2], initial_flat())       # it really trained
+
+
+def expected_bytes(stage, n):
+    k = math.ceil(NUMEL / n)
+    whole, shard = 4 * n * k, 4 * k
+    return {"DDP": (whole, whole, 2 * whole + 4), "ZeRO-1": (whole, whole, 2 * shard + 4),
+            "ZeRO-2": (whole, shard, 2 * shard + 4), "ZeRO-3": (shard, shard, 2 * shard + 4)}[stage]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_memory_measured_from_the_tensors_is_the_formula_plus_padding(group, world_size):
+    group.resize(world_size)
+    for stage in STAGES:
+        out = group.run(NB.zero_train, stage, X, y)
+        for o in out:
+            got = tuple(o["bytes"][kind] for kind in ("parameters", "gradients", "optimizer state"))
+            assert got == expected_bytes(stage, world_size), stage
+            formula = memory_formula(stage, NUMEL, world_size)
+            assert sum(got) - sum(formula.values()) < 4 * 4 * world_size + 8   # padding, step
+    if world_size == 4:   # question 3
+        assert group.run(NB.zero_train, "ZeRO-1", X, y)[0]["bytes"]["optimizer state"] == 4828
+
+
+def test_bytes_sent_per_step_by_stage(group):
+    n, S = 4, 4 * 4 * 603
+    f = (n - 1) / n
+    want = {"DDP": [("all_reduce", 2 * f * S)],
+            "ZeRO-1": [("all_reduce", 2 * f * S), ("all_gather", f * S)],
+            "ZeRO-2": [("reduce_scatter", f * S), ("all_gather", f * S)],
+            "ZeRO-3": [("all_gather", f * S), ("reduce_scatter", f * S)]}
+    for stage, calls in want.items():
+        assert group.run(NB.zero_train, stage, X, y)[0]["sent"] == calls
+    half = group.run(NB.zero_train, "ZeRO-2", X, y, 1, "bfloat16")[0]["sent"]
+    assert half == [("reduce_scatter", f * S / 2), ("all_gather", f * S)]
+
+
+def test_what_each_stage_holds(group):
+    k = 603
+    for stage in STAGES:
+        out = group.run(NB.zero_train, stage, X, y)
+        for rank, o in enumerate(out):
+            held = {key: torch.isfinite(o[key]) for key in ("before", "grad", "after")}
+            shard = torch.zeros(NUMEL, dtype=torch.bool)
+            shard[rank * k:min((rank + 1) * k, NUMEL)] = True
+            whole = torch.ones(NUMEL, dtype=torch.bool)
+            params = shard if stage == "ZeRO-3" else whole
+            grads = whole if stage == "DDP" else shard
+            assert torch.equal(held["before"], params) and torch.equal(held["after"], params)
+            assert torch.equal(held["grad"], grads), (stage, rank)
+
+
+# --- step 3: FSDP2 ------------------------------------------------------------------------------
+def test_fsdp2_parameters_and_gradients_are_shard0_dtensors(group, reference):
+    out = group.run(NB.what_rank_holds, X, y)
+    rows = {name: (kind, str(pl), shape, local, gkind, str(gpl))
+            for name, kind, pl, shape, local, gkind, gpl in out[0][0]}
+    assert rows["0.weight"] == ("DTensor", "(Shard(dim=0),)", (32, 64), (8, 64), "DTensor",
+                                "(Shard(dim=0),)")
+    assert [r[3] for r in rows.values()] == [(8, 64), (8,), (3, 32), (3,)]
+    rank3 = {name: local for name, _, _, _, local, _, _ in out[3][0]}
+    assert rank3["2.weight"] == (1, 32) and rank3["2.bias"] == (1,)   # question 4
+    for _, full_grad in out:
+        assert (full_grad - reference["grads"][0]).abs().max() < ATOL
+
+
+def test_fsdp2_step_is_our_zero3_and_gathers_twice(group, reference):
+    fsdp = group.run(NB.fsdp_train, X, y, 3)
+    zero3 = group.run(NB.zero_train, "ZeRO-3", X, y, 3)
+    for o, z in zip(fsdp, zero3):
+        for step in range(3):
+            assert (o["params"][step] - z["params"][step]).abs().max() < ATOL
+            assert (o["params"][step] - reference["params"][step]).abs().max() < 1e-7
+    names = [name for name, _ in fsdp[0]["sent"]]
+    assert names == ["all_gather"] * 4 + ["reduce_scatter"] * 2
+    S = 4 * NUMEL
+    assert 3 * 0.75 * S < sum(b for _, b in fsdp[0]["sent"]) < 3 * 0.75 * S * 1.05
+
+
+def test_fsdp2_memory_is_a_quarter_of_ddps_plus_padding(group):
+    fsdp = group.run(NB.fsdp_train, X, y)[0]["bytes"]
+    ddp = group.run(NB.zero_train, "DDP", X, y)[0]["bytes"]
+    local = 4 * (8 * 64 + 8 + 3 * 32 + 3)          # rank 0's rows of each parameter, float32
+    assert fsdp == {"parameters": local, "gradients": local,
+                    "optimizer state": 2 * local + 4 * 4}   # exp_avg, exp_avg_sq, 4 step counters
+    assert sum(ddp.values()) == 38596 and sum(fsdp.values()) / sum(ddp.values()) == pytest.approx(0.257, abs=0.001)
+
+
+def test_reduce_dtype_errors_as_the_world_size_grows(group, reference):
+    exact = reference["grads"][0].double()
+    errors = {}
+    for world_size in (1, 4):
+        group.resize(world_size)
+        for setting in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), (None, "float32")):
+            out = group.run(NB.fsdp_train, X, y, 1, setting[1], setting[0])
+            grad = torch.stack([o["grad"] for o in out]).nanmean(0).double()
+            errors[setting, world_size] = ((grad - exact).norm() / exact.norm()).item()
+    assert errors[(None, "float32"), 4] < 1e-6
+    bf_fp, bf_bf = ("bfloat16", "float32"), ("bfloat16", "bfloat16")
+    assert 1e-3 < errors[bf_fp, 1] < 1e-2 and errors[bf_fp, 1] == errors[bf_bf, 1]
+    assert errors[bf_fp, 4] < errors[bf_fp, 1]               # averaging lowers it a little
+    assert errors[bf_bf, 4] > errors[bf_bf, 1] * 1.1         # bf16 sums add error
+    assert errors[bf_bf, 4] > errors[bf_fp, 4]
+
+
+def test_what_fails_on_gloo_and_the_sum_workaround(group):
+    one = make_model()
+    one(X[:8]).sum().backward()
+    one_grad = torch.cat([p.grad.flatten() for p in one.parameters()])
+    ratio = lambda option: (group.run(NB.fsdp_option, option)[0] / one_grad).nanmedian().item()  # noqa: E731
+    assert ratio("plain") == pytest.approx(1.0)
+    with pytest.raises(RankError, match="Cannot access accelerator device"):
+        group.run(NB.fsdp_option, "offload")
+    with pytest.raises(RankError, match="PREMUL_SUM with Gloo"):
+        group.run(NB.fsdp_option, "sum")
+    assert ratio("sum, forced") == pytest.approx(4.0)
+
+
+def test_issue_162338_fsdp2_averages_on_gloo(group):
+    one = make_model()
+    one(X[:8]).sum().backward()
+    one_grad = torch.cat([p.grad.flatten() for p in one.parameters()])
+    out = group.run(NB.same_input_everywhere)
+    assert (out[0][0] / one_grad).nanmedian().item() == pytest.approx(1.0)
+    assert [piece for _, piece in out] == [2.5] * 4
+
+
+def test_a_manual_sync_after_fsdp2_mixes_shards(group, reference):
+    group.resize(2)
+    out = group.run(NB.fsdp_then_manual_sync, X, y)
+    ref = reference["grads"][0]
+    for g in out:                                                # question 5: far from 1e-6
+        assert (g - ref).norm() / ref.norm() > 0.1
+
+
+def held_rows_of_a_sharded_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    return placed_dtensors(model.parameters())
+
+
+def test_placed_dtensors_follows_torch_chunk(group):
+    group.resize(3)
+    out = torch.stack(group.run(held_rows_of_a_sharded_model))
+    assert torch.equal(torch.isfinite(out).sum(0), torch.ones(NUMEL, dtype=torch.long))
+    assert torch.equal(out.nan_to_num(0).sum(0), initial_flat())
+
+
+# --- the explorer ---------------------------------------------------------------------------------
+@pytest.fixture()
+def explorer(group):
+    group.resize(4)
+    return ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, world_size=4,
+                            sharding="ZeRO-2")
+
+
+def test_explorer_runs_every_sharding_on_real_ranks(explorer):
+    kept = {}
+    for sharding in SHARDINGS:
+        explorer.controls["sharding"].value = sharding
+        r = explorer.result
+        assert explorer.error is None and r.sharding == sharding and r.world_size == 4
+        assert bytes(explorer.image.value[:8]) == PNG
+        assert r.error < 1e-7                                  # one process's parameters
+        kept[sharding] = sum(r.memory[0].values())
+        assert f"{sharding} on 4 ranks" in explorer.message.value
+    assert kept["DDP"] > kept["ZeRO-1"] > kept["ZeRO-2"] > kept["ZeRO-3"]
+    assert kept["FSDP2"] == pytest.approx(kept["ZeRO-3"], rel=0.05)
+    assert "DDP keeps 38.6 kB" in explorer.text()
+
+
+def test_explorer_reduce_dtype_halves_the_gradient_bytes(explorer):
+    sent32 = sum(explorer.result.sent[0].values())
+    explorer.controls["reduce_dtype"].value = "bfloat16"
+    r = explorer.result
+    assert r.reduce_dtype == "bfloat16"
+    assert sum(r.sent[0].values()) == pytest.approx(sent32 * 3 / 4)   # (G/2 + S) / (G + S)
+    assert 1e-7 < r.error <= 2.5 * 0.01                          # bf16 gradients: Adam's steps move
+
+
+def test_explorer_world_size_resizes_the_group(explorer, group):
+    explorer.controls["world_size"].value = 3
+    assert group.world_size == 3 and explorer.result.world_size == 3
+    assert explorer.result.memory[0]["optimizer state"] == 2 * 4 * 804 + 4
+    explorer.controls["sharding"].value = "FSDP2"
+    held = np.isfinite(explorer.result.grad)
+    assert (held.sum(axis=0) == 1).all()                         # each element on one rank
+    explorer.controls["world_size"].value = 1
+    assert sum(explorer.result.sent[0].values()) == 0
+    explorer.controls["world_size"].value = 4
+
+
+def test_explorer_rejects_bad_initial_values(group):
+    with pytest.raises(ValueError, match="DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2"):
+        ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, sharding="ZeRO-4")
+    with pytest.raises(ValueError, match="float32, bfloat16"):
+        ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, reduce_dtype="float16")
+    with pytest.raises(ValueError, match="from 1 to 8"):
+        ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, world_size=9)
+
+
+def test_explorer_follows_the_newest_open_group_when_its_own_is_closed(group):
+    from reducelab import LocalGroup
+    g = LocalGroup(world_size=2)
+    ex = ShardingExplorer(g, NB.zero_train, NB.fsdp_train, X, y)
+    g.close()
+    ex.controls["sharding"].value = "DDP"
+    assert ex.group is group and ex.error is None
+    assert ex.result.world_size == 2 and group.world_size == 2     # ran on the open group
+
+
+def test_explorer_refusal_is_a_sentence(group):
+    def broken(*args):
+        raise RuntimeError("boom")
+    ex = ShardingExplorer(group, NB.zero_train, broken, X, y)
+    ex.controls["sharding"].value = "FSDP2"
+    assert ex.result is None and "refused FSDP2 at world_size=4" in ex.message.value
+    assert "boom" in ex.message.value
+
+
+# --- the exercise -----------------------------------------------------------------------------
+def pad_to(flat_grad, n, k):
+    return F.pad(flat_grad, (0, n * k - flat_grad.numel()))
+
+
+def gather_into(flat_params, my_shard, n, k):
+    out = torch.empty(n * k)
+    dist.all_gather_single(out, my_shard.detach())
+    flat_params.copy_(out[:flat_params.numel()])
+
+
+def forgot_to_divide(flat_params, flat_grad, my_shard, optimizer):
+    n, k = dist.get_world_size(), my_shard.numel()
+    g = torch.empty(k)
+    dist.reduce_scatter_single(g, pad_to(flat_grad, n, k))
+    my_shard.grad = g
+    optimizer.step()
+    gather_into(flat_params, my_shard, n, k)
+
+
+def gathered_gradients(flat_params, flat_grad, my_shard, optimizer):
+    n, k = dist.get_world_size(), my_shard.numel()
+    g = torch.empty(k)
+    dist.reduce_scatter_single(g, pad_to(flat_grad, n, k), op=dist.ReduceOp.AVG)
+    my_shard.grad = g
+    optimizer.step()
+    out = torch.empty(n * k)
+    dist.all_gather_single(out, my_shard.grad)
+    flat_params.copy_(out[:flat_params.numel()])
+
+
+def floor_shards(flat_params, flat_grad, my_shard, optimizer):
+    n = dist.get_world_size()
+    k = flat_grad.numel() // n
+    g = torch.empty(k)
+    dist.reduce_scatter_single(g, flat_grad[:n * k])
+    my_shard.grad = g / n
+    optimizer.step()
+    gather_into(flat_params, my_shard, n, my_shard.numel())
+
+
+def floor_offsets(flat_params, flat_grad, my_shard, optimizer):
+    n, rank, k = dist.get_world_size(), dist.get_rank(), my_shard.numel()
+    dist.all_reduce(flat_grad, op=dist.ReduceOp.AVG)
+    lo = rank * (flat_grad.numel() // n)
+    my_shard.grad = pad_to(flat_grad, n, k)[lo:lo + k].clone()
+    optimizer.step()
+    gather_into(flat_params, my_shard, n, k)
+
+
+def no_padding(flat_params, flat_grad, my_shard, optimizer):
+    n, k = dist.get_world_size(), my_shard.numel()
+    g = torch.empty(k)
+    dist.reduce_scatter_single(g, flat_grad)
+    my_shard.grad = g / n
+    optimizer.step()
+    gather_into(flat_params, my_shard, n, k)
+
+
+def rebinds_flat_params(flat_params, flat_grad, my_shard, optimizer):
+    n, k = dist.get_world_size(), my_shard.numel()
+    g = torch.empty(k)
+    dist.reduce_scatter_single(g, pad_to(flat_grad, n, k), op=dist.ReduceOp.AVG)
+    my_shard.grad = g
+    optimizer.step()
+    out = torch.empty(n * k)
+    dist.all_gather_single(out, my_shard.detach())
+    flat_params = out[:NUMEL]  # noqa: F841 - the mistake
+
+
+def stub(flat_params, flat_grad, my_shard, optimizer):
+    pass
+
+
+def solution_lines() -> list[str]:
+    path = ROOT / "notebooks" / "solutions" / "08_zero2_step.py"
+    return [line.strip() for line in path.read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+
+
+def test_solution_passes_and_the_world_size_is_restored(group):
+    solution = conftest.load_solution("08_zero2_step").zero2_step
+    verdict = check_zero2_step(group, solution)
+    assert verdict, verdict.message
+    assert "world sizes 2 and 4" in verdict.message
+    assert group.world_size == 4
+
+
+def test_the_notebook_stub_fails_and_says_what_is_missing(group):
+    verdict = check_zero2_step(group, NB.zero2_step)
+    assert not verdict and "my_shard.grad is None" in verdict.message
+    assert not check_zero2_step(group, stub)
+    assert group.world_size == 4
+
+
+@pytest.mark.parametrize("mistake, explanation", [
+    (forgot_to_divide, "SUM over the 2 ranks, 2 times the mean"),
+    (gathered_gradients, "They equal the mean gradient: you all-gathered the gradient shards"),
+    (floor_shards, "2410 does not divide by 4: each shard has k = ceil(2410 / 4) = 603"),
+    (floor_offsets, "not at rank * k = 603: a wrong shard offset. 2410 does not divide by 4"),
+    (no_padding, "pad the flat gradient with 2 zero(s) at the end, to 2412 elements"),
+    (rebinds_flat_params, "flat_params did not change at all"),
+])
+def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
+    verdict = check_zero2_step(group, mistake)
+    assert not verdict
+    assert explanation in verdict.message, verdict.message
+    shown = verdict.message
+    assert not [line for line in solution_lines() if line in shown]   # never the solution's code
+    assert group.world_size == 4
+
+
+def test_exercise_data_match_the_docstring(group):
+    group.resize(4)
+    records = group.run(exercise_run, conftest.load_solution("08_zero2_step").zero2_step, X, y, 1)
+    k = 603
+    ref = reference_run(X, y, 1)
+    for rank, rec in enumerate(records):
+        want = F.pad(ref["grads"][0], (0, 4 * k - NUMEL))[rank * k:(rank + 1) * k]
+        assert rec[0]["grad"].shape == (k,) and (rec[0]["grad"] - want).abs().max() < ATOL
+
+
+# --- the model, data and figures ------------------------------------------------------------------
+def test_flat_model_layout_and_gradient():
+    assert NUMEL == 2410 and [o for _, o, _ in LAYOUT] == [0, 2048, 2080, 2400]
+    assert GLOBAL_BATCH == 840 and all(840 % n == 0 for n in range(1, 9))
+    model = make_model()
+    idx = global_batches(1)[0]
+    F.cross_entropy(model(X[idx]), y[idx]).backward()
+    direct = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert (flat_gradient(initial_flat(), X[idx], y[idx]) - direct).abs().max() < 1e-6
+    parts = [local_part(idx, r, 4) for r in range(4)]
+    assert torch.equal(torch.cat(parts), idx) and {len(p) for p in parts} == {210}
+    assert torch.isnan(placed(torch.ones(3), 2408)).sum() == NUMEL - 2
+
+
+def test_formulas():
+    assert memory_formula("DDP", 100, 4) == {"parameters": 400, "gradients": 400, "optimizer state": 800}
+    assert memory_formula("ZeRO-2", 100, 4) == {"parameters": 400, "gradients": 100, "optimizer state": 200}
+    assert sum(memory_formula("ZeRO-3", 100, 4).values()) == 400
+    assert memory_formula("ZeRO-1", 100, 4, 2, 2, 12)["optimizer state"] == 300   # the paper's K
+    assert sent_formula("DDP", 100, 4) == (600.0, "2(n−1)/n·G")
+    assert sent_formula("FSDP2", 100, 4)[0] == pytest.approx(900.0)
+    assert sent_formula("ZeRO-2", 100, 4, grad_bytes=2)[0] == pytest.approx(450.0)
+    with pytest.raises(ValueError, match="DDP, ZeRO-1"):
+        memory_formula("ZeRO-4", 100, 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        sent_formula("DDP", 100, 0)
+
+
+def test_compact_labels_fit_a_cell():
+    assert [compact(v) for v in (0.123, -0.34, 0.003, -1e-5, 0.0, 12.0, float("nan"))] == \
+        [".12", "-.34", "3e-3", "-1e-5", "0", "12", ""]
+    assert all(len(compact(v)) <= 5 for v in np.geomspace(1e-9, 9.9, 50))
+
+
+@pytest.fixture()
+def drawn():
+    from reducelab import plots
+    figures = []
+    plots.AUDITS.append(figures.append)
+    yield figures
+    plots.AUDITS.remove(figures.append)
+
+
+def test_static_figures_and_their_errors(drawn):
+    inputs = np.arange(8.0)[None, :] + np.arange(4.0)[:, None]
+    assert collective_figure(inputs, np.ones((4, 2)), inputs).startswith(PNG)
+    with pytest.raises(ValueError, match="world_size"):
+        collective_figure(inputs, np.ones((4, 3)), inputs)
+    measured = {s: {w: memory_formula(s, NUMEL, w) for w in (1, 2, 4)} for s in STAGES}
+    assert memory_figure(measured, NUMEL).startswith(PNG)
+    fig = drawn[-1]
+    fig.canvas.draw()
+    legend = fig.axes[0].get_legend().get_window_extent()
+    assert not legend.overlaps(fig.axes[0].get_window_extent())     # above the bars
+    assert precision_figure({"a": {1: 1e-3, 4: 2e-3}, "b": {1: 0.0, 4: 1e-7}}).startswith(PNG)
+    with pytest.raises(ValueError, match=">= 0"):
+        precision_figure({"a": {1: -1.0}})
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 8])
+def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(world_size, NUMEL))
+    mem = [{"parameters": 1000, "gradients": 500, "optimizer state": 2000}] * world_size
+    sent = [{"reduce_scatter": 700, "all_gather": 700}] * world_size
+    figure = ShardingFigure(NUMEL)
+    assert figure.draw(data, data, data, mem, sent, 3000, 1400, "formula (n−1)/n·(G+S)", "t").startswith(PNG)
+    fig = drawn[-1]
+    assert fig.get_figwidth() <= MAX_WIDTH and fig.get_figheight() <= 4.5
+    fig.canvas.draw()
+    for ax in (figure.mem_ax, figure.sent_ax):
+        assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
+    assert "formula (n−1)/n·(G+S)" in [t.get_text() for t in figure.sent_legend.get_texts()]
+    with pytest.raises(ValueError, match="one entry per rank"):
+        figure.draw(data, data, data, mem[:-1] if world_size > 1 else [], sent, 1, 1, "f")
+
+
+def test_reduce_dtypes_and_shardings_are_the_fields_names():
+    assert SHARDINGS == ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
+    assert REDUCE_DTYPES == ("float32", "bfloat16")
