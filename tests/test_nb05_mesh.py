@@ -4,6 +4,7 @@ ranks against a layout or gradient computed in one process), and the notebook's 
 structure where it is particular to this notebook."""
 from __future__ import annotations
 
+import ast
 import json
 import math
 import pathlib
@@ -444,14 +445,53 @@ def test_page_dtensor_pattern_works_for_even_shards(group):
 
 
 def test_page_dtensor_pattern_fails_for_uneven_shards(group):
+    """Question 3's why: every rank infers the global shape from its own shard, 6 rows on
+    the tp ranks holding 3 rows (ranks 0 and 2), 4 rows on those holding 2 (ranks 1 and 3)."""
     with pytest.raises(RankError) as info:
         group.run(page_dtensor_sync, 5)
     assert "size '[6, 3]'" in str(info.value) and "'[5, 3]'" in str(info.value)
+    summaries = {report.rank: report.summary for report in info.value.reports}
+    assert sorted(summaries) == [0, 1, 2, 3]
+    for rank, summary in summaries.items():
+        inferred = "[6, 3]" if rank in (0, 2) else "[4, 3]"
+        assert f"gradient of size '{inferred}' to a tensor of size '[5, 3]'" in summary, summary
+
+
+@pytest.mark.parametrize("rows", [4, 5])
+def test_the_page_branch_without_its_rebuild_keeps_the_sum(group, rows):
+    """The notebook's page_branch_ending: dropping the rebuild after the page's out-of-place
+    division leaves param.grad holding the SUM, dp x cp = 2 times the reference; the
+    rebuild with shape= and stride=, or an in-place .div_(), gives the reference."""
+    page_branch_ending = notebook_function("page_branch_ending")
+    want = reference_grad(rows)
+    endings = {"rebuild with shape= and stride=": 1.0, "no rebuild": 2.0,
+               "no rebuild, SUM then .div_()": 1.0}
+    for ending, times in endings.items():
+        for full in group.run(page_branch_ending, rows, ending):
+            torch.testing.assert_close(full, times * want, atol=1e-6, rtol=1e-5, msg=ending)
 
 
 def test_in_place_avg_on_to_local_works_for_uneven_shards(group):
     for full in group.run(public_dtensor_sync, 5):
         torch.testing.assert_close(full, reference_grad(5), atol=1e-6, rtol=1e-5)
+
+
+def notebook_function(name: str):
+    """A function defined in the notebook, run as the learner reads it: the ``def`` cells
+    are executed (not the calls), with the imports and ``MESH_3D`` they use."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    namespace = {"torch": torch, "dist": dist, "init_device_mesh": init_device_mesh,
+                 "DTensor": DTensor, "Replicate": Replicate, "Shard": Shard,
+                 "distribute_tensor": distribute_tensor, "__name__": "nb05_cells"}
+    for index, cell in enumerate(_cells()):
+        source = _src(cell)
+        if cell["cell_type"] != "code" or source.lstrip().startswith(("%", "# %load")):
+            continue
+        keep = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)
+                or (isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "MESH_3D")]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), f"<cell {index}>", "exec"), namespace)
+    return namespace[name]
 
 
 # --- myth vs reality: DDP over dp, manual sync over cp ------------------------------------------
@@ -644,3 +684,49 @@ def test_bfloat16_is_described_with_7_stored_mantissa_bits():
     assert "7 mantissa bits, 8 bits of precision" in prose
     assert any("torch.finfo(dtype)" in _src(c) for c in _cells() if c["cell_type"] == "code")
     assert math.log2(1 / torch.finfo(torch.bfloat16).eps) == 7
+
+
+def test_question_3_shows_every_rank_and_its_why_does_not_double_the_gradients():
+    cells = _cells()
+    question = next(c for c in cells if "reveal(answer_3" in _src(c))
+    assert "reports[0]" not in _src(question) and "for report in err.reports" in _src(question)
+    shown = "".join(t for o in question["outputs"] for t in o.get("data", {}).get("text/html", []))
+    for rank in range(4):
+        assert f"rank {rank}: RuntimeError" in shown, rank
+    assert "[6, 3]" in shown and "[4, 3]" in shown
+    assert "or skip the rebuild." not in shown                     # the why, as shown
+    assert "reduce in place with AVG (or SUM then .div_()) and skip the rebuild" in shown
+
+
+def test_the_fixes_are_run_in_a_cell_and_the_prose_follows_the_runs():
+    cells = _cells()
+    ending = next(c for c in cells if "def page_branch_ending" in _src(c))
+    printed = "".join(t for o in ending["outputs"] for t in o.get("text", []))
+    assert "shape=g.shape, stride=g.stride()" in _src(ending)
+    lines = {line.split("  ")[0]: line for line in printed.splitlines()}
+    assert "reference: 1 to 1" in lines["rebuild with shape= and stride="]
+    assert "reference: 2 to 2" in lines["no rebuild"]
+    assert "reference: 1 to 1" in lines["no rebuild, SUM then .div_()"]
+    prose = "\n".join(_src(c) for c in cells if c["cell_type"] == "markdown")
+    assert "the rebuild is not needed at all" not in prose
+    assert "breaks on uneven shards" not in _src(cells[0])
+    assert "what happens to the page's rebuild when shards are uneven" in _src(cells[0])
+    assert "small next to a call" not in prose
+
+
+def test_the_exercise_shows_the_model_and_the_data():
+    cell = next(c for c in _cells() if "inspect.getsource(train_step)" in _src(c))
+    printed = "".join(t for o in cell["outputs"] for t in o.get("text", []))
+    assert "def train_step" in printed
+    assert "Linear(in_features=4, out_features=8" in printed and "Tanh()" in printed
+    assert "x (8, 4), y (8, 2)" in printed
+
+
+def test_closing_text():
+    cells = _cells()
+    assert _src(cells[-1]) == "# group.close()"
+    assert _src(cells[-2]) == (
+        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
+        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
+        "explorers above then say their group is closed, and follow the new group once you "
+        "run the setup cell again.")

@@ -4,8 +4,10 @@ exercise check, and the facts the notebook teaches (bytes, float order, deadlock
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import pathlib
+import re
 import sys
 import time
 
@@ -89,10 +91,34 @@ def test_ring_all_reduce_is_the_sum_over_ranks(group, world_size, numel):
 
 
 def test_ring_matches_real_all_reduce_up_to_rounding(group):
+    group.resize(4)
     out = group.run(NB["ring_vs_all_reduce"], 1000)
-    ring, expected = out[0]
+    ring, expected, _ = out[0]
     assert torch.allclose(ring, expected, rtol=1e-5, atol=1e-6)
     assert (ring - expected).abs().max().item() < 1e-5
+    assert not torch.equal(ring, expected)            # "but not bit for bit"
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 5, 8])
+def test_ring_and_all_reduce_differ_by_less_than_the_finfo_bound(group, world_size):
+    """The notebook's bound: two summation orders of N float32 numbers differ by at most
+    eps x (N - 1) x sum of |inputs|, element by element."""
+    group.resize(world_size)
+    out = group.run(NB["ring_vs_all_reduce"], 1000)
+    ring, expected, _ = out[0]
+    bound = torch.finfo(torch.float32).eps * (world_size - 1) * \
+        torch.stack([inputs.abs() for _, _, inputs in out]).sum(0)
+    assert ((ring - expected).abs() <= bound).all()
+    group.resize(4)
+
+
+def test_the_prose_states_the_agreement_the_cell_prints():
+    cell = _cells()[_index_of("def ring_vs_all_reduce")]
+    printed = "".join(t for o in cell["outputs"] for t in o.get("text", []))
+    assert re.search(r"every element within eps x \(N - 1\) x sum of \|inputs\| "
+                     r"\(at most [0-9.e+-]+\): True", printed), printed
+    after = _src(_cells()[_index_of("def ring_vs_all_reduce") + 1])
+    assert "about 1e-7" not in after and "torch.finfo(torch.float32).eps" in after
 
 
 def test_after_reduce_scatter_rank_r_owns_chunk_r_plus_1(group):
@@ -269,9 +295,35 @@ def test_bytes_figure_is_a_png():
 
 
 # --- the exercise check -------------------------------------------------------------------------
+INDEX_FORMULA = re.compile(
+    r"%\s*[A-Za-z(]"                                              # "... % n", "% N"
+    r"|\bmod\b"
+    r"|\b(?:r|s|i|k|n|rank|step)\s*[-+]\s*(?:r|s|i|k|n|1|rank|step)\b")   # "r - s", "r - 1"
+"""An index formula in a check message: "which slice at step s" is the exercise's solution,
+so a message may name concrete slices, ranks and steps, never the rule."""
+
+
+def assert_no_formula(message: str) -> None:
+    found = INDEX_FORMULA.search(message)
+    assert not found, f"the check's message gives an index formula ({found.group()!r}): {message}"
+
+
+def test_the_formula_guard_catches_the_formulas_of_the_solution():
+    """The guard would have caught the old messages, and catches the solution's own lines."""
+    for old in ("At step s rank r sends the slice it received at step s - 1 (its own at step "
+                "0), that is slice (r - s) % n, and receives slice (r - s - 1) % n from rank "
+                "r - 1.", "receive it into slice (r - s - 1) % n", "slice (r - s) % n"):
+        assert INDEX_FORMULA.search(old), old
+    solution = (ROOT / "notebooks" / "solutions" / "06_ring_all_gather.py").read_text()
+    assert INDEX_FORMULA.search(solution.split("def ring_all_gather")[1])
+    assert not INDEX_FORMULA.search("rank 2 sent slice 0 at step 1; with world_size=3 it "
+                                    "takes 2 ring steps")
+
+
 def test_solution_passes(group):
     verdict = check_ring_all_gather(load_solution().ring_all_gather)
     assert verdict, verdict.message
+    assert_no_formula(verdict.message)
     assert group.world_size == 4 and group.state != "closed"    # the learner's group untouched
 
 
@@ -286,7 +338,16 @@ def test_the_notebook_stub_fails_and_says_what_is_missing():
     verdict = check_ring_all_gather(stub)
     assert not verdict
     assert "slice 1 is still zero" in verdict.message
-    assert "made 0 ring steps" in verdict.message and "(r - s) % n" in verdict.message
+    assert "Rank 0 made 0 ring steps" in verdict.message
+    assert "Which slice does a rank pass on at each step" in verdict.message
+    assert_no_formula(verdict.message)
+
+
+def test_the_check_message_stored_in_the_notebook_gives_no_formula():
+    check = _cells()[_index_of("check_ring_all_gather(ring_all_gather)")]
+    shown = "".join(t for o in check["outputs"] for t in o.get("data", {}).get("text/plain", []))
+    assert "made 0 ring steps" in shown
+    assert_no_formula(shown)
 
 
 def make_ring(send_recv, send_index, recv_index, own_buffer=False, copy_x=True):
@@ -323,8 +384,19 @@ def test_a_wrong_send_index_is_named_as_the_send():
     wrong = make_ring(NB["send_recv"], lambda r, s, n: (r + s) % n, right_recv)
     verdict = check_ring_all_gather(wrong, world_sizes=(3,))
     assert not verdict
-    assert "send at step 1 is off" in verdict.message and "slice (r - s) % n" in verdict.message
+    assert "send at step 1 is off" in verdict.message
+    assert re.search(r"at step 1 it sends slice \d", verdict.message)   # this rank, this step
     assert "receive at step" not in verdict.message and "sends are right" not in verdict.message
+    assert_no_formula(verdict.message)
+
+
+def test_a_wrong_first_send_is_named_without_a_formula():
+    wrong = make_ring(NB["send_recv"], lambda r, s, n: (r + 1) % n, right_recv)
+    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
+    assert not verdict
+    assert "send at step 0 is off" in verdict.message
+    assert "the only slice a rank holds is its own" in verdict.message
+    assert_no_formula(verdict.message)
 
 
 def test_a_wrong_receive_slice_is_named_as_the_receive():
@@ -332,7 +404,9 @@ def test_a_wrong_receive_slice_is_named_as_the_receive():
     verdict = check_ring_all_gather(wrong, world_sizes=(3,))
     assert not verdict
     assert "sends are right" in verdict.message
-    assert "receive at step 0 is off" in verdict.message and "(r - s - 1) % n" in verdict.message
+    assert "receive at step 0 is off" in verdict.message
+    assert re.search(r"belongs in slice \d", verdict.message)
+    assert_no_formula(verdict.message)
 
 
 def test_a_wrong_copy_from_a_buffer_of_its_own_is_named():
@@ -341,6 +415,7 @@ def test_a_wrong_copy_from_a_buffer_of_its_own_is_named():
     verdict = check_ring_all_gather(wrong, world_sizes=(3,))
     assert not verdict
     assert "sends are right" in verdict.message and "did not land there" in verdict.message
+    assert_no_formula(verdict.message)
 
 
 def test_forgetting_the_own_slice_is_named():
@@ -348,6 +423,7 @@ def test_forgetting_the_own_slice_is_named():
     verdict = check_ring_all_gather(wrong, world_sizes=(2,))
     assert not verdict
     assert "copy x into slice" in verdict.message
+    assert_no_formula(verdict.message)
 
 
 def test_sending_too_many_bytes_is_caught():
@@ -366,6 +442,7 @@ def test_sending_too_many_bytes_is_caught():
     verdict = check_ring_all_gather(whole_output, world_sizes=(3,))
     assert not verdict
     assert "bytes" in verdict.message and str(2 * 3 * 4) in verdict.message
+    assert_no_formula(verdict.message)
 
 
 def test_using_the_real_collective_is_refused():
@@ -404,6 +481,7 @@ def test_a_ring_that_hangs_is_stopped_within_seconds_and_explained(fn, expected)
     assert not verdict
     assert expected in verdict.message
     assert f"after {HANG_TIMEOUT:g} s" in verdict.message
+    assert_no_formula(verdict.message)
     # bounded by the check's own group (its timeout + LocalGroup's margin), not 30 s
     assert elapsed < HANG_TIMEOUT + MARGIN + 5, elapsed
 
@@ -418,3 +496,97 @@ def test_a_raising_function_is_reported_with_the_ranks_error():
 
 def test_exercise_inputs_are_distinct_per_rank():
     assert exercise_input(2).tolist() == [21.0, 22.0, 23.0]
+
+
+# --- the ring's direction ---------------------------------------------------------------------
+class Mirrored:
+    """torch.distributed with the ranks numbered the other way round the ring: real rank r
+    is called (-r) % N, so the notebook's "send to rank + 1" goes to real rank r - 1.
+    Records the real rank of every send."""
+
+    def __init__(self):
+        self.sent_to = []
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def get_rank(self):
+        return -dist.get_rank() % dist.get_world_size()
+
+    def isend(self, tensor, dst):
+        real = -dst % dist.get_world_size()
+        self.sent_to.append(real)
+        return dist.isend(tensor, dst=real)
+
+    def recv(self, tensor, src):
+        return dist.recv(tensor, src=-src % dist.get_world_size())
+
+
+def mirrored_ring(numel):
+    namespace = notebook_functions()
+    namespace["dist"] = mirrored = Mirrored()
+    x = seeded_input(dist.get_rank(), numel)
+    namespace["ring_all_reduce"](x)
+    return x, sorted(set(mirrored.sent_to))
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_ring_the_other_way_round_gives_the_same_sums(group, world_size):
+    """Cell 9: the direction does not matter (gloo's reduce, notebook 02, sends to r - 1)."""
+    group.resize(world_size)
+    out = group.run(mirrored_ring, 10)
+    want = torch.stack([seeded_input(r, 10) for r in range(world_size)]).sum(0)
+    for rank, (x, sent_to) in enumerate(out):
+        assert sent_to == [(rank - 1) % world_size]               # leftwards only
+        assert torch.allclose(x, want, rtol=1e-5, atol=1e-6)
+    group.resize(4)
+
+
+# --- the notebook, where its rules are particular to it ----------------------------------------
+def _cells():
+    return json.loads(NOTEBOOK.read_text())["cells"]
+
+
+def _src(cell) -> str:
+    return "".join(cell["source"])
+
+
+def _index_of(text: str) -> int:
+    return next(i for i, c in enumerate(_cells()) if text in _src(c))
+
+
+def test_question_2_comes_before_the_byte_formula():
+    """Question 2 asks for a prediction, not for the formula's value: the formula appears
+    only in its why and after it, and not among the objectives."""
+    cells = _cells()
+    question = _index_of("**Question 2.**")
+    check = _index_of("reveal(answer_2")
+    formula = re.compile(r"2 \(N - 1\) / N")
+    first = next(i for i, c in enumerate(cells) if formula.search(_src(c)))
+    assert first == check, (first, check)                  # the why holds it first ...
+    assert any(formula.search(_src(c)) for c in cells[check + 1:] if c["cell_type"] == "markdown")
+    assert not re.search(r"\(N - 1\) × S|S bytes", _src(cells[0]))   # ... not the objectives
+    assert question < check
+
+
+def test_the_text_says_why_the_check_takes_no_group():
+    params = list(inspect.signature(check_ring_all_gather).parameters)
+    assert params[0] == "fn"
+    check = _index_of("check_ring_all_gather(ring_all_gather)")
+    before = "\n".join(_src(c) for c in _cells()[:check] if c["cell_type"] == "markdown")
+    assert "takes no `group`" in before and "3 seconds" in before
+
+
+def test_the_text_says_the_ring_direction_is_a_choice():
+    text = _src(_cells()[_index_of("In reduce-scatter step `s`")])
+    assert "direction does not matter" in text and "notebook 02" in text
+
+
+def test_closing_text():
+    cells = _cells()
+    assert _src(cells[-1]) == "# group.close()"
+    assert _src(cells[-2]) == (
+        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
+        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
+        "explorers above then say their group is closed, and follow the new group once you "
+        "run the setup cell again.")

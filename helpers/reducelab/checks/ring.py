@@ -195,7 +195,11 @@ def _buffer(name) -> str:
 
 def _diagnose(n: int, numel: int, traces: list[dict]) -> str:
     """The first step at which a rank's send or receive differs from the ring's: one or two
-    sentences that name that mistake, or a general hint when none is found."""
+    sentences that name that mistake for that rank and step, or a question that points at
+    what is missing when none is found.
+
+    A message names concrete slices, ranks and steps, never an index formula: the formula
+    for "which slice at step s" is the exercise's solution."""
     for s in range(n - 1):
         for r in range(n):
             sends, recvs = traces[r]["sends"], traces[r]["recvs"]
@@ -211,28 +215,33 @@ def _diagnose(n: int, numel: int, traces: list[dict]) -> str:
                     if right_buffer:
                         return (f"Rank {r}'s sends are right: at step {s} it sent slice {want}. "
                                 f"But that slice held {held}, because at step {s - 1} the "
-                                f"data did not land there. Receive into the slice of the rank "
-                                f"the data came from: at step s, slice (r - s - 1) % n.")
-                    return (f"Rank {r}'s send at step {s} is off: it sent {_buffer(send['buffer'])}, "
-                            f"holding {held}. At step s, rank r passes on the slice it "
-                            f"received at step s - 1 (its own at step 0): slice (r - s) % n, "
-                            f"here slice {want}, which holds rank {want}'s tensor.")
+                                f"data did not land there. Whose tensor arrived at step "
+                                f"{s - 1}, and which slice of the output is that rank's?")
+                    if s == 0:
+                        return (f"Rank {r}'s send at step 0 is off: it sent "
+                                f"{_buffer(send['buffer'])}, holding {held}. At step 0 the only "
+                                f"slice a rank holds is its own, slice {r}.")
+                    return (f"Rank {r}'s send at step {s} is off: it sent "
+                            f"{_buffer(send['buffer'])}, holding {held}. A rank passes on "
+                            f"what it received at the step before: at step {s - 1} rank {r} "
+                            f"received rank {want}'s tensor, so at step {s} it sends slice "
+                            f"{want}.")
             if s < len(recvs) and isinstance(recvs[s]["buffer"], int):
                 into, want = recvs[s]["buffer"], (r - s - 1) % n
                 if into != want:
                     return (f"Rank {r}'s sends are right, but its receive at step {s} is off: "
                             f"it received into slice {into}. What arrives from rank "
-                            f"{(r - 1) % n} at step {s} is the slice that rank passed on, rank "
-                            f"{want}'s tensor: receive it into slice (r - s - 1) % n, here "
-                            f"slice {want}.")
+                            f"{(r - 1) % n} at step {s} is rank {want}'s tensor, so it belongs "
+                            f"in slice {want}.")
     steps = [len(t["sends"]) for t in traces]
     short = next((r for r, k in enumerate(steps) if k < n - 1), None)
     if short is not None:
         k = steps[short]
         return (f"Rank {short} made {k} ring step{'' if k == 1 else 's'} (send_recv calls); "
-                f"with world_size={n} it takes {n - 1} for every slice to arrive. At step s rank "
-                f"r sends the slice it received at step s - 1 (its own at step 0), that is "
-                f"slice (r - s) % n, and receives slice (r - s - 1) % n from rank r - 1.")
+                f"with world_size={n} it takes {n - 1} ring step{'' if n == 2 else 's'} for "
+                f"every slice to arrive. Which slice "
+                f"does a rank pass on at each step, and into which slice does what it "
+                f"receives go?")
     return ("Every send and receive went to the right slice, so the mistake is in what "
             "the function returns: return the whole output, slice i holding rank i's x.")
 
