@@ -6,7 +6,9 @@ are compared with a LocalGroup and with values computed in this process.
 from __future__ import annotations
 
 import glob
+import inspect
 import json
+import os
 import pathlib
 import runpy
 import subprocess
@@ -31,13 +33,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "07_notebook_to_cluster.ipynb"
 
 
-def notebook_cell(starts_with: str) -> str:
-    """The source of the notebook's code cell that starts with ``starts_with``."""
-    cells = [("".join(c["source"])) for c in json.loads(NOTEBOOK.read_text())["cells"]
-             if c["cell_type"] == "code"]
-    found = [c for c in cells if c.startswith(starts_with)]
+def notebook_code_cell(starts_with: str) -> dict:
+    """The notebook's code cell (a dict, outputs included) that starts with ``starts_with``."""
+    cells = [c for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
+    found = [c for c in cells if "".join(c["source"]).startswith(starts_with)]
     assert len(found) == 1, starts_with
     return found[0]
+
+
+def notebook_cell(starts_with: str) -> str:
+    """The source of the notebook's code cell that starts with ``starts_with``."""
+    return "".join(notebook_code_cell(starts_with)["source"])
+
+
+def printed(cell: dict) -> str:
+    """What a committed code cell printed (its stdout)."""
+    return "".join("".join(o["text"]) for o in cell["outputs"] if o.get("name") == "stdout")
+
+
+def markdown() -> str:
+    return "\n".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
+                     if c["cell_type"] == "markdown")
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +196,50 @@ def test_localgroup_sets_the_per_rank_variables_but_no_tcp_store(group2):
 
 
 # --- what listens where (the fact the notebook's question 1 teaches) -------------------
-def test_gloo_on_loopback_but_tcpstore_on_all_interfaces(standalone):
-    for s in standalone[listening_sockets]:
-        assert s["rank"] and all(x.startswith("loopback") for x in s["rank"])
-        assert s["launcher"] and all(x.startswith("all interfaces") for x in s["launcher"])
+def test_gloo_on_loopback_but_tcpstore_on_all_interfaces_from_join_to_the_end(standalone):
+    for measured in standalone[listening_sockets]:
+        assert list(measured) == ["after every rank joined", "at the end, after an all_reduce"]
+        for s in measured.values():
+            assert s["rank"] and all(x.startswith("loopback") for x in s["rank"])
+            assert s["launcher"] and all(x.startswith("all interfaces") for x in s["launcher"])
+
+
+def test_the_notebook_shows_the_code_that_measures_the_sockets():
+    """Question 1's measurement is printed in the notebook, as it is in lessons.py."""
+    cell = notebook_code_cell("print(inspect.getsource(listening_sockets))")
+    source = inspect.getsource(listening_sockets)
+    assert printed(cell) == source + "\n"
+    assert "dist.barrier()" in source and "dist.all_reduce(total)" in source
+    assert source.index("dist.barrier()") < source.index("dist.all_reduce(total)") \
+        < source.index("end = {")
+
+
+def test_the_notebook_claims_only_what_was_measured_about_the_store():
+    text = markdown() + notebook_cell("launch = run_torchrun(")
+    assert "agent exits" not in text and "open for the whole job" not in text
+    assert "again at the end" in text
+
+
+def test_torchrun_sets_omp_num_threads_to_1_and_warns_when_it_is_unset(tmp_path):
+    """What the notebook says of OMP_NUM_THREADS, run; and the source lines it prints."""
+    (tmp_path / "omp.py").write_text(
+        "import os\nif os.environ['RANK'] == '0':\n    print(os.environ['OMP_NUM_THREADS'])\n")
+    env = {k: v for k, v in os.environ.items()
+           if k != "OMP_NUM_THREADS" and not k.startswith("PET_")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "omp.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "1"
+    assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in proc.stderr
+    shown = printed(notebook_code_cell("from torch.distributed import run as torchrun_module"))
+    from torch.distributed import run as torchrun_module
+    body = textwrap.dedent(inspect.getsource(torchrun_module.config_from_args))
+    lines = shown.split("config_from_args:\n\n", 1)[1].rstrip("\n")
+    assert textwrap.indent(lines, "    ") in body           # torch's own lines, unchanged
+    assert 'if "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:' in lines
+    assert "omp_num_threads = 1" in lines and "logger.warning(" in lines
+    assert lines.rstrip().endswith('os.environ["OMP_NUM_THREADS"] = str(omp_num_threads)')
 
 
 def test_tcpstore_binds_the_wildcard_whatever_host_it_is_given():
@@ -293,12 +349,18 @@ def test_the_python_m_form_and_a_list_pass():
     assert check_node_command(cmd.split())
 
 
-@pytest.mark.parametrize("answer, expected", [
+NODE_RANK_0 = ("Two nodes would both claim RANK 0 to 3. Which option tells torchrun which node "
+               "this is?")
+
+WRONG_ANSWERS = [
     (None, "No command yet"),
-    (HEAD_NODE_COMMAND, "--node-rank is 0"),
-    ("torchrun --nnodes 2 --nproc-per-node 4 --master-addr 10.0.0.1 train.py", "--node-rank is 0"),
+    ("", "No command yet"),
+    (HEAD_NODE_COMMAND, NODE_RANK_0),
+    ("torchrun --nnodes 2 --nproc-per-node 4 --master-addr 10.0.0.1 train.py", NODE_RANK_0),
+    ("torchrun --nnodes 2 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py",
+     NODE_RANK_0),
     ("torchrun --nnodes 2 --node-rank 2 --nproc-per-node 4 --master-addr 10.0.0.1 train.py",
-     "node ranks run from 0 to 1"),
+     "node ranks of a 2-node job run from 0 to 1, and 0 is the head node's"),
     ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 train.py", "where no TCPStore"),
     ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 train.py",
      "WORLD_SIZE = nnodes * nproc_per_node"),
@@ -313,11 +375,35 @@ def test_the_python_m_form_and_a_list_pass():
      "train.py"),
     ("torchrun --node 1 train.py", "parser refuses"),
     ("mpirun -n 4 train.py", "start it with `torchrun`"),
-])
+]
+
+
+@pytest.mark.parametrize("answer, expected", WRONG_ANSWERS)
 def test_wrong_answers_are_explained(answer, expected):
     verdict = check_node_command(answer)
     assert not verdict
     assert expected in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize("answer", [a for a, _ in WRONG_ANSWERS])
+def test_no_message_gives_the_solution(answer):
+    """A check message points at what is off; it never says what to write."""
+    message = check_node_command(answer).message
+    solution = _solution("07_node1_command").node1_command
+    assert solution not in message
+    assert "--node-rank 1" not in message and "--node-rank=1" not in message
+    assert "RANK 4 to 7" not in message      # node 1's ranks: what the passing check says
+
+
+def test_the_notebooks_stub_leaves_the_whole_command_to_the_learner():
+    ns = {}
+    exec(notebook_cell("# %load solutions/07_node1_command.py"), ns)
+    assert ns["node1_command"] == ""
+    verdict = check_node_command(ns["node1_command"])
+    assert not verdict and "No command yet" in verdict.message
+    assert HEAD_NODE_COMMAND in verdict.message     # node 0's, to start from
+    shown = printed(notebook_code_cell('print("node 0 runs:", HEAD_NODE_COMMAND)'))
+    assert shown == f"node 0 runs: {HEAD_NODE_COMMAND}\n"
 
 
 def test_check_rejects_a_non_command():
@@ -327,20 +413,35 @@ def test_check_rejects_a_non_command():
 
 # --- the node-layout explorer ---------------------------------------------------------
 
-def node_view(nproc_per_node):
-    """The notebook's rank function (same numbering and groups), for the explorer tests."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    node_rank, local_rank = divmod(rank, nproc_per_node)
-    key = ("node groups", world_size, nproc_per_node)
-    if key not in globals():
-        globals()[key] = [dist.new_group(list(range(n * nproc_per_node, (n + 1) * nproc_per_node)))
-                          for n in range(world_size // nproc_per_node)]
-    x = torch.tensor([rank + 1.0])
-    dist.all_reduce(x, group=globals()[key][node_rank])
-    y = torch.tensor([rank + 1.0])
-    dist.all_reduce(y)
-    return {"rank": rank, "node_rank": node_rank, "local_rank": local_rank,
-            "node_sum": x.item(), "world_sum": y.item()}
+def notebook_node_view():
+    """The notebook's rank function, executed from its cell (sent to the ranks by value)."""
+    ns = {"__name__": "nb07_cells", "dist": dist, "torch": torch}
+    exec(notebook_cell("def node_view(nproc_per_node):"), ns)
+    return ns["node_view"]
+
+
+node_view = notebook_node_view()
+
+
+def _process_groups() -> int:
+    """How many process groups this rank holds (the default group included)."""
+    from torch.distributed import distributed_c10d
+    return len(distributed_c10d._world.pg_map)
+
+
+def test_node_view_keeps_no_state_and_leaves_no_process_group_behind():
+    import cloudpickle
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    source = notebook_cell("def node_view(nproc_per_node):")
+    assert "globals()" not in source
+    with LocalGroup(world_size=4, timeout=60) as g:
+        before = g.run(_process_groups)
+        for nproc in (2, 2, 4, 1):
+            out = g.run(node_view, nproc)
+            assert [r["node_sum"] for r in out] == \
+                [sum(range(n * nproc + 1, (n + 1) * nproc + 1)) for n in range(4 // nproc)
+                 for _ in range(nproc)]
+        assert g.run(_process_groups) == before
 
 
 def test_node_layout_explorer_numbers_and_reduces_like_torchrun():
@@ -378,6 +479,26 @@ def test_a_layout_beyond_8_ranks_is_refused_with_a_sentence_not_clamped():
         ex.controls["nproc_per_node"].value = 2           # back to 8 ranks: it runs again
         assert ex.result.world_size == 8 and ex.refusal is None
         assert "RANK = node_rank * 2" in ex.message.value
+
+
+def test_the_explorer_says_its_group_is_closed_then_follows_the_new_one(monkeypatch):
+    """What the notebook's closing words promise."""
+    import cloudpickle
+    from reducelab.widgets.cluster import NodeLayoutExplorer
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    g = LocalGroup(world_size=2, timeout=60)
+    ex = NodeLayoutExplorer(g, node_view, nnodes=1, nproc_per_node=2)
+    g.close()
+    with monkeypatch.context() as m:             # before the setup cell runs again
+        m.setattr("reducelab.widgets.current_group", lambda: None)
+        ex.controls["nnodes"].value = 2
+        assert "closed" in ex.message.value and "setup cell" in ex.message.value
+    newer = LocalGroup(world_size=2, timeout=60)  # the setup cell, run again
+    try:
+        ex.controls["nproc_per_node"].value = 1
+        assert ex.group is newer and ex.result.world_size == 2
+    finally:
+        newer.close()
 
 
 def test_node_layout_figure_fits_at_every_layout():

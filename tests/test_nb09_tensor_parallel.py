@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import load_solution
 from reducelab import LocalGroup
 from reducelab.checks.tensor_parallel import check_row_parallel, reference
 from reducelab.plots.tensor_parallel import MAX_HEIGHT
@@ -118,13 +117,28 @@ def test_without_an_input_gradient_backward_runs_no_collective(group):
     assert (sum(counts["forward"].values()), sum(counts["backward"].values())) == (1, 0)
 
 
-def test_visualize_sharding_needs_tabulate_or_rich(group, capsys):
+def test_visualize_sharding_prints_the_layout_on_rank_0_only(group):
+    assert importlib.util.find_spec("tabulate"), "tabulate is a dependency (pyproject.toml)"
     out = group.run(NB["show_sharding"])
-    assert out[1:] == ["no error"] * 3                # only rank 0 (mesh coordinate 0) prints
-    if any(importlib.util.find_spec(m) for m in ("tabulate", "rich")):
-        assert out[0] == "no error" and "cpu:3" in capsys.readouterr().out
-    else:
-        assert out[0] == "ValueError: `visualize_sharding` requires either `rich` or `tabulate`."
+    assert out[1:] == [""] * 3                        # only mesh coordinate 0 prints
+    tables = out[0]
+    for line in ("0.weight: Shard(dim=0), global shape (8, 4)", "Row 0-1  cpu:0",
+                 "Row 6-7  cpu:3", "2.weight: Shard(dim=1), global shape (4, 8)",
+                 "Col 6-7", "2.bias: Replicate(), global shape (4,)", "Row 0-3  cpu:0,1,2,3"):
+        assert line in tables, line
+    assert "ValueError" not in tables
+
+
+def test_the_notebook_shows_the_visualiser_and_keeps_one_pitfall():
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    assert "neither torch nor Reduce Lab installs" not in text
+    assert "### What does not work here\nOne thing" in text
+    shown = "".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code"
+                    and "".join(c["source"]).startswith("from torch.distributed.tensor.debug "
+                                                        "import visualize_sharding")
+                    for o in c["outputs"])
+    assert "Row 0-1  cpu:0" in shown and "ranks 1 to 3 printed: ['', '', '']" in shown
 
 
 def test_a_comm_debug_mode_entered_again_for_backward_fails(group):
@@ -214,6 +228,48 @@ def test_the_figure_fits_a_screen_at_every_setting(explorer):
             assert w <= 960 and h <= MAX_HEIGHT * 100 + 1, (tp, width, split, w, h)
 
 
+def drawn_figure(explorer):
+    """The matplotlib figure behind the explorer's current PNG (caught as it is encoded)."""
+    from reducelab import plots
+    caught = []
+    plots.AUDITS.append(caught.append)
+    try:
+        explorer.refresh()
+    finally:
+        plots.AUDITS.remove(caught.append)
+    return caught[-1]
+
+
+def test_the_figure_has_one_colour_scale_with_a_colour_bar_and_values_on_top(explorer):
+    from matplotlib.image import AxesImage
+    from reducelab.plots.tensor_parallel import COLOUR_BAR_LABEL
+    explorer.controls["tp"].value = 1
+    explorer.controls["width"].value = 4
+    fig = drawn_figure(explorer)
+    held = explorer.result.held[0]
+    values = torch.cat([held[k].flatten() for k in ("x", "A", "h", "B", "partial", "y")])
+    texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
+    assert COLOUR_BAR_LABEL + ":" in texts
+    assert f"{values.min().item():.1f}" in texts and f"{values.max().item():.1f}" in texts
+    assert any(isinstance(a, AxesImage) for ax in fig.axes for a in ax.get_children())
+    # the blocks' image lies under the axes, so the values written in the cells show
+    assert all(im.get_zorder() < ax.get_zorder() for im in fig.images for ax in fig.axes)
+    assert f"{held['x'][0, 0].item():.1f}" in texts
+
+
+def test_the_hatch_of_a_partial_sum_is_thin_and_light():
+    import numpy as np
+    from reducelab.plots.tensor_parallel import _paint_block
+    values = np.linspace(0, 1, 12).reshape(3, 4)
+    plain = np.zeros((200, 200, 4), dtype=np.uint8)
+    hatched = plain.copy()
+    _paint_block(plain, 0.1, 0.1, 0.4, 0.4, values, 0.0, 1.0, partial=False)
+    _paint_block(hatched, 0.1, 0.1, 0.4, 0.4, values, 0.0, 1.0, partial=True)
+    changed = (plain != hatched).any(axis=-1)
+    assert 0.05 < changed.mean() / (plain[..., 3] > 0).mean() < 0.15   # most pixels keep colour
+    assert (hatched[changed][:, :3] >= plain[changed][:, :3]).all()      # lighter, never darker
+
+
 def test_bad_initial_values_name_the_choices(group):
     with pytest.raises(ValueError, match="tp must be one of 1, 2, 3, 4"):
         TensorParallelExplorer(group, NB["tp_block"], tp=8)
@@ -223,21 +279,64 @@ def test_bad_initial_values_name_the_choices(group):
         TensorParallelExplorer(group, NB["tp_block"], width=5)
 
 
-def test_the_explorer_on_a_closed_group_says_so():
+def test_the_explorer_on_a_closed_group_says_so(monkeypatch):
+    # no open group to follow, as before the learner runs the setup cell again
+    monkeypatch.setattr("reducelab.widgets.current_group", lambda: None)
     g = LocalGroup(world_size=2)
     ex = TensorParallelExplorer(g, NB["tp_block"])
     g.close()
     ex.controls["split"].value = "row-column"
-    assert "closed" in ex.message.value
+    assert "closed" in ex.message.value and "setup cell" in ex.message.value
+
+
+def test_the_explorer_follows_the_new_group_after_its_own_was_closed(group):
+    """What the notebook's closing words promise: close, run the setup cell, go on."""
+    g = LocalGroup(world_size=2)
+    ex = TensorParallelExplorer(g, NB["tp_block"])
+    g.close()
+    newer = LocalGroup(world_size=2)              # the setup cell, run again
+    try:
+        ex.controls["split"].value = "row-column"
+        assert ex.group is newer and ex.result is not None and ex.result.split == "row-column"
+    finally:
+        newer.close()
 
 
 # --- the exercise -----------------------------------------------------------------------
-SOLUTION = load_solution("09_row_parallel")
-G = SOLUTION.G
+SOLUTION_PATH = NOTEBOOK.parent / "solutions" / "09_row_parallel.py"
+G = NB["G"]
+
+
+def after_loading_the_solution() -> dict:
+    """The kernel after the learner ran the notebook's cells, then ``%load``-ed the
+    solution and ran it: the notebook's definitions, and the solution's over them."""
+    ns = notebook_definitions()
+    exec(compile(SOLUTION_PATH.read_text(), str(SOLUTION_PATH), "exec"), ns)
+    return ns
+
+
+def test_the_solution_defines_only_the_learners_function():
+    tree = ast.parse(SOLUTION_PATH.read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    assert defined == {"row_parallel_linear"}        # nothing of the notebook's is replaced
+
+
+def test_after_loading_the_solution_the_cells_and_the_explorer_still_record_g(group):
+    ns = after_loading_the_solution()
+    assert check_row_parallel(group, ns["row_parallel_linear"])
+    out = group.run(ns["tp_mlp"])
+    assert out[0][2] == [("forward", "g", "all_reduce", (3, 4)),
+                         ("backward", "f", "all_reduce", (3, 4))]
+    explorer = TensorParallelExplorer(group, ns["tp_block"])
+    assert "forward: 1 collective(s) per rank (g: all_reduce of 3×8)" in explorer.text()
+    g = explorer._operators(explorer.result)["g"]
+    assert (g.forward, g.backward) == ("all_reduce", "identity")
 
 
 def test_the_solution_passes_at_tp_2_and_4_and_the_world_size_is_restored(group):
-    verdict = check_row_parallel(group, SOLUTION.row_parallel_linear)
+    verdict = check_row_parallel(group, after_loading_the_solution()["row_parallel_linear"])
     assert verdict, verdict.message
     assert "1 collective(s) in your forward and 0 in backward" in verdict.message
     assert group.world_size == 4
@@ -328,6 +427,42 @@ def test_the_reference_is_nn_linear():
     assert torch.allclose(layer(t["h"]), ref["out"])
 
 
+def test_the_check_cell_is_the_check_and_its_import_is_in_the_setup_cell():
+    code = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
+            if c["cell_type"] == "code"]
+    setup = next(c for c in code if "group = LocalGroup(" in c)
+    assert "from reducelab.checks.tensor_parallel import check_row_parallel" in setup
+    after_stub = code[code.index(next(c for c in code if c.startswith(
+        "# %load solutions/09_row_parallel.py"))) + 1]
+    assert after_stub == "check_row_parallel(group, row_parallel_linear)"
+
+
+# --- predictions stay unspoiled -----------------------------------------------------------
+def cells():
+    return [("".join(c["source"]), c) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+
+
+def test_nothing_before_question_1_answers_it():
+    all_cells = cells()
+    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_1 = None"))
+    before = "\n".join(src for src, _ in all_cells[:q])
+    assert "only counts the paths through its own hidden units" not in before
+    assert "needed no collective" not in before and "need no collective" not in before
+    question = all_cells[q + 1][0]
+    assert 'o[1]["x"]' not in question and "summed_x_grad" not in question
+    assert "the weight gradients need no collective at all" in question   # in the why
+    follow_up = next(src for src, c in all_cells[q + 2:] if c["cell_type"] == "code")
+    assert follow_up.startswith("summed_x_grad = sum(")
+
+
+def test_question_3_does_not_say_whether_it_raises():
+    all_cells = cells()
+    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_3 = None"))
+    question = all_cells[q + 1][0]
+    assert "#" not in question.splitlines()[0]
+    assert "it runs" not in question.split("reveal(")[0]
+
+
 # --- myth vs reality ----------------------------------------------------------------------
 def test_a_plain_all_reduce_in_forward_backprops_as_identity_with_a_deprecation_warning(group):
     out = group.run(NB["plain_all_reduce_in_forward"])
@@ -335,6 +470,22 @@ def test_a_plain_all_reduce_in_forward_backprops_as_identity_with_a_deprecation_
         assert torch.equal(grad, torch.full((3,), rank + 1.0))
         assert any("an autograd kernel was not registered" in c and "deprecated" in c
                    for c in caught)
+
+
+def test_the_warning_is_printed_whole_and_says_what_the_text_quotes(group):
+    import re
+    import textwrap
+    caught = group.run(NB["plain_all_reduce_in_forward"])[1][1]
+    warning = next(c for c in caught if "an autograd kernel was not registered" in c)
+    all_cells = cells()
+    k = next(k for k, (src, _) in enumerate(all_cells)
+             if src.startswith("def plain_all_reduce_in_forward():"))
+    shown = "".join("".join(o.get("text", "")) for o in all_cells[k][1]["outputs"])
+    assert "torch warned: " + textwrap.fill(warning, 100) in shown       # all of it
+    quotes = re.findall(r'"([^"]+)"', all_cells[k + 1][0].split("**Claim")[0])
+    assert len(quotes) == 2
+    for quote in quotes:
+        assert quote in warning, quote
 
 
 def test_torch_distributed_nn_all_reduce_sums_in_backward_too(group):

@@ -60,34 +60,44 @@ def launcher_env() -> dict:
     return env
 
 
-def _scope(ip: str) -> str:
-    if ip in ("::", "0.0.0.0"):
-        return f"all interfaces ({ip})"
-    if ip.startswith("127.") or ip == "::1":
-        return f"loopback ({ip})"
-    return "one interface address"
-
-
 def listening_sockets() -> dict:
     """Where this rank, and the process that started it, listen for TCP connections.
 
-    Returns ``{"rank": [...], "launcher": [...]}``: sorted, de-duplicated scopes of the
-    listening sockets, each ``"all interfaces (::)"``, ``"all interfaces (0.0.0.0)"``,
-    ``"loopback (127.0.0.1)"`` or ``"one interface address"`` (addresses and ports are
-    left out, so the result is deterministic). Under torchrun the launcher is the
-    torchrun agent, which hosts the rendezvous ``TCPStore``; the rank's own sockets are
-    gloo's. Measured after every rank has joined (a barrier), so what the agent lists
-    is still open after the rendezvous: it stays open until the agent exits, at the end
-    of the job.
+    Measured twice with psutil: once every rank has joined (after a barrier, so all of
+    gloo's listeners are up), and again at the end, after an ``all_reduce``. Under
+    torchrun the process that started the rank is the torchrun agent, which hosts the
+    rendezvous ``TCPStore``; the rank's own listening sockets are gloo's.
+
+    Returns ``{"after every rank joined": {"rank": [...], "launcher": [...]},
+    "at the end, after an all_reduce": {...}}``: for each measurement, the sorted,
+    de-duplicated scopes of the listening sockets, each ``"all interfaces (::)"``,
+    ``"all interfaces (0.0.0.0)"``, ``"loopback (127.0.0.1)"``, ``"loopback (::1)"``
+    or ``"one interface address"`` (addresses and ports are left out, so the result is
+    deterministic).
     """
-    def scopes(proc: psutil.Process) -> list[str]:
+    def scope(ip: str) -> str:
+        """Who can reach a socket bound to ``ip``."""
+        if ip in ("::", "0.0.0.0"):
+            return f"all interfaces ({ip})"
+        if ip.startswith("127.") or ip == "::1":
+            return f"loopback ({ip})"
+        return "one interface address"
+
+    def listening(proc: psutil.Process | None) -> list[str]:
+        """The scopes of the TCP sockets ``proc`` listens on."""
+        if proc is None:
+            return []
         try:
             conns = proc.net_connections(kind="tcp")
         except psutil.Error:
             return ["<not readable>"]
-        return sorted({_scope(c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN})
+        return sorted({scope(c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN})
 
-    dist.barrier()  # every rank has joined gloo: all of its listeners are up
     me = psutil.Process()
-    parent = me.parent()
-    return {"rank": scopes(me), "launcher": scopes(parent) if parent else []}
+    launcher = me.parent()                # under torchrun: the agent, host of the TCPStore
+    dist.barrier()                        # every rank has joined: gloo's listeners are up
+    joined = {"rank": listening(me), "launcher": listening(launcher)}
+    total = torch.ones(1)
+    dist.all_reduce(total)                # the job's work: here, one all_reduce
+    end = {"rank": listening(me), "launcher": listening(launcher)}
+    return {"after every rank joined": joined, "at the end, after an all_reduce": end}

@@ -19,9 +19,9 @@ What it exposes on the network, measured on torch 2.13 (see notebook 07): gloo i
 pinned to the loopback interface with ``GLOO_SOCKET_IFNAME``, but the rendezvous
 ``TCPStore`` that the torchrun agent hosts listens on the wildcard address ``::``
 (all interfaces, IPv4 too on a dual-stack host) whatever host name it is given, on a
-random port, for the whole job: the ranks' own ``init_process_group`` connects to it
-(``TORCHELASTIC_USE_AGENT_STORE=True``), and it closes only when the agent exits, after
-the last rank. It is unauthenticated.
+random port. It is still listening after every rank has joined, and at the end of the
+ranks' work, after their last collective: the ranks' own ``init_process_group``
+connects to it (``TORCHELASTIC_USE_AGENT_STORE=True``). It is unauthenticated.
 
 Sources: torchrun, https://pytorch.org/docs/stable/elastic/run.html; environment
 variable initialization and ``TCPStore``,

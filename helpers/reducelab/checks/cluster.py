@@ -110,13 +110,12 @@ def check_node_command(command) -> Verdict:
                       f"{NNODES * NPROC_PER_NODE}, and every node must agree on it.")
     if args.node_rank != 1:
         if args.node_rank == 0:
-            why = ("--node-rank is 0 (the default when it is left out), the head node's. "
-                   "Two nodes would both claim RANK 0 to 3")
-        else:
-            why = (f"--node-rank is {args.node_rank}, but node ranks run from 0 to "
-                   f"{NNODES - 1}")
-        return failed(f"{why}; node 1 of 2 is `--node-rank 1`, so its ranks get RANK "
-                      f"{NPROC_PER_NODE} to {2 * NPROC_PER_NODE - 1}.")
+            return failed("Two nodes would both claim RANK 0 to "
+                          f"{NPROC_PER_NODE - 1}. Which option tells torchrun which node "
+                          "this is?")
+        return failed(f"--node-rank is {args.node_rank}, but the node ranks of a "
+                      f"{NNODES}-node job run from 0 to {NNODES - 1}, and 0 is the head "
+                      f"node's.")
     if args.master_addr != HEAD_ADDR:
         if args.master_addr in ("127.0.0.1", "localhost", "::1", "[::1]"):
             why = (f"--master-addr is {args.master_addr!r}"

@@ -3,8 +3,10 @@ forward pass of a two-layer MLP ``y = relu(x @ A) @ B``, and where the ranks com
 
 Each rank is a horizontal band; each stage of the forward pass is a heatmap of the
 tensor that rank holds there, drawn at its true shape (one square per element), so a
-shard is visibly narrower than the full tensor. Partial sums (values still to be summed
-over the ranks, DTensor's ``Partial()``) are hatched; the operators where
+shard is visibly narrower than the full tensor. One colour scale serves every block, shown
+by a colour bar under the bands, and each cell shows its value where it fits. Partial
+sums (values still to be summed over the ranks, DTensor's ``Partial()``) are hatched
+with thin light lines that leave the cells' colours readable; the operators where
 ranks communicate (Megatron-LM's ``f`` and ``g``, and an all_gather) are columns that
 span every band, labelled with the collective they run in forward and in backward.
 
@@ -85,8 +87,14 @@ BAND_GAP = 0.14
 """Space between two ranks' bands, inches."""
 MIN_BANDS = 1.5
 """Least total height of the ranks' bands, inches: an operator's rotated label fits."""
-LEFT, RIGHT, TITLE, HEADER, NOTE = 0.72, 0.08, 0.34, 0.46, 0.3
-"""Margins, inches: rank labels, right edge, title, block labels, note under the bands."""
+LEFT, RIGHT, TITLE, HEADER, NOTE = 0.72, 0.08, 0.34, 0.46, 0.6
+"""Margins, inches: rank labels, right edge, title, block labels, and the two lines under
+the bands (the note, then the colour bar)."""
+COLOUR_BAR_LABEL = "colour: each element's value, on one scale for every block"
+"""What the colour bar under the bands says."""
+HATCH_EVERY, HATCH_WHITE = 10, 0.55
+"""The hatch of a partial sum: a one-pixel diagonal line every ``HATCH_EVERY`` pixels,
+the cell's colour mixed with this share of white (so the colour stays readable under it)."""
 _BORDER = np.array(mcolors.to_rgba(TEXT_GREY)) * 255
 
 
@@ -108,9 +116,10 @@ def _cell_width(cols: list[int], fixed: float) -> float:
 def _paint_block(canvas: np.ndarray, x0: float, y0: float, hs: float, vs: float,
                  values: np.ndarray, lo: float, hi: float, partial: bool) -> None:
     """Paint one rank's block into ``canvas`` (RGBA ``uint8``, ``(rows_px, cols_px, 4)``):
-    one cell per element coloured by :data:`~reducelab.plots.CMAP`, a dark border, and
-    for partial sums a diagonal hatch of white lines edged in dark grey (visible on
-    dark and light cells alike). Positions are inches from the canvas's top-left corner."""
+    one cell per element coloured by :data:`~reducelab.plots.CMAP` over ``lo`` to ``hi``,
+    a dark border, and for partial sums a diagonal hatch of thin lines, each pixel of which
+    is its cell's colour lightened towards white (:data:`HATCH_WHITE`), so the cells'
+    colours stay readable. Positions are inches from the canvas's top-left corner."""
     rows, cols = values.shape
     ys = np.round((y0 + np.arange(rows + 1) * vs) * DPI).astype(int)
     xs = np.round((x0 + np.arange(cols + 1) * hs) * DPI).astype(int)
@@ -121,10 +130,9 @@ def _paint_block(canvas: np.ndarray, x0: float, y0: float, hs: float, vs: float,
     top, bottom, left, right = ys[0], ys[-1], xs[0], xs[-1]
     if partial:
         yy, xx = np.mgrid[top:bottom, left:right]
-        phase = (xx + yy) % 12
+        line = (xx + yy) % HATCH_EVERY == 0
         region = canvas[top:bottom, left:right]
-        region[phase == 0] = 255
-        region[phase == 1] = _BORDER
+        region[line] = np.round(region[line] * (1 - HATCH_WHITE) + 255 * HATCH_WHITE)
     canvas[top:bottom, [left, right - 1]] = _BORDER
     canvas[[top, bottom - 1], left:right] = _BORDER
 
@@ -136,10 +144,11 @@ def draw_diagram(diagram: Diagram) -> bytes:
     :data:`MAX_HEIGHT` tall. One element is one cell, of the same size in every block,
     so shards and full tensors compare by size; a cell is as wide as the width allows
     and never taller than wide unless the ranks' bands would be too short to read.
-    Each block's colours are scaled over that stage's values on all ranks (viridis,
-    :data:`~reducelab.plots.CMAP`), and each cell shows its value where it fits; the
-    labels say what every block is, and hatching marks partial sums. All blocks are
-    painted into one image, so a redraw costs one image and a few texts.
+    Every block's colours use one scale, from the smallest to the largest value in the
+    figure (viridis, :data:`~reducelab.plots.CMAP`), shown by a colour bar under the bands
+    with its two ends written; each cell shows its value where it fits; the labels say
+    what every block is, and hatching marks partial sums. All blocks are painted into one
+    image, drawn under the labels and values, so a redraw costs one image and a few texts.
 
     Raises:
         ValueError: ``diagram`` has no block, or the blocks disagree on the number of
@@ -178,6 +187,11 @@ def draw_diagram(diagram: Diagram) -> bytes:
         ax.text(LEFT - 0.08, band_top(r) + band * vs / 2, f"rank {r}", ha="right",
                 va="center", fontsize=MIN_FONT, color="black")
     fits_values = hs >= 0.28 and vs >= 0.2   # "-1.2" at 10 pt fits a cell
+    every = np.concatenate([np.asarray(v, dtype=float).ravel() for b in blocks for v in b.values])
+    lo, hi = float(every.min()), float(every.max())   # one scale for every block
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    mid = (lo + hi) / 2
     x = LEFT
     for it in diagram.items:
         if isinstance(it, Operator):
@@ -195,9 +209,6 @@ def draw_diagram(diagram: Diagram) -> bytes:
         w = max(cols * hs, MIN_SLOT)
         cx = x + w / 2
         stack = np.stack([np.asarray(v, dtype=float) for v in it.values])
-        lo, hi = float(stack.min()), float(stack.max())
-        if lo == hi:
-            lo, hi = lo - 1, hi + 1
         shape = f"{rows}×{cols}" + (", same" if it.same and tp > 1 else
                                     " each" if tp > 1 else "")
         ax.text(cx, y0 - 0.06, f"{it.name}\n{shape}", ha="center", va="bottom",
@@ -207,7 +218,6 @@ def draw_diagram(diagram: Diagram) -> bytes:
             by = band_top(r) + (band - rows) * vs / 2
             _paint_block(canvas, bx, by - y0, hs, vs, stack[r], lo, hi, it.partial)
             if fits_values:
-                mid = (lo + hi) / 2
                 for i in range(rows):
                     for j in range(cols):
                         v = stack[r, i, j]
@@ -216,13 +226,33 @@ def draw_diagram(diagram: Diagram) -> bytes:
                                 color="black" if v > mid else "white")
         x += w + GAP
     fig.figimage(canvas, xo=0, yo=round((height - y0) * DPI) - canvas.shape[0],
-                 origin="upper", zorder=0)
+                 origin="upper", zorder=-1)        # under the axes: values stay on top
     ax.set_xlim(0, MAX_WIDTH)
     ax.set_ylim(height, 0)                         # inches from the top-left corner
     if diagram.note:
-        ax.text(0.08, height - 0.06, diagram.note, ha="left", va="bottom",
+        ax.text(0.08, height - 0.34, diagram.note, ha="left", va="bottom",
                 fontsize=MIN_FONT, color=TEXT_GREY)
+    _colour_bar(fig, ax, height, lo, hi)
     return png(fig)
 
 
-__all__ = ["Block", "Operator", "Diagram", "draw_diagram", "MAX_HEIGHT"]
+def _colour_bar(fig, ax, height: float, lo: float, hi: float) -> None:
+    """The last line of the figure: :data:`COLOUR_BAR_LABEL`, then a horizontal colour bar
+    from ``lo`` to ``hi`` (:data:`~reducelab.plots.CMAP`) with both ends written."""
+    label = ax.text(0.08, height - 0.06, COLOUR_BAR_LABEL + ":", ha="left", va="bottom",
+                    fontsize=MIN_FONT, color=TEXT_GREY)
+    label_end = label.get_window_extent(fig.canvas.get_renderer()).x1 / DPI
+    left = label_end + 0.55                        # past the label and the low end's value
+    width, bar_h, bottom = 2.4, 0.16, 0.08
+    ax.text(left - 0.06, height - bottom - bar_h / 2, f"{lo:.1f}", ha="right",
+            va="center", fontsize=MIN_FONT, color=TEXT_GREY)
+    ax.text(left + width + 0.06, height - bottom - bar_h / 2, f"{hi:.1f}", ha="left",
+            va="center", fontsize=MIN_FONT, color=TEXT_GREY)
+    cax = fig.add_axes([left / MAX_WIDTH, bottom / height, width / MAX_WIDTH, bar_h / height])
+    cax.imshow(np.linspace(0, 1, 256)[None, :], cmap=CMAP, aspect="auto", vmin=0, vmax=1)
+    cax.set_xticks([])
+    cax.set_yticks([])
+    cax.set_label("colour bar")
+
+
+__all__ = ["Block", "Operator", "Diagram", "draw_diagram", "MAX_HEIGHT", "COLOUR_BAR_LABEL"]

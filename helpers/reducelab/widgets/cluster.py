@@ -3,8 +3,9 @@
 Pick a number of nodes and processes per node; the explorer resizes the LocalGroup to
 ``world_size = nnodes * nproc_per_node`` and runs the notebook's rank function, which
 numbers the ranks as torchrun does (``RANK = node_rank * nproc_per_node + LOCAL_RANK``),
-makes one process group per node with ``dist.new_group`` and all-reduces within each
-node and across all ranks. The figure shows each node's ranks and both sums.
+makes one process group per node with ``dist.new_group``, all-reduces within each
+node and across all ranks, and destroys the node groups. The figure shows each node's
+ranks and both sums.
 
 Source: torchrun's environment variables, https://pytorch.org/docs/stable/elastic/run.html ;
 ``dist.new_group``, https://pytorch.org/docs/stable/distributed.html#groups
