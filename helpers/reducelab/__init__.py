@@ -24,8 +24,8 @@ def _prewarm() -> None:
     if flag == "0":
         return
     import multiprocessing as mp
-    if mp.parent_process() is not None:
-        return  # a rank, a forkserver child, a DataLoader worker
+    if mp.parent_process() is not None or "multiprocessing.forkserver" in sys.modules:
+        return  # a rank, a DataLoader worker, or the forkserver itself (it imports us)
     if flag != "1" and "ipykernel" not in sys.modules:
         return
 

@@ -73,6 +73,11 @@ _DEATH_GRACE = 0.3  # seconds the other ranks get to report once a rank has died
 _STACK_WAIT = 1.0  # seconds to wait for stuck ranks to say where they are
 _POLITE_WAIT = 0.5  # seconds idle ranks get to leave the process group before being killed
 _CLOSE_WAIT = 5.0  # seconds close() waits for a run() in another thread to stop
+BOOT_LIMIT = 120.0
+"""Seconds a starting rank may take to import torch before it is called stuck: a fraction
+of a second from the forkserver, a few seconds with the spawn start method (Windows);
+not counted against ``timeout``."""
+_CAN_WAKE = sys.platform != "win32"  # multiprocessing's wait() takes pipe fds on POSIX only
 
 def loopback_interface() -> str:
     """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS).
@@ -136,12 +141,15 @@ def _validate(world_size, backend, timeout) -> None:
 
 
 class _Proc:
-    """Kernel-side handle of one rank: its process, its pid and its end of the pipe."""
+    """Kernel-side handle of one rank: its process, its pid, when it started (psutil's
+    ``create_time``, which tells a rank from a later process that reuses its pid) and its
+    end of the pipe."""
 
     def __init__(self, rank: int, process, conn):
         self.rank = rank
         self.process = process
         self.pid = process.pid
+        self.created = processes.create_time(process.pid)
         self.conn = conn
 
     def send(self, msg: dict) -> None:
@@ -157,10 +165,11 @@ class _Proc:
             return None
 
 
-def _close_fds(*fds: int) -> None:
+def _close_fds(*fds: int | None) -> None:
     for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
@@ -247,20 +256,24 @@ class LocalGroup:
         self._sent_sources: set[str] = set()
         self._returned: dict[int, float] = {}  # rank -> when its fn returned (this call)
         self._chunks: dict[int, list[bytes]] = {}  # rank -> chunks of its value (this call)
-        self._last_progress = 0.0  # when a rank's value last moved (this call)
+        self._last_progress = 0.0  # when a chunk of a rank's value last arrived (this call)
         self._restart_next = False  # the ranks disagree on the default process group
+        self._booted: set[int] = set()  # ranks whose imports are done (this start)
         self.restarts = 0
         """How many times the ranks were (re)started, the first start included."""
         self._finalizer = None
-        self._lock = threading.Lock()  # held by the one run()/resize() in progress
+        self._lock = threading.Lock()  # held by the one call in progress
         self._owner: int | None = None  # the thread that holds it
-        self._flags = threading.Lock()  # guards _closed against a racing close()
-        self._wake_r, self._wake_w = os.pipe()  # close() wakes a waiting run() through it
-        os.set_blocking(self._wake_w, False)
+        self._flags = threading.Lock()  # guards _closed and the wake pipe
+        self._wake_r = self._wake_w = None
+        if _CAN_WAKE:  # close() wakes a run() waiting in another thread through it
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_w, False)
         self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         _LIVE.add(self)
-        with self._exclusive("LocalGroup()"):
-            self._start(time.monotonic() + self._timeout, announce=True)
+        deadline = time.monotonic() + self._timeout
+        with self._exclusive("LocalGroup()", deadline):
+            self._start(deadline, announce=True)
         _STARTED[:] = [r for r in _STARTED if r() is not None] + [weakref.ref(self)]
 
     # --- public -----------------------------------------------------------------------
@@ -280,6 +293,11 @@ class LocalGroup:
         return self._timeout
 
     @property
+    def env(self) -> dict[str, str]:
+        """The environment variables this group sets on its ranks (a copy)."""
+        return dict(self._env)
+
+    @property
     def pids(self) -> list[int]:
         """Process ids of the ranks, by rank (empty when stopped)."""
         return [p.pid for p in self._procs]
@@ -293,6 +311,10 @@ class LocalGroup:
     def state(self) -> str:
         """``"idle"``, ``"running"``, ``"stopped"`` (will restart at next run) or ``"closed"``."""
         return self._state
+
+    def _set_state(self, state: str) -> None:
+        if not self._closed:  # once closed, always closed
+            self._state = state
 
     def run(self, fn, *args, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank.
@@ -335,8 +357,8 @@ class LocalGroup:
         """
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
-        with self._exclusive("run()"):
-            deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self._timeout
+        with self._exclusive("run()", deadline):
             if self._state == "idle":
                 dead = {p.rank: p.exitcode() for p in self._procs if p.exitcode() is not None}
                 if dead:
@@ -352,10 +374,11 @@ class LocalGroup:
             except Exception as e:
                 raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its "
                                 f"arguments to the ranks: {type(e).__name__}: {e}") from None
+            self._check_open("run()")
             self._sent_sources.update(sources)
             name = getattr(fn, "__name__", "fn")
-            self._state = "running"
-            self._returned = {}
+            self._set_state("running")
+            self._returned, self._chunks = {}, {}
             try:
                 try:
                     with processes.interrupts_deferred():  # every rank gets the job
@@ -369,14 +392,15 @@ class LocalGroup:
                     raise
                 return self._collect_results(name, deadline)
             finally:
+                self._chunks = {}  # a large value of a failed call is not kept
                 if self._state == "running":
-                    self._state = "idle"
+                    self._set_state("idle")
 
     def resize(self, world_size: int) -> None:
         """Stop the ranks and start ``world_size`` new ones (state on the ranks is lost).
 
         Does nothing if the group already has ``world_size`` idle ranks. Returns within
-        ``timeout`` + :data:`MARGIN` seconds.
+        ``timeout`` + :data:`MARGIN` seconds, a wait for another thread's call included.
 
         Raises:
             TypeError, ValueError: bad ``world_size``; the running group is kept.
@@ -386,11 +410,11 @@ class LocalGroup:
             KeyboardInterrupt: interrupted while starting; likewise.
         """
         _validate(world_size, self._backend, self._timeout)
-        with self._exclusive("resize()"):
+        deadline = time.monotonic() + self._timeout
+        with self._exclusive("resize()", deadline):
             if world_size == self._world_size and self._state == "idle" and \
                     not self._restart_next:
                 return
-            deadline = time.monotonic() + self._timeout
             self._shutdown(polite=True)
             self._world_size = world_size
             self._start(deadline, announce=callable(self._progress))
@@ -399,36 +423,40 @@ class LocalGroup:
         """Stop every rank (and all they started) and remove the group's temporary directory.
 
         Idempotent, and safe from any thread: a :meth:`run` in progress in another
-        thread stops at once with :class:`GroupClosedError`. Returns within about
-        :data:`MARGIN` seconds (or 5 s if another thread's call is stuck in a transfer).
+        thread stops at once with :class:`GroupClosedError`. From inside a call on the
+        same thread (a progress callback), the group closes when that call returns.
+        Returns within about :data:`MARGIN` seconds (or 5 s if another thread's call is
+        busy in the kernel, unpickling a large result, say).
         """
         with self._flags:
             if self._closed:
                 return
             self._closed = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")  # wake a run() that waits in another thread
-        mine = self._owner == threading.get_ident()
-        got = mine or self._lock.acquire(timeout=_CLOSE_WAIT)
-        try:
-            self._shutdown(polite=got and not mine)
             self._state = "closed"
-            _LIVE.discard(self)
-        finally:
-            if got and not mine:
+            if self._wake_w is not None and self._fds.alive:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"x")  # wake a run() waiting in another thread
+        _LIVE.discard(self)
+        if self._owner == threading.get_ident():
+            return  # inside this thread's own call: it stops everything when it returns
+        if self._lock.acquire(timeout=_CLOSE_WAIT):
+            try:
+                self._shutdown(polite=True)
+            finally:
                 self._lock.release()
-                self._fds()  # no run() can be waiting on the wake pipe any more
+                self._fds()  # no call can be waiting on the wake pipe any more
+        else:
+            # another thread's call is busy in the kernel: stop the ranks under it (its
+            # next wait or send fails and it raises GroupClosedError), and let it clean up
+            finalizer = self._finalizer
+            if finalizer is not None:
+                finalizer()
 
     def __enter__(self) -> "LocalGroup":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The environment variables this group sets on its ranks (a copy)."""
-        return dict(self._env)
 
     def __repr__(self) -> str:
         env = f", env={self._env!r}" if self._env else ""
@@ -448,16 +476,22 @@ class LocalGroup:
                 f'<span style="color:{colour.get(self._state, TEXT_GREY)}">{self._state}</span></div>')
 
     # --- one call at a time -----------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        """Raise :class:`GroupClosedError` if :meth:`close` came meanwhile."""
+        if self._closed:
+            raise GroupClosedError(_CLOSED_DURING.format(what=what))
+
     @contextlib.contextmanager
-    def _exclusive(self, what: str):
-        """Hold the group for one call: wait up to ``timeout`` for another thread's call."""
+    def _exclusive(self, what: str, deadline: float):
+        """Hold the group for one call: wait for another thread's call until ``deadline``
+        (the call's own bound), then run; stop everything if the group was closed."""
         if self._owner == threading.get_ident():
             raise RuntimeError(f"{what} was called while this thread is already inside a "
                                f"call on the same LocalGroup (from a callback?); call it "
                                f"after that call returns")
         if self._closed:
             raise GroupClosedError(_CLOSED)
-        if not self._lock.acquire(timeout=self._timeout):
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise GroupBusyError(f"{what} waited {self._timeout:g} s for another thread's "
                                  f"call on this LocalGroup to finish, and it has not; "
                                  f"nothing was run. Try again when it has returned.")
@@ -466,26 +500,26 @@ class LocalGroup:
             if self._closed:
                 raise GroupClosedError(_CLOSED)
             yield
-        except GroupClosedError:
-            self._shutdown()
-            raise
-        except (OSError, ValueError, EOFError) as e:
+        except (OSError, ValueError, EOFError, IndexError, KeyError) as e:
             if not self._closed:
                 raise
-            self._shutdown()  # close() from another thread pulled the ranks away
             raise GroupClosedError(_CLOSED_DURING.format(what=what)) from e
         finally:
             self._owner = None
+            if self._closed:
+                self._shutdown()
             self._lock.release()
             if self._closed:
-                self._fds()
+                with self._flags:
+                    self._fds()
 
     # --- lifecycle --------------------------------------------------------------------
     def _start(self, deadline: float, announce: bool = False) -> float:
         """Start ``world_size`` ranks and wait until all joined the process group.
 
-        ``deadline`` is a ``time.monotonic()`` value; the forkserver's one-off start
-        extends it. Returns the deadline in force. ``announce`` shows the progress line
+        ``deadline`` is a ``time.monotonic()`` value. Two one-off costs extend it: the
+        forkserver's first start, and, with the spawn start method, each rank's import of
+        torch. Returns the deadline in force. ``announce`` shows the progress line
         (explicit starts); restarts after a failure are quiet, since the error already
         said the ranks restart.
         """
@@ -494,14 +528,16 @@ class LocalGroup:
         ctx = processes.context()
         deadline += processes.warm(ctx)
         ifname = loopback_interface()
-        tmpdir = tempfile.mkdtemp(prefix="reducelab-")  # mode 0700
+        env = {**os.environ, **self._env}
         procs: list[_Proc] = []
+        tmpdir = None
         try:
-            # The reaper removes these if the kernel is killed (multiprocessing's own
-            # temporary directory holds the forkserver's socket: only then is it ours to
-            # remove).
-            Reaper.tell(f"dir {tmpdir}", f"dir {mp.util.get_temp_dir()}")
             with processes.interrupts_deferred():
+                tmpdir = tempfile.mkdtemp(prefix="reducelab-")  # mode 0700
+                # The reaper removes these if the kernel is killed (multiprocessing's own
+                # temporary directory holds the forkserver's socket: only then is it ours
+                # to remove).
+                Reaper.tell(f"dir {tmpdir}", f"dir {mp.util.get_temp_dir()}")
                 for rank in range(self._world_size):
                     parent, child = ctx.Pipe(duplex=True)
                     try:
@@ -509,8 +545,7 @@ class LocalGroup:
                             target=_rank_main, name=f"{processes.PROCESS_PREFIX}rank-{rank}",
                             daemon=True,
                             args=(rank, self._world_size, self._backend, tmpdir,
-                                  self._timeout + 5.0, child, ifname, list(sys.path),
-                                  self._env))
+                                  self._timeout + 5.0, child, ifname, list(sys.path), env))
                         proc.start()
                     except BaseException:
                         parent.close()
@@ -518,21 +553,30 @@ class LocalGroup:
                         raise
                     child.close()
                     procs.append(_Proc(rank, proc, parent))
-                Reaper.tell(*[f"pg {p.pid}" for p in procs])
+                Reaper.tell(*[f"pg {p.pid} {p.created}" for p in procs])
                 if procs:
                     processes.register_forkserver(procs[0].pid)
+                self._procs, self._tmpdir = procs, tmpdir
+                self._finalizer = weakref.finalize(self, processes.stop, procs, tmpdir)
         except BaseException:
             processes.stop(procs, tmpdir)
+            self._procs, self._tmpdir, self._finalizer = [], None, None
             raise
-        self._procs, self._tmpdir = procs, tmpdir
         self._sent_sources = set()
-        self._finalizer = weakref.finalize(self, processes.stop, procs, tmpdir)
         self.restarts += 1
         progress = StartProgress(self._world_size, self._backend,
                                  self._progress if announce else False)
         try:
-            replies, died, pending = self._gather(deadline, stop_on_error=True,
-                                                  on_reply=progress.update)
+            booted_at = time.monotonic()
+            state = self._gather(booted_at + BOOT_LIMIT, stop_on_error=True, until="booted")
+            deadline += time.monotonic() - booted_at  # importing torch (spawn) is not the call's
+            replies, died, pending = state
+            unbooted = set(pending)
+            if not died:
+                replies, died, pending = self._gather(
+                    deadline, stop_on_error=True, state=(replies, died, set(range(len(procs)))
+                                                         - set(replies) - set(died)),
+                    on_reply=progress.update)
         except BaseException:
             progress.done(0, ok=False)
             self._shutdown()
@@ -542,27 +586,33 @@ class LocalGroup:
         if errors or died or pending:
             reports = [RankReport(r, "raised", m["summary"], m["traceback"])
                        for r, m in errors.items()]
-            reports += [RankReport(r, "died", _describe_start_death(c)) for r, c in died.items()]
-            reports += [RankReport(r, "stuck", f"did not join within {self._timeout:g} s")
+            reports += [RankReport(r, "died", _describe_start_death(c, r in self._booted))
+                        for r, c in died.items()]
+            reports += [RankReport(r, "stuck", f"did not finish importing torch within "
+                                               f"{BOOT_LIMIT:g} s" if r in unbooted else
+                                               f"did not join within {self._timeout:g} s")
                         for r in pending]
             self._shutdown()
             raise RankError(f"the {self._world_size} ranks could not start a "
                             f"{self._backend} process group", reports)
-        self._state = "idle"
+        self._set_state("idle")
         return deadline
 
     def _shutdown(self, polite: bool = False) -> None:
-        # The finalizer stops the ranks at most once: here, when the group is garbage
-        # collected, or at interpreter exit (before the atexit close), whichever is first.
-        finalizer, self._finalizer = self._finalizer, None
-        if finalizer is not None and finalizer.alive:
-            if polite and self._state == "idle":
-                processes.ask_to_leave(self._procs, lambda p: p.send({"kind": "close"}),
-                                       _POLITE_WAIT)
-            finalizer()
-        self._procs, self._tmpdir = [], None
-        if not self._closed:
-            self._state = "stopped"
+        """Stop the ranks and all they started, once, whatever interrupts arrive meanwhile.
+
+        The finalizer stops them at most once: here, when the group is garbage collected,
+        or at interpreter exit (before the atexit close), whichever comes first."""
+        with processes.interrupts_deferred():
+            finalizer = self._finalizer
+            if finalizer is not None and finalizer.alive:
+                if polite and self._state in ("idle", "closed") and self._procs:
+                    processes.ask_to_leave(self._procs, lambda p: p.send({"kind": "close"}),
+                                           _POLITE_WAIT)
+                finalizer()
+            self._finalizer = None
+            self._procs, self._tmpdir = [], None
+            self._set_state("stopped")
 
     def _new_sources(self) -> dict[str, list[str]]:
         """Cell sources the ranks have not seen, so remote tracebacks show the code line.
@@ -577,18 +627,29 @@ class LocalGroup:
         return new
 
     # --- waiting ----------------------------------------------------------------------
-    def _gather(self, deadline: float, stop_on_error: bool, state=None, on_reply=None):
+    def _wait_list(self, objects: list) -> list:
+        return objects + ([self._wake_r] if self._wake_r is not None else [])
+
+    def _gather(self, deadline: float, stop_on_error: bool, state=None, on_reply=None,
+                until: str = "reply"):
         """Wait for one message from every rank, or until ``deadline`` (monotonic seconds).
 
         Returns ``(replies, died, pending)``: messages by rank, exit codes of the ranks
         that died, and the ranks that had not answered. Once a rank fails, the others
         get ``_GRACE`` seconds; a death ends the wait soon after. Pass a previous return
         value as ``state`` to go on waiting; ``on_reply(n)`` is called with the number of
-        replies after each one.
+        ``ready`` replies after each one. With ``until="booted"`` the wait ends for a rank
+        once it has booted (its imports done); an error it sends first is a reply.
+
+        Only ``ready``, ``done`` and ``error`` are replies; ``returned`` and ``chunk``
+        record a value on its way; anything else (a late ``stack`` or ``closed``) is
+        ignored.
 
         Raises:
             GroupClosedError: :meth:`close` was called from another thread meanwhile.
         """
+        if until == "booted":
+            self._booted = set()
         replies, died, pending = state or ({}, {}, set(range(len(self._procs))))
         cut = deadline
         while pending:
@@ -597,9 +658,8 @@ class LocalGroup:
                 break
             by_conn = {self._procs[r].conn: r for r in pending}
             by_sentinel = {self._procs[r].process.sentinel: r for r in pending}
-            ready = mp_wait(list(by_conn) + list(by_sentinel) + [self._wake_r], timeout=left)
-            if self._closed:
-                raise GroupClosedError(_CLOSED_DURING.format(what="the call"))
+            ready = mp_wait(self._wait_list(list(by_conn) + list(by_sentinel)), timeout=left)
+            self._check_open("the call")
             for obj in ready:
                 r = by_conn.get(obj, by_sentinel.get(obj))
                 if r not in pending:
@@ -608,21 +668,28 @@ class LocalGroup:
                 if obj in by_conn or proc.conn.poll():
                     try:
                         msg = proc.recv()
-                        if msg["kind"] in ("returned", "chunk"):
-                            self._value_moved(r, msg)  # its result is on its way
-                            continue
-                        if msg["kind"] == "stack":
-                            continue  # a late answer to an earlier stack request
-                        replies[r] = msg
-                        pending.discard(r)
-                        self._last_progress = time.monotonic()
-                        if on_reply is not None:
-                            on_reply(sum(1 for m in replies.values() if m["kind"] == "ready"))
-                        if stop_on_error and msg["kind"] == "error":
-                            cut = min(cut, time.monotonic() + _GRACE)
-                        continue
                     except (EOFError, OSError):
-                        pass
+                        msg = None
+                    if msg is not None:
+                        kind = msg["kind"]
+                        if kind in ("returned", "chunk"):
+                            self._value_moved(r, msg)  # its result is on its way
+                        elif kind == "booted":
+                            self._booted.add(r)
+                            if until == "booted":
+                                pending.discard(r)
+                        elif kind in ("ready", "done", "error"):
+                            replies[r] = msg
+                            pending.discard(r)
+                            if kind == "done" and msg.get("chunks"):
+                                self._last_progress = time.monotonic()
+                            if on_reply is not None:
+                                on_reply(sum(1 for m in replies.values() if m["kind"] == "ready"))
+                                self._check_open("the call")
+                            if stop_on_error and kind == "error":
+                                self._chunks.pop(r, None)
+                                cut = min(cut, time.monotonic() + _GRACE)
+                        continue
                 proc.process.join(0.5)
                 died[r] = proc.exitcode()
                 pending.discard(r)
@@ -649,9 +716,13 @@ class LocalGroup:
         answers, late = {}, {}
         deadline = time.monotonic() + _STACK_WAIT
         while asked and time.monotonic() < deadline:
-            for conn in mp_wait([p.conn for p in asked.values()],
-                                timeout=max(0.0, deadline - time.monotonic())):
-                r = next(r for r, p in asked.items() if p.conn is conn)
+            ready = mp_wait(self._wait_list([p.conn for p in asked.values()]),
+                            timeout=max(0.0, deadline - time.monotonic()))
+            self._check_open("the call")
+            for conn in ready:
+                r = next((r for r, p in asked.items() if p.conn is conn), None)
+                if r is None:
+                    continue
                 try:
                     msg = asked[r].recv()
                 except (EOFError, OSError):
@@ -662,22 +733,26 @@ class LocalGroup:
                     continue
                 if msg["kind"] == "stack":
                     answers[r] = msg
-                else:  # its reply came first; its stack answer, still to come, is stale
-                    late[r] = msg
+                elif msg["kind"] in ("done", "error"):
+                    late[r] = msg  # its reply came first; its stack answer comes late
+                else:
+                    continue
                 del asked[r]
         return answers, late
 
     def _value_moved(self, rank: int, msg: dict) -> None:
-        """Record a ``returned`` or ``chunk`` message: the rank's value is on its way."""
+        """Record a ``returned`` or ``chunk`` message: the rank's value is on its way.
+
+        Only a chunk is progress: a value that is still being pickled when the timeout
+        ends gets no more time (a pickler that hangs must not extend the call)."""
         now = time.monotonic()
         self._returned.setdefault(rank, now)
-        self._last_progress = now
         if msg["kind"] == "chunk":
+            self._last_progress = now
             self._chunks.setdefault(rank, []).append(msg["data"])
 
     def _collect_results(self, name: str, deadline: float) -> list:
-        self._chunks: dict[int, list[bytes]] = {}
-        self._last_progress = time.monotonic()
+        self._last_progress = 0.0
         try:
             state = self._gather(deadline, True)
             while True:
@@ -689,8 +764,8 @@ class LocalGroup:
                     pending -= set(late)
                 arriving = pending and not died and set(pending) <= set(self._returned) \
                     and all(m["kind"] == "done" for m in replies.values())
-                # fn returned everywhere in time and large values are still arriving:
-                # go on while they arrive, each chunk within a timeout of the last
+                # fn returned everywhere in time and large values are still arriving in
+                # chunks: go on while they arrive, each chunk within a timeout of the last
                 if not arriving or time.monotonic() - self._last_progress >= self._timeout:
                     break
                 state = self._gather(self._last_progress + self._timeout, True,
@@ -701,6 +776,7 @@ class LocalGroup:
             print(f"Interrupted: the {self._world_size} ranks were stopped; they restart "
                   f"at the next run().", file=sys.stderr)
             raise
+        self._check_open("run()")
         outputs = {r: (m["out"], m["err"]) for r, m in {**replies, **stacks}.items()
                    if "out" in m}
         print_rank_outputs(outputs)
@@ -708,12 +784,12 @@ class LocalGroup:
         if not failed:
             results, bad = [], []
             for r in range(self._world_size):
-                data = replies[r]["result"]
-                if data is None:  # it came in chunks
-                    data = b"".join(self._chunks.pop(r, []))
+                data = b"".join(self._chunks.pop(r, [])) + replies[r]["result"]
                 try:
                     results.append(cloudpickle.loads(data))
-                except Exception as e:
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - a __reduce__ may call sys.exit
                     bad.append(RankReport(r, "raised", "its return value could not be "
                                           f"unpickled in the kernel: {type(e).__name__}: {e}"))
             if bad:
@@ -729,7 +805,7 @@ class LocalGroup:
         down = sorted(r for r, m in replies.items() if not m.get("pg", True))
         if up and down:
             self._restart_next = True
-            self._state = "stopped"
+            self._set_state("stopped")
             print(f"Note: {name} destroyed the default process group on "
                   f"rank{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} only; "
                   f"{self._world_size} fresh ranks start at the next run().", file=sys.stderr)
@@ -784,13 +860,15 @@ class LocalGroup:
 
 
 _CLOSED = "this LocalGroup is closed; create a new one (in a notebook: run the setup cell again)"
-_CLOSED_DURING = ("this LocalGroup was closed (from another thread) while {what} was in "
-                  "progress; its ranks were stopped. Create a new one to go on.")
+_CLOSED_DURING = ("this LocalGroup was closed while {what} was in progress; its ranks were "
+                  "stopped. Create a new one to go on (in a notebook: run the setup cell again).")
 
 
-def _describe_start_death(code: int | None) -> str:
-    return (f"{_describe_exit(code)} before it joined the process group; anything it "
-            f"printed went to the terminal that started this kernel")
+def _describe_start_death(code: int | None, booted: bool) -> str:
+    if booted:
+        return f"{_describe_exit(code)} while joining the process group"
+    return (f"{_describe_exit(code)} before its imports were done; anything it printed "
+            f"went to the terminal that started this kernel")
 
 
 def _rank_main(*args) -> None:

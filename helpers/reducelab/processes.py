@@ -77,6 +77,10 @@ def _noop() -> None:
     pass
 
 
+WARM_LIMIT = 120.0
+"""Seconds the first start may take to bring the forkserver up (it imports torch)."""
+
+
 def warm(ctx) -> float:
     """Make sure the forkserver runs and has imported torch; return the seconds spent.
 
@@ -84,19 +88,45 @@ def warm(ctx) -> float:
     from it (about 2 to 3 s: the server imports torch once); later calls return 0.0
     at once. Callers add the time to their deadline: it is a one-off cost of the
     kernel, not part of any group's timeout.
+
+    Raises:
+        RuntimeError: the forkserver did not serve a process within :data:`WARM_LIMIT`.
     """
     if ctx.get_start_method() != "forkserver":
         return 0.0
     t0 = time.monotonic()
-    with _forkserver_lock:
+    with _forkserver_lock:  # the background pre-warm may hold it: waiting counts too
         if _forkserver_ready == [os.getpid()]:
-            return 0.0
+            return time.monotonic() - t0
         p = ctx.Process(target=_noop, name=f"{PROCESS_PREFIX}warm-up", daemon=True)
         p.start()
-        p.join()
+        p.join(WARM_LIMIT)
+        if p.exitcode is None:
+            p.kill()
+            p.join(1.0)
+            raise RuntimeError(f"the forkserver that starts the ranks did not start a process "
+                               f"within {WARM_LIMIT:g} s (it imports torch first); is the "
+                               f"machine out of memory?")
         p.close()
         _forkserver_ready[:] = [os.getpid()]
     return time.monotonic() - t0
+
+
+def create_time(pid: int) -> float | None:
+    """When process ``pid`` started (psutil's ``create_time``), or ``None`` if it is gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def same_process(pid: int, created: float | None) -> bool | None:
+    """``True`` if ``pid`` is still the process that started at ``created``, ``False`` if
+    another process now has that pid, ``None`` if no process has it."""
+    now = create_time(pid)
+    if now is None:
+        return None
+    return created is not None and abs(now - created) < 0.01
 
 
 def register_forkserver(rank_pid: int) -> None:
@@ -107,7 +137,7 @@ def register_forkserver(rank_pid: int) -> None:
         return
     if parent != os.getpid() and parent not in _forkservers_told:
         _forkservers_told.add(parent)
-        Reaper.tell(f"pid {parent}")
+        Reaper.tell(f"pid {parent} {create_time(parent)}")
 
 
 @contextlib.contextmanager
@@ -130,8 +160,8 @@ def interrupts_deferred():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        if caught and previous is not signal.SIG_IGN:
             if callable(previous):
                 previous(signal.SIGINT, None)
             else:
@@ -139,45 +169,54 @@ def interrupts_deferred():
 
 
 def descendants(pids) -> list[psutil.Process]:
-    """Every living descendant of the processes ``pids`` (children first found, any depth)."""
-    found = []
-    for pid in pids:
-        try:
-            found.extend(psutil.Process(pid).children(recursive=True))
-        except psutil.Error:
-            pass
+    """Every living descendant of the processes ``pids``, from one scan of the process table."""
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc.pid)
+    found, todo, seen = [], list(pids), set()
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+                try:
+                    found.append(psutil.Process(child))
+                except psutil.Error:
+                    pass
     return found
 
 
-def kill_trees(processes, wait: float = 1.0) -> None:
-    """Kill ``processes`` (``multiprocessing.Process`` objects of ranks) and all they started.
+def kill_trees(procs, wait: float = 1.0) -> None:
+    """Kill the ranks ``procs`` (``_Proc`` objects, each with ``pid``, ``created`` and its
+    ``multiprocessing.Process``) and all they started.
 
     Each rank leads a process group (see :mod:`reducelab.rank_loop`): ``killpg`` stops
     it and every process it started that stayed in the group; descendants that left the
-    group are found with psutil first and killed by pid. Then the ranks are reaped,
-    within ``wait`` seconds in all.
+    group are found with psutil first and killed by pid. A pid that another process has
+    taken since is left alone (Linux does not reuse a pid while its process group has
+    members, so the group of a rank whose pid was reused is empty). Then the ranks are
+    reaped, within ``wait`` seconds in all.
     """
-    started = [p for p in processes if p.pid is not None]
-    victims = descendants(p.pid for p in started)
-    for p in started:
+    ours = [p for p in procs if p.pid is not None
+            and same_process(p.pid, p.created) is not False]
+    victims = descendants(p.pid for p in ours if same_process(p.pid, p.created))
+    for p in ours:
         # A rank's process group outlives the rank while anything it started is alive,
         # so it is killed even when the rank itself has exited.
         with contextlib.suppress(OSError, AttributeError):
             os.killpg(p.pid, signal.SIGKILL)
         with contextlib.suppress(OSError, ValueError):
-            p.kill()
+            p.process.kill()
     for v in victims:
         try:
             v.kill()
         except psutil.Error:
             pass
     deadline = time.monotonic() + wait
-    for p in processes:
-        if p.pid is not None:
-            try:
-                p.join(max(0.0, deadline - time.monotonic()))
-            except (OSError, ValueError, AssertionError):
-                pass
+    for p in procs:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            p.process.join(max(0.0, deadline - time.monotonic()))
 
 
 def ask_to_leave(procs, send, wait: float = 1.0) -> None:
@@ -200,7 +239,7 @@ def stop(procs, tmpdir: str | None) -> None:
     their pipes and remove the group's temporary directory ``tmpdir``. Idempotent; an
     interrupt arriving meanwhile is raised once everything is stopped."""
     with interrupts_deferred():
-        kill_trees([p.process for p in procs])
+        kill_trees(procs)
         for p in procs:
             p.conn.close()
             try:

@@ -25,13 +25,14 @@ Messages, each a ``pickle`` of a ``dict`` with a ``"kind"`` (the kernel is the o
 that can write them):
 
 * kernel -> rank: ``run`` (``payload``), ``stack``, ``close``.
-* rank -> kernel: ``ready`` (``pid``), ``returned`` (fn returned; its result is being
-  pickled and sent), ``chunk`` (``data``: the next :data:`CHUNK` bytes of a large
-  result), ``done`` (``result`` bytes, or ``None`` after chunks), ``error`` (``summary``,
+* rank -> kernel: ``booted`` (its imports are done), ``ready`` (``pid``), ``returned``
+  (fn returned; its result is being pickled and sent), ``chunk`` (``data``: the next
+  :data:`CHUNK` bytes of the pickled result, sent while the pickler writes it),
+  ``done`` (``result``: the last bytes of the pickled result), ``error`` (``summary``,
   ``traceback``, ``in_distributed``), ``stack`` (``traceback``, ``collective``,
-  ``summary``). ``done``, ``error`` and ``stack`` carry ``out`` and ``err``, the text
-  the call printed; ``done`` and ``error`` carry ``pg``, whether a default process group
-  is up after the call.
+  ``summary``), ``closed``. ``done``, ``error`` and ``stack`` carry ``out`` and
+  ``err``, the text the call printed; ``done`` and ``error`` carry ``pg``, whether a
+  default process group is up after the call.
 
 ``payload`` and ``result`` are cloudpickle bytes, so functions defined in notebook cells
 travel by value, and tensors come back by value (not through torch's shared-memory
@@ -107,13 +108,22 @@ def where(frames: list[traceback.FrameSummary]) -> tuple[str | None, str]:
     return None, f"was still running, at {at}"
 
 
+_LAUNCHERS = ("exec_on_rank",)  # reducelab functions that only run the learner's code
+
+
 def _after_launcher(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
-    """Drop the frames of the rank's own machinery (multiprocessing, this module)."""
-    last = -1
+    """Drop the frames of the rank's own machinery: everything up to the call of ``fn``
+    in :meth:`_Rank.run_job` (and ``%%ranks``' own ``exec_on_rank``). Frames inside
+    reducelab helpers that the learner's code called stay."""
+    start = 0
     for i, f in enumerate(frames):
-        if os.path.abspath(f.filename).startswith(_PACKAGE_DIR):
-            last = i
-    return frames[last + 1:]
+        if f.name == "run_job" and os.path.abspath(f.filename) == _THIS_FILE:
+            start = i + 1
+    rest = frames[start:]
+    while rest and rest[0].name in _LAUNCHERS and \
+            os.path.abspath(rest[0].filename).startswith(_PACKAGE_DIR):
+        rest = rest[1:]
+    return rest
 
 
 def _cut(text: str, limit: int) -> str:
@@ -133,18 +143,33 @@ def safe_str(obj) -> str:
         return f"<str() of this {type(obj).__name__} raised {type(e).__name__}>"
 
 
+def _trim(te: traceback.TracebackException, seen: set) -> None:
+    """Cut the launcher frames from ``te`` and from the exceptions chained to it."""
+    if id(te) in seen:
+        return
+    seen.add(id(te))
+    te.stack = traceback.StackSummary.from_list(_after_launcher(list(te.stack)))
+    for chained in (te.__cause__, te.__context__):
+        if chained is not None:
+            _trim(chained, seen)
+
+
 def describe_exception(error: BaseException) -> tuple[str, str, bool]:
     """``(summary, traceback_text, in_distributed)`` for an exception raised by ``fn``.
 
-    Safe against exceptions whose ``__str__`` raises, and bounded: the summary to
-    :data:`MAX_SUMMARY`, the traceback to :data:`MAX_TRACEBACK` characters.
+    The traceback starts at ``fn`` and keeps the chained exceptions (``raise ... from``
+    and errors during handling), as Python prints them. Safe against exceptions whose
+    ``__str__`` raises, and bounded: the summary to :data:`MAX_SUMMARY`, the traceback to
+    :data:`MAX_TRACEBACK` characters.
     """
     frames = _after_launcher(traceback.extract_tb(error.__traceback__))
     try:
-        tail = "".join(traceback.format_exception_only(type(error), error))
-    except BaseException:  # noqa: BLE001
-        tail = f"{type(error).__name__}: {safe_str(error)}\n"
-    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + tail
+        te = traceback.TracebackException.from_exception(error)
+        _trim(te, set())
+        text = "".join(te.format())
+    except BaseException:  # noqa: BLE001 - fall back to the frames alone
+        text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) \
+            + f"{type(error).__name__}: {safe_str(error)}\n"
     first = safe_str(error).strip().splitlines()
     name = type(error).__name__
     summary = _cut(f"{name}: {first[0]}" if first else name, MAX_SUMMARY)
@@ -152,10 +177,62 @@ def describe_exception(error: BaseException) -> tuple[str, str, bool]:
     return summary, _cut(text, MAX_TRACEBACK), in_dist
 
 
-def leave() -> None:
-    """Exit now, and take every process this rank started along: its descendants (also
-    those in a session of their own, found before they are orphaned), then its own
-    process group, itself included."""
+class _ChunkWriter:
+    """A file for ``pickle.dump`` that sends a return value in :data:`CHUNK`-byte
+    ``chunk`` messages as the pickler writes it, so the kernel sees it progress while it
+    is still being pickled."""
+
+    def __init__(self, rank: "_Rank"):
+        self.rank = rank
+        self.pending = bytearray()
+        self.sent = 0
+
+    def write(self, data) -> int:
+        self.pending += data
+        while len(self.pending) >= CHUNK:
+            self.rank.send({"kind": "chunk", "data": bytes(self.pending[:CHUNK])})
+            del self.pending[:CHUNK]
+            self.sent += CHUNK
+            self.rank.sending = self.sent
+        return len(data)
+
+
+def _main_classes(values, found: dict, depth: int = 3, budget: list | None = None) -> dict:
+    """Classes defined in ``__main__`` (a notebook cell) among ``values``, the types of
+    their items, and so on ``depth`` containers deep (at most 1000 objects looked at)."""
+    budget = budget if budget is not None else [1000]
+    for value in values:
+        if budget[0] <= 0:
+            break
+        budget[0] -= 1
+        cls = value if isinstance(value, type) else type(value)
+        if getattr(cls, "__module__", None) == "__main__" and "." not in cls.__qualname__:
+            found[cls.__qualname__] = cls
+        if depth > 0:
+            if isinstance(value, dict):
+                _main_classes(list(value.keys()) + list(value.values()), found, depth - 1, budget)
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                _main_classes(list(value), found, depth - 1, budget)
+    return found
+
+
+def _pickle_main_by_value() -> None:
+    """Let processes that a rank starts with spawn or forkserver (DataLoader workers on
+    macOS and Windows) receive classes and functions defined in a notebook cell: the
+    rank's pickler for processes sends them by value, with cloudpickle. Under torchrun,
+    such a child would import them by re-running the script; a notebook has no script."""
+    from multiprocessing.reduction import ForkingPickler
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)) and \
+                getattr(obj, "__module__", None) == "__main__":
+            return cloudpickle.loads, (cloudpickle.dumps(obj),)
+        return NotImplemented
+    ForkingPickler.reducer_override = reducer_override
+
+
+def _kill_descendants() -> None:
+    """Kill every process this rank started (also those in a session of their own)."""
     import psutil
     try:
         for child in psutil.Process().children(recursive=True):
@@ -163,6 +240,13 @@ def leave() -> None:
                 child.kill()
     except psutil.Error:
         pass
+
+
+def leave() -> None:
+    """Exit now, and take every process this rank started along: its descendants (also
+    those in a session of their own, found before they are orphaned), then its own
+    process group, itself included."""
+    _kill_descendants()
     if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)
     os._exit(0)
@@ -317,15 +401,16 @@ class _Rank:
         # tensor holds the GIL, so the reader thread could not say so while it runs.
         self.send({"kind": "returned"})
         self.phase = "pickling"
+        writer = _ChunkWriter(self)
         try:
-            data = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+            cloudpickle.Pickler(writer, protocol=pickle.HIGHEST_PROTOCOL).dump(result)
         except BaseException as e:
             summary, _, _ = describe_exception(e)
             return {"kind": "error", "summary": f"its return value could not be pickled "
                     f"({type(result).__name__}): {summary}", "traceback": "",
                     "in_distributed": False, "out": out, "err": err, "pg": pg}
-        self.sending = len(data)
-        return {"kind": "done", "result": data, "out": out, "err": err, "pg": pg}
+        return {"kind": "done", "result": bytes(writer.pending), "chunks": writer.sent > 0,
+                "out": out, "err": err, "pg": pg}
 
     def persistent(self, fn, args=(), kwargs=None):
         """Give a function sent by value (defined in a cell) this rank's lasting globals.
@@ -340,17 +425,16 @@ class _Rank:
         them by reference, as torch's object collectives need.
         """
         ns = self.namespace
-        for value in list(args) + list((kwargs or {}).values()):
-            cls = value if isinstance(value, type) else type(value)
-            if cls.__module__ == "__main__" and "." not in cls.__qualname__:
-                ns[cls.__qualname__] = cls
+        ns.update(_main_classes(list(args) + list((kwargs or {}).values()), {}))
         if not isinstance(fn, types.FunctionType):
             return fn
         module = sys.modules.get(fn.__module__ or "")
         if module is not None and fn.__globals__ is vars(module):
             return fn  # imported from a module (or already ours): its globals persist
+        # the kernel's module dunders (__file__ of a script kernel, ...) stay behind: with
+        # them, a process the rank starts with spawn would re-run the kernel's script
         ns.update((k, v) for k, v in fn.__globals__.items()
-                  if k not in ("__builtins__", "__name__"))
+                  if not (k.startswith("__") and k.endswith("__")))
         new = types.FunctionType(fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__)
         new.__kwdefaults__ = fn.__kwdefaults__
         new.__qualname__ = fn.__qualname__
@@ -367,11 +451,6 @@ class _Rank:
                      "traceback": _cut(traceback.format_exc(), MAX_TRACEBACK),
                      "in_distributed": False, "out": "", "err": ""}
         try:
-            if reply["kind"] == "done" and len(reply["result"]) > CHUNK:
-                data, reply["result"] = memoryview(reply["result"]), None
-                for start in range(0, len(data), CHUNK):
-                    self.send({"kind": "chunk", "data": bytes(data[start:start + CHUNK])})
-                del data
             self.send(reply)
         except (OSError, ValueError, OverflowError, MemoryError) as e:
             self.send({"kind": "error", "summary": f"its return value could not be sent: "
@@ -396,8 +475,10 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
          loopback_ifname: str, sys_path: list[str], env: dict[str, str] | None = None) -> None:
     """Entry point of rank ``rank``; called by ``multiprocessing`` in a fresh process.
 
-    Joins the default process group (``FileStore`` rendezvous in ``tmpdir``), reports
-    ``ready``, then serves jobs until ``close`` or until the kernel is gone.
+    Reports ``booted`` (its imports, torch's included, are done), joins the default
+    process group (``FileStore`` rendezvous in ``tmpdir``), reports ``ready``, then serves
+    jobs until ``close`` or until the kernel is gone. A failure before it is ready is
+    reported with its traceback, never only as an exit code.
 
     Args:
         rank, world_size: this rank and the group's size (ints).
@@ -408,36 +489,47 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
         conn: this rank's end of the socket pair to the kernel.
         loopback_ifname: the loopback interface gloo is pinned to (``lo``, ``lo0``).
         sys_path: the kernel's ``sys.path``, so functions sent by reference import.
-        env: environment variables to set before joining the process group.
+        env: the rank's whole environment: the kernel's when the group started, with the
+            group's own ``env`` on top (a forkserver child would otherwise see the
+            environment of the moment the forkserver started).
     """
     if hasattr(os, "setpgid"):
         os.setpgid(0, 0)  # a process group of its own: stopped as one, whatever it starts
-    mp.current_process().daemon = False  # like a torchrun worker: may start processes,
-    mp.set_start_method(None, force=True)  # with the platform's default start method
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt does
-    sys.modules["__main__"] = MAIN
-    os.environ.update(env or {})
-    if env and "TORCH_DISTRIBUTED_DEBUG" in env:
-        dist.set_debug_level_from_env()  # torch read it when the forkserver imported it
-    os.environ.update(GLOO_SOCKET_IFNAME=loopback_ifname, RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    sys.path[:] = list(dict.fromkeys(sys_path + sys.path))
-    torch.set_num_threads(1)  # world_size ranks share a laptop's few cores
-    print_options()
-    install_streams()
-    me = _Rank(rank, world_size, backend, tmpdir, timeout, conn)
-    threading.Thread(target=me.reader, name="reducelab-reader", daemon=True).start()
+    conn.send_bytes(pickle.dumps({"kind": "booted"}, protocol=pickle.HIGHEST_PROTOCOL))
+    step = "start"
     try:
+        me = _Rank(rank, world_size, backend, tmpdir, timeout, conn)
+        # A kernel interrupt reaches the kernel's process group, not this one: a signal
+        # here is the learner's own, and the processes this rank starts get the default.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        mp.current_process().daemon = False  # like a torchrun worker: may start processes,
+        mp.set_start_method(None, force=True)  # with the platform's default start method
+        _pickle_main_by_value()
+        sys.modules["__main__"] = MAIN
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        dist.set_debug_level_from_env()  # torch read it when the forkserver imported it
+        os.environ.update(GLOO_SOCKET_IFNAME=loopback_ifname, RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size))
+        sys.path[:] = list(dict.fromkeys(sys_path + sys.path))
+        torch.set_num_threads(1)  # world_size ranks share a laptop's few cores
+        print_options()
+        install_streams()
+        threading.Thread(target=me.reader, name="reducelab-reader", daemon=True).start()
+        step = "join the process group"
         me.join()
+        me.wrap_init_process_group()
     except BaseException as e:
         summary, text, _ = describe_exception(e)
-        me.send({"kind": "error", "summary": f"could not join the process group: {summary}",
-                 "traceback": text, "in_distributed": True, "out": "", "err": ""})
+        conn.send_bytes(pickle.dumps({"kind": "error", "summary": f"could not {step}: {summary}",
+                                      "traceback": text, "in_distributed": True,
+                                      "out": "", "err": ""}, protocol=pickle.HIGHEST_PROTOCOL))
         return
-    me.wrap_init_process_group()
     me.send({"kind": "ready", "pid": os.getpid()})
     me.loop()
+    _kill_descendants()
     if dist.is_initialized():
         dist.destroy_process_group()
     me.send({"kind": "closed"})

@@ -7,9 +7,11 @@ kernel at all. So each kernel starts one reaper, in a session of its own (a kern
 restart in JupyterLab kills the kernel's whole process group; the reaper survives it),
 and tells it over a pipe what to clean up:
 
-* ``pg N``: a rank's process group (each rank makes its own, so everything it starts is
-  in it), killed with ``killpg``; ``-pg N`` forgets it;
-* ``pid N``: one process to kill, such as the forkserver; ``-pid N`` forgets it;
+* ``pg N T``: a rank's process group (each rank makes its own, so everything it starts
+  is in it), killed with ``killpg``; ``T`` is the rank's start time (psutil's
+  ``create_time``), so a pid that another process took since is left alone; ``-pg N``
+  forgets it;
+* ``pid N T``: one process to kill, such as the forkserver; ``-pid N`` forgets it;
 * ``dir PATH``: a directory to remove (a group's store, multiprocessing's temporary
   directory); ``-dir PATH`` forgets it.
 
@@ -36,24 +38,40 @@ POLL = 0.5
 """Seconds between the reaper's checks that its kernel is still alive."""
 
 
-def _sweep(pgids: set[int], pids: set[int], dirs: set[str]) -> None:
-    """Kill every registered process group and process (and their descendants), remove dirs."""
-    descendants: set[int] = set()
+def _reused(pid: int, created: float | None, psutil) -> bool:
+    """True if another process has taken ``pid`` since the one registered (started at
+    ``created``); such a pid, and its process group, are left alone."""
+    if created is None or psutil is None:
+        return False
+    try:
+        return abs(psutil.Process(pid).create_time() - created) >= 0.01
+    except psutil.Error:
+        return False  # gone: its process group may still hold what it started
+
+
+def _sweep(pgids: dict, pids: dict, dirs: set) -> None:
+    """Kill every registered process group and process (and their descendants), remove dirs.
+
+    ``pgids`` and ``pids`` map a pid to its ``create_time`` (or ``None``)."""
     try:
         import psutil
-        for pid in pgids | pids:
+    except ImportError:
+        psutil = None
+    pgids = {k: v for k, v in pgids.items() if not _reused(k, v, psutil)}
+    pids = {k: v for k, v in pids.items() if not _reused(k, v, psutil)}
+    descendants: set[int] = set()
+    if psutil is not None:
+        for pid in set(pgids) | set(pids):
             try:
                 descendants.update(c.pid for c in psutil.Process(pid).children(recursive=True))
             except psutil.Error:
                 pass
-    except ImportError:
-        pass
     for pg in pgids:
         try:
             os.killpg(pg, signal.SIGKILL)
         except OSError:
             pass
-    for pid in pids | pgids | descendants:
+    for pid in set(pids) | set(pgids) | descendants:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -66,7 +84,7 @@ def main(kernel_pid: int) -> None:
     """Serve registrations from standard input until the kernel is gone, then sweep."""
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # only the kernel's death ends the reaper
-    sets = {"pg": set(), "pid": set(), "dir": set()}
+    sets = {"pg": {}, "pid": {}, "dir": set()}
     fd, buf, reading = sys.stdin.fileno(), b"", True
     while os.getppid() == kernel_pid:
         if not reading:
@@ -87,8 +105,14 @@ def main(kernel_pid: int) -> None:
             kind = verb.lstrip("-")
             if kind not in sets:
                 continue
-            value = int(arg) if kind != "dir" else arg
-            (sets[kind].discard if forget else sets[kind].add)(value)
+            if kind == "dir":
+                (sets["dir"].discard if forget else sets["dir"].add)(arg)
+                continue
+            pid, _, created = arg.partition(" ")
+            if forget:
+                sets[kind].pop(int(pid), None)
+            else:
+                sets[kind][int(pid)] = float(created) if created and created != "None" else None
     _sweep(sets["pg"], sets["pid"], sets["dir"])
 
 
@@ -100,12 +124,14 @@ class Reaper:
     also leaves when its pipe to the kernel closes).
     """
 
-    _lock = threading.Lock()
+    _lock = threading.RLock()  # a finalizer may tell it from inside a tell (GC)
     _proc: subprocess.Popen | None = None
     _owner = 0  # the pid that started _proc (a forked child must not use its parent's)
 
     @classmethod
     def _ensure(cls) -> subprocess.Popen | None:
+        if sys.platform == "win32":
+            return None  # no process groups to kill there; ranks leave when their pipe closes
         if cls._proc is not None and cls._owner == os.getpid() and cls._proc.poll() is None:
             return cls._proc
         try:

@@ -132,17 +132,20 @@ def test_very_large_return_value_works():
 
 
 def test_big_return_values_still_on_their_way_at_the_timeout_are_not_stuck():
-    """fn returns 0.3 s before the 2 s timeout, but pickling and sending 2 x 400 MB takes
-    longer than that: the values travel in chunks, so run() sees them progress and waits
-    for them rather than calling the ranks stuck."""
-    def big():
-        time.sleep(1.7)
-        return torch.full((100_000_000,), float(dist.get_rank()))
-    with LocalGroup(world_size=2, timeout=2) as g:
+    """fn returns 0.4 s before the 3 s timeout, but pickling and sending 2 x 400 MB (a
+    list of 50 tensors, like a state_dict) takes longer than that: the values travel in
+    chunks as they are pickled, so run() sees them progress and waits for them rather
+    than calling the ranks stuck."""
+    def big(return_at):
+        values = [torch.full((2_000_000,), float(dist.get_rank())) for _ in range(50)]
+        time.sleep(max(0.0, return_at - time.time()))
+        return values
+    with LocalGroup(world_size=2, timeout=3) as g:
         t0 = time.monotonic()
-        out = g.run(big)
-        assert time.monotonic() - t0 > 2      # the path under test was taken
-        assert [float(t[-1]) for t in out] == [0.0, 1.0]
+        out = g.run(big, time.time() + 2.6)
+        assert time.monotonic() - t0 > 3      # the path under test was taken
+        assert [len(v) for v in out] == [50, 50]
+        assert [float(v[-1][-1]) for v in out] == [0.0, 1.0]
 
 
 def test_resize_after_close_raises_and_starts_nothing():
@@ -239,7 +242,8 @@ def test_two_kernels_run_groups_at_the_same_time():
     assert [o[0].strip() for o in outs] == [str(sum(3.0 + 3 * i for i in range(30)))] * 2
 
 
-def test_fifty_groups_leak_no_process_fd_or_temp_dir():
+def test_fifty_groups_leak_no_process_fd_or_temp_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # groups' dirs go here alone
     me = psutil.Process()
     before_tmp = set(glob.glob(os.path.join(tempfile.gettempdir(), "reducelab-*")))
     LocalGroup(world_size=2).close()   # warm the forkserver: it lives as long as the kernel

@@ -216,3 +216,94 @@ def test_a_rank_that_kills_its_own_process_group_does_not_touch_the_kernel():
         with pytest.raises(RankError, match="rank 1 died: killed by SIGKILL"):
             g.run(kill_my_group)
         assert g.run(lambda: dist.get_rank()) == [0, 1]
+
+
+def test_a_cell_class_inside_a_list_argument_travels_through_object_collectives():
+    res = run_python("""
+        import json, torch.distributed as dist
+        from reducelab import LocalGroup
+
+        class Score:
+            def __init__(self, v):
+                self.v = v
+
+        def gather_list(items):
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, items)
+            return [[s.v for s in lst] for lst in everyone]
+
+        with LocalGroup(world_size=2, timeout=30) as g:   # a fresh group: no earlier call
+            print(json.dumps(g.run(gather_list, [Score(1), Score(2)])))
+    """)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [[[1, 2], [1, 2]]] * 2
+
+
+def test_spawned_dataloader_workers_on_a_rank_load_a_cell_defined_dataset():
+    """DataLoader workers started with spawn (the default on macOS and Windows) get the
+    cell's Dataset class by value, as a torchrun script's workers would import it."""
+    res = run_python("""
+        import json, torch, torch.distributed as dist
+        from torch.utils.data import DataLoader, Dataset
+        from reducelab import LocalGroup
+
+        class Squares(Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return torch.tensor([float(i * i)])
+
+        def load():
+            loader = DataLoader(Squares(), batch_size=2, num_workers=1,
+                                multiprocessing_context="spawn")
+            return [b.flatten().tolist() for b in loader]
+
+        with LocalGroup(world_size=1, timeout=120) as g:
+            print(json.dumps(g.run(load)))
+    """, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [[[0.0, 1.0], [4.0, 9.0]]]
+
+
+def test_the_kernels_environment_when_the_group_starts_reaches_the_ranks():
+    os.environ["REDUCELAB_TEST_SETTING"] = "42"      # set after the forkserver started
+    try:
+        with LocalGroup(world_size=2, timeout=30) as g:
+            assert g.run(lambda: os.environ.get("REDUCELAB_TEST_SETTING")) == ["42", "42"]
+    finally:
+        del os.environ["REDUCELAB_TEST_SETTING"]
+
+
+def test_a_traceback_keeps_the_learners_frames_and_the_chained_cause(group):
+    from reducelab import RankError
+
+    def my_step():
+        from reducelab.checks.all_reduce import local_values
+        try:
+            local_values(dist.get_rank(), "three")         # fails inside a helper
+        except TypeError as e:
+            raise ValueError("my step could not build its input") from e
+    with pytest.raises(RankError) as info:
+        group.run(my_step)
+    tb = info.value.tracebacks[0]
+    assert "in my_step" in tb and "local_values" in tb
+    assert "direct cause" in tb and "could not build its input" in tb
+    assert "rank_loop.py" not in tb
+
+
+def test_a_value_whose_unpickling_exits_is_reported_not_raised(group):
+    from reducelab import RankError
+
+    class ExitsWhenLoaded:
+        def __reduce__(self):
+            import sys
+            return (sys.exit, (3,))
+    with pytest.raises(RankError, match="could not be unpickled in the kernel: SystemExit"):
+        group.run(lambda: ExitsWhenLoaded())
+    assert group.run(lambda: dist.get_rank()) == [0, 1, 2, 3]
+
+
+def test_a_group_with_a_short_timeout_starts_whatever_the_start_method():
+    """Importing torch in each rank (spawn) is not charged to the timeout."""
+    with LocalGroup(world_size=2, timeout=2) as g:
+        assert g.run(lambda: dist.get_world_size()) == [2, 2]

@@ -331,3 +331,151 @@ def test_every_failing_call_ends_within_timeout_plus_the_margin():
             took = time.monotonic() - t0
             assert took < timeout + MARGIN, (name, took)
         assert g.run(lambda: dist.get_rank()) == [0, 1, 2]
+
+
+# --- found by review: each of these failed before its fix ----------------------------
+
+def test_close_and_resize_stop_children_in_a_session_of_their_own():
+    """A polite close lets the ranks leave first; they take what they started along,
+    also children that left the rank's process group (start_new_session)."""
+    def start_own_session_child():
+        import subprocess
+        import sys
+        global kept_child
+        kept_child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True)
+        return kept_child.pid
+    g = LocalGroup(world_size=2, timeout=30)
+    first = g.run(start_own_session_child)
+    g.resize(3)
+    assert gone(first, within=5)
+    second = g.run(start_own_session_child)
+    g.close()
+    assert gone(second, within=5)
+
+
+def test_an_interrupt_while_stopping_is_held_until_everything_is_stopped():
+    from reducelab import processes
+    g = LocalGroup(world_size=2, timeout=30)
+    pids, tmp = g.pids, g._tmpdir
+    with pytest.raises(KeyboardInterrupt):
+        with processes.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)   # lands inside the block
+            g.close()                               # ... which still completes
+    assert g.state == "closed" and g.pids == []
+    assert gone(pids, within=5) and not os.path.exists(tmp)
+
+
+def test_an_ignored_sigint_stays_ignored_through_a_deferred_block():
+    from reducelab import processes
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with processes.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_close_while_another_thread_pickles_the_arguments_raises_group_closed():
+    class SlowArgument:                  # a learner's object, slow to pickle in the kernel
+        def __reduce__(self):
+            time.sleep(6)
+            return (int, (1,))
+    from reducelab.group import current_group
+    g = LocalGroup(world_size=2, timeout=30)
+    caught = []
+
+    def runner():
+        try:
+            g.run(lambda x: x, SlowArgument())
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            caught.append(e)
+    t = threading.Thread(target=runner)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    g.close()                             # gives up waiting after 5 s, stops the ranks
+    assert time.monotonic() - t0 < 5 + MARGIN
+    t.join(30)
+    assert len(caught) == 1 and isinstance(caught[0], GroupClosedError), caught
+    assert g.state == "closed" and current_group() is not g
+
+
+def test_close_from_a_progress_callback_during_resize_closes_the_group():
+    holder = []
+
+    def progress(up, n):
+        if holder and up == 1 and n == 3:
+            holder[0].close()
+    g = LocalGroup(world_size=2, timeout=30, progress=progress)
+    holder.append(g)
+    with pytest.raises(GroupClosedError):
+        g.resize(3)
+    assert g.state == "closed" and g.pids == []
+
+
+def test_a_second_caller_ends_within_its_own_bound_counting_its_wait():
+    timeout = 3.0
+    with LocalGroup(world_size=2, timeout=timeout) as g:
+        first = threading.Thread(target=pytest.raises, args=(RankError, g.run, time.sleep, 30))
+        first.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with pytest.raises((RankError, GroupBusyError)):
+            g.run(time.sleep, 30)           # waits for the first, then runs out of time
+        assert time.monotonic() - t0 < timeout + MARGIN
+        first.join(20)
+
+
+def test_a_pickler_that_hangs_right_before_the_timeout_gets_no_second_timeout():
+    class Slow:
+        def __reduce__(self):
+            time.sleep(60)
+            return (int, (0,))
+
+    def late(return_at):
+        time.sleep(max(0.0, return_at - time.time()))
+        return Slow()
+    with LocalGroup(world_size=2, timeout=3) as g:
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match="still being pickled"):
+            g.run(late, time.time() + 2.5)
+        assert time.monotonic() - t0 < 3 + MARGIN
+
+
+def test_the_prewarm_flag_starts_one_forkserver_not_a_chain():
+    res = run_python("""
+        import os, time, psutil
+        os.environ["REDUCELAB_PREWARM"] = "1"
+        import reducelab
+        time.sleep(8)
+        me = psutil.Process()
+        servers = [p for p in me.children(recursive=True)
+                   if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        print(len(servers))
+    """, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_kill_trees_leaves_alone_a_process_that_reused_a_ranks_pid():
+    """A stand-in for pid reuse: a live process whose start time is not the rank's."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from reducelab import processes
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+    try:
+        time.sleep(0.3)
+        fake_rank = SimpleNamespace(pid=other.pid, created=1.0,   # started long ago
+                                    process=SimpleNamespace(kill=lambda: None,
+                                                            join=lambda t: None))
+        processes.kill_trees([fake_rank], wait=0.2)
+        time.sleep(0.3)
+        assert other.poll() is None, "an unrelated process with the rank's pid was killed"
+    finally:
+        other.kill()
+        other.wait()
