@@ -1,6 +1,9 @@
 """Notebook 01: the all_reduce explorer (headless), the exercise check, and the facts taught."""
 from __future__ import annotations
 
+import json
+import math
+import pathlib
 import sys
 
 import cloudpickle
@@ -113,11 +116,33 @@ def all_reduce_inputs(values):
 @pytest.mark.parametrize("values", [[1.0, 2.0, 3.0, 4.0], [1.0, -1.0, 2.0, -2.0], [1.0, -2.0, 3.0, -4.0],
                                     [0.9, 1.1, 1.0, 1.0], [0.5] * 4])
 def test_sum_is_world_size_times_the_mean_and_bounded_by_the_largest_input(group, values):
-    """Step 2 of the notebook: what SUM does to any inputs."""
+    """Step 2 of the notebook: what SUM does to any inputs. The text's sentence: larger
+    than every input whenever all inputs are positive; when signs differ they partly or
+    wholly cancel, and the sum can come out smaller than some inputs."""
     group.resize(4)
     total = group.run(all_reduce_inputs, values)[0]
     assert total == pytest.approx(4 * sum(values) / 4, abs=1e-6)
     assert abs(total) <= 4 * max(abs(v) for v in values) + 1e-6
+    if all(v > 0 for v in values):
+        assert total > max(values)                     # 1, 2, 3, 4 (sizes differ) give 10
+    else:
+        assert abs(total) < sum(abs(v) for v in values)     # they cancel, partly or wholly
+        assert total < max(values)
+
+
+def all_reduce_signed():
+    rank = dist.get_rank()
+    value = torch.tensor([(rank // 2 + 1) * (1.0 if rank % 2 == 0 else -1.0)])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def test_signed_inputs_sum_to_a_plain_zero_not_minus_zero(group):
+    """Question 2's cell prints the sum as it comes: +1 - 1 + 2 - 2 rounds to +0.0 on
+    every rank, so no "-0" shows and no "+ 0.0" is needed (which would hint the answer)."""
+    group.resize(4)
+    for total in group.run(all_reduce_signed):
+        assert total == 0.0 and math.copysign(1.0, total) == 1.0 and f"{total:g}" == "0"
 
 
 def changed_by(op):
@@ -154,10 +179,28 @@ def test_solution_passes_and_the_stub_fails_with_an_explanation(group):
     assert check_mean_over_ranks(group, solution)
     assert group.world_size == 4
 
-    def stub(n):
-        return local_values(dist.get_rank(), n)
+    def stub(n):                                        # the notebook's stub
+        x = local_values(dist.get_rank(), n)
+        return x
     verdict = check_mean_over_ranks(group, stub)
-    assert not verdict and "own input" in verdict.message
+    assert not verdict and "You returned the rank's own input: nothing was reduced into x" \
+        in verdict.message
+    assert "copy" not in verdict.message                # it never called all_reduce at all
+
+    def reduced_a_copy(n):
+        x = local_values(dist.get_rank(), n)
+        total = x.clone()
+        dist.all_reduce(total)
+        return x
+    verdict = check_mean_over_ranks(group, reduced_a_copy)
+    assert not verdict and "did you call all_reduce on a copy" in verdict.message
+
+    def never_reduced(n):
+        return local_values(dist.get_rank(), n) / 2
+    verdict = check_mean_over_ranks(group, never_reduced)
+    assert not verdict and "never called dist.all_reduce" in verdict.message
+    assert dist.all_reduce.__name__ == "all_reduce"     # the kernel's own is untouched
+    assert group.run(lambda: dist.all_reduce.__name__) == ["all_reduce"] * 4   # and the ranks'
 
     def forgot_to_divide(n):
         x = local_values(dist.get_rank(), n)
@@ -189,8 +232,11 @@ def test_gloo_avg_on_float_and_refusals_as_the_notebook_says(group):
     assert group.run(op_on, "BAND", torch.int64) == [0] * 4
 
 
-def test_explorer_on_a_closed_group_says_so():
+def test_explorer_on_a_closed_group_says_so(monkeypatch):
     from reducelab import LocalGroup
+    # No open group to follow, as before the learner runs the setup cell again (this
+    # module's shared group would otherwise be the kernel's newest open one).
+    monkeypatch.setattr("reducelab.widgets.current_group", lambda: None)
     g = LocalGroup(world_size=2)
     ex = AllReduceExplorer(g, demo, n=2)
     g.close()
@@ -213,3 +259,67 @@ def test_explorer_follows_the_new_group_once_the_setup_cell_runs_again():
         assert (ex.result.after == 2).all()
     finally:
         new.close()
+
+
+def test_local_values_are_what_the_exercise_text_says():
+    """The exercise text: element i of local_values(rank, n) is (rank + 1) * (i + 1),
+    float32; the cell before the exercise prints them for four ranks."""
+    assert local_values(0, 4).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert local_values(1, 4).tolist() == [2.0, 4.0, 6.0, 8.0]
+    assert local_values(3, 2).dtype == torch.float32
+    for rank in range(4):
+        assert local_values(rank, 5).tolist() == [(rank + 1) * (i + 1) for i in range(5)]
+
+
+def summed_gradient():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(8), torch.randn(8)
+    mine = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    w = torch.zeros(1, requires_grad=True)
+    ((w * inputs[mine] - targets[mine]) ** 2).mean().backward()
+    grad = w.grad.clone()
+    dist.all_reduce(grad)
+    return grad.item()
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_summing_gradients_gives_world_size_times_the_whole_batch_gradient(group, world_size):
+    """The last myth: the "aggregate update" is world_size times the whole-batch gradient;
+    SUM / world_size is that gradient (equal shares of the batch)."""
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(8), torch.randn(8)
+    w = torch.zeros(1, requires_grad=True)
+    ((w * inputs - targets) ** 2).mean().backward()
+    whole = w.grad.item()
+    group.resize(world_size)
+    summed = group.run(summed_gradient)
+    group.resize(4)
+    assert len(set(summed)) == 1                        # every rank holds the same sum
+    assert abs(whole) > 0.1
+    assert summed[0] == pytest.approx(world_size * whole, rel=1e-5)
+    assert summed[0] / world_size == pytest.approx(whole, rel=1e-5)
+
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "01_all_reduce.ipynb"
+
+
+def notebook_cells():
+    return ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+
+
+def test_the_notebook_gives_no_answer_before_its_question_and_closes_as_agreed():
+    cells = notebook_cells()
+    q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
+    before_q2 = "\n".join(cells[:q2 + 2])
+    assert "+ 0.0" not in before_q2 and "can cancel" not in before_q2
+    assert "fraction of a second" not in "\n".join(cells)      # no time estimate in prose
+    exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/01_"))
+    assert "local_values(rank, 4)" in cells[exercise - 1]       # the inputs, shown before
+    assert "(rank + 1) * (i + 1)" in cells[exercise - 2]
+    assert cells[-1] == "# group.close()"
+    assert cells[-2].endswith(
+        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
+        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
+        "explorers above then say their group is closed, and follow the new group once you "
+        "run the setup cell again.")

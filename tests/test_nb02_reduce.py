@@ -6,7 +6,11 @@ gloo's ring reduce (gloo/reduce.cc), written here from the algorithm, not from t
 """
 from __future__ import annotations
 
+import json
+import math
+import pathlib
 import sys
+import time
 
 import cloudpickle
 import numpy as np
@@ -107,6 +111,19 @@ def test_gloo_reduce_matches_ring_replay(group, ws):
         np.testing.assert_array_equal(out[dst][k].numpy(), np.full(n, sum(10.0 ** r for r in range(ws))))
 
 
+def test_question_1_at_two_elements_leaves_rank_3_untouched(group):
+    """Question 1: 4 ranks, 2 elements, dst=0. The sum travels 3 -> 2 -> 1 -> 0, so
+    ranks 1 and 2 hold partial sums and rank 3, which only sends, keeps its input."""
+    group.resize(4)
+    out = group.run(reduce_once, 2, 0)
+    changed = [r for r, (before, after) in enumerate(out) if not torch.equal(before, after)]
+    assert changed == [0, 1, 2]
+    assert [after.tolist() for _, after in out] == [[1111.0] * 2, [1110.0] * 2,
+                                                    [1100.0] * 2, [1000.0] * 2]
+    assert [contributors(after[0], 4) for _, after in out] == [[0, 1, 2, 3], [1, 2, 3],
+                                                               [2, 3], [3]]
+
+
 def test_non_dst_ranks_change_and_layout_depends_on_size(group):
     group.resize(4)
     out = group.run(many_reduces, [(4, 0), (8, 0)])
@@ -131,6 +148,9 @@ def test_views_follow_x_new_tensors_do_not(group):
     group.resize(4)
     out = group.run(aliases)
     assert out[2] == [True, True, False, False]  # rank 2, not dst: view, grid change; y, copy not
+    # Question 2, rank 3: gloo writes elements 2 and 3 only, so x[:2] keeps its values
+    # while x.view(2, 2), which covers all four, changes: (False, True, False)
+    assert out[3] == [False, True, False, False]
     assert all(not y and not c for _, _, y, c in out)
 
 
@@ -156,6 +176,55 @@ def test_async_result_only_after_wait(group):
     early, late, done = out[0]
     assert early.tolist() == [1.0] * 4   # rank 1 had not joined: dst still held its input
     assert late.tolist() == [11.0] * 4 and done
+
+
+def write_before_wait_in_order(n, write_first):
+    """Rank 1 adds 5 to its x before wait(), once ordered before gloo can read x (rank 0
+    joins the reduce only after the write) and once after the reduce is done on dst; a
+    barrier on a second process group orders them."""
+    rank = dist.get_rank()
+    side = dist.new_group([0, 1])
+    x = torch.full((n,), 10.0 ** rank)
+    if rank == 0 and write_first:
+        dist.barrier(group=side)
+    work = dist.reduce(x, dst=0, async_op=True)
+    if rank == 0 and not write_first:
+        work.wait()
+        dist.barrier(group=side)
+    if rank == 1:
+        if not write_first:
+            dist.barrier(group=side)
+        x.add_(5)
+        if write_first:
+            dist.barrier(group=side)
+    work.wait()
+    return sorted(int(v) for v in x.unique())
+
+
+@pytest.mark.parametrize("n", [4, 2 ** 18])
+def test_a_write_before_wait_can_give_more_than_one_outcome(group, n):
+    """Step 7's race: the same code (write, then wait) gives 16 or 11 on dst depending
+    only on when the write lands, at the notebook's size (2**18) and at 4 elements."""
+    group.resize(2)
+    assert group.run(write_before_wait_in_order, n, True)[0] == [16]
+    assert group.run(write_before_wait_in_order, n, False)[0] == [11]
+
+
+def write_after_wait(delay):
+    rank = dist.get_rank()
+    x = torch.full((2 ** 18,), 10.0 ** rank)
+    work = dist.reduce(x, dst=0, async_op=True)
+    if rank == 1:
+        time.sleep(delay)
+    work.wait()
+    if rank == 1:
+        x.add_(5)
+    return sorted(int(v) for v in x.unique())
+
+
+def test_a_write_after_wait_never_reaches_dst(group):
+    group.resize(2)
+    assert {tuple(group.run(write_after_wait, k * 0.0003)[0]) for k in range(10)} == {(11,)}
 
 
 def test_docs_promise_dst_only_and_in_place():
@@ -252,16 +321,25 @@ def test_explorer_explains_a_failing_rank_function(group):
     assert bytes(e.image.value) == message_png("No figure for these settings: see the message below.")
 
 
-def test_the_input_changes_the_figure_not_the_layout_even_at_32_elements(group):
-    """The input dropdown: at 32 elements no value fits a cell, yet the figure changes
-    (the input panel is coloured by value), while the after panel's layout does not."""
+@pytest.mark.parametrize("n", [8, 32])
+def test_the_input_changes_the_figure_not_the_layout_at_a_fixed_size(group, n):
+    """The tip "switch input between patterns at a fixed size: the left panel changes,
+    the right one does not". At 32 elements no value fits a cell, yet the figure changes
+    (the input panel is coloured by value). Changing the size does move the layout."""
     group.resize(4)
-    e = ReduceExplorer(group, reduce_once, world_size=4, dst=0, n=32)
-    before_png, status = bytes(e.image.value), e.result.status.copy()
+    e = ReduceExplorer(group, reduce_once, world_size=4, dst=0, n=n)
+    status = e.result.status.copy()
+    for pattern in ("random ints", "rank + 1", "10**rank"):
+        before_png = bytes(e.image.value)
+        e.controls["pattern"].value = pattern
+        assert bytes(e.image.value) != before_png
+        np.testing.assert_array_equal(e.result.status, status)
+        assert e.message.value.startswith(f"input {pattern}")
     e.controls["pattern"].value = "random ints"
-    assert bytes(e.image.value) != before_png
-    np.testing.assert_array_equal(e.result.status, status)
-    assert e.message.value.startswith("input random ints")
+    e.controls["n"].value = 40 - n                      # 8 <-> 32: the right panel changes
+    assert e.result.status.shape[1] == 40 - n
+    assert not np.array_equal(e.result.status[:, :min(n, 40 - n)],
+                              status[:, :min(n, 40 - n)])
 
 
 @pytest.mark.parametrize("ws,n", [(1, 1), (8, 32), (8, 8), (2, 3)])
@@ -277,6 +355,24 @@ def test_grid_follows_the_figure_rules_at_the_extremes(ws, n):
     assert grid.fig.get_figheight() <= 4.5
     hatches = {c.get_hatch() for c in grid.fig.axes[1].collections}
     assert {"//", "xx"} <= hatches
+
+
+def test_values_on_the_hatched_panel_sit_on_a_white_box():
+    """At the explorer's first state (4 ranks, 8 elements) every value in the after
+    panel is written, black on a white box, so no hatch line runs through its digits."""
+    import matplotlib.colors as mcolors
+    inputs = inputs_10(4, 8)
+    before, after = np.stack(inputs), np.stack(gloo_reduce_reference(inputs, 0))
+    grid = ReduceGrid()
+    grid.draw(before, after, buffer_status(before, after), 0)
+    labels = [t for t in grid.fig.axes[1].texts if t.get_text()]
+    assert sorted({t.get_text() for t in labels}) == sorted(
+        {cell_label(v) for v in after.ravel()})
+    assert len(labels) == after.size
+    for t in labels:
+        box = t.get_bbox_patch()
+        assert box is not None and mcolors.to_hex(box.get_facecolor()) == "#ffffff"
+        assert t.get_zorder() > max(c.get_zorder() for c in grid.fig.axes[1].collections)
 
 
 # --- the exercise check and its solution --------------------------------------------------
@@ -333,3 +429,55 @@ def test_check_explains_wrong_answers_without_giving_the_solution(group):
 def test_exercise_input():
     assert exercise_input(2, 3).tolist() == [100.0] * 3
     assert exercise_input(0, 1).dtype == torch.float32
+
+
+# --- the notebook itself ------------------------------------------------------------------
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "02_reduce_and_aliasing.ipynb"
+
+
+def notebook_cells():
+    return ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+
+
+def test_the_notebooks_replay_is_gloos_ring():
+    """Step 4's replay (math.ceil, one named variable per step) gives what the reference
+    replay gives, for sizes and world sizes beyond those the notebook compares."""
+    cell = next(c for c in notebook_cells() if "def ring_reduce_replay" in c)
+    assert "-(-" not in cell                            # no ceiling-division tricks
+    namespace = {}
+    exec(cell[:cell.index("compared = differ = 0")], namespace)
+    replay = namespace["ring_reduce_replay"]
+    for ws in (1, 2, 3, 5, 8):
+        for n in (1, 2, 7, 16, 33, 100):
+            for dst in sorted({0, ws - 1}):
+                inputs = [torch.full((n,), 10.0 ** r) for r in range(ws)]
+                got = replay(inputs, dst)
+                want = gloo_reduce_reference([x.numpy() for x in inputs], dst)
+                for r in range(ws):
+                    np.testing.assert_array_equal(got[r].numpy(), want[r])
+
+
+def test_the_notebook_asks_before_it_explains_and_closes_as_agreed():
+    cells = notebook_cells()
+    assert "has changed on ranks that were never meant" not in cells[0]
+    assert "do not (`x + 1`" not in cells[0]
+    q1 = next(i for i, c in enumerate(cells) if c.startswith("answer_1 = None"))
+    assert "each `x` has 2 elements" in cells[q1 - 1]
+    assert "reduce_once, 2, 0" in cells[q1 + 1]
+    q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
+    asked = "\n".join(cells[:q2 + 2])
+    for hint in ("own storage", "shares x's storage", "share x's storage", "sees whatever"):
+        assert hint not in asked.split("def aliases")[0], hint
+    assert "# views" not in cells[q2 + 1] and "# new tensors" not in cells[q2 + 1]
+    assert "**rank 3**" in cells[q2 - 1]
+    q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
+    assert "Rank 1 arrives 0.5 s late, as a slow rank would." in cells[q3 - 1]
+    assert "To make" not in cells[q3 - 1] and "not guaranteed" not in cells[q3 + 1]
+    race = next(c for c in cells if "def write_before_wait" in c)
+    assert "2 ** 18" in race
+    assert cells[-1] == "# group.close()"
+    assert cells[-2].endswith(
+        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
+        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
+        "explorers above then say their group is closed, and follow the new group once you "
+        "run the setup cell again.")

@@ -28,7 +28,10 @@ STATUS_HATCHES = {UNCHANGED: "", PARTIAL: "//", FULL: "xx"}
 """The second cue beside colour: plain, diagonal lines, cross-hatch."""
 HATCH_COLOUR = PALETTE["black"]
 HATCH_WIDTH = 0.6
-"""Line width of the hatching, points: thin enough to keep the digits on top readable."""
+"""Line width of the hatching, points."""
+LABEL_BOX = dict(boxstyle="round,pad=0.2", facecolor="white", linewidth=0)
+"""The white box behind each value in the after panel: the hatching never runs through
+the digits, which stay readable on a projector (as notebook 05's mesh figure does)."""
 _STATUS_CMAP = ListedColormap([STATUS_COLOURS[k] for k in (UNCHANGED, PARTIAL, FULL)]
                               ).with_extremes(bad=PANEL_GREY)
 _STATUS_NORM = BoundaryNorm([-0.5, 0.5, 1.5, 2.5], _STATUS_CMAP.N)
@@ -89,7 +92,8 @@ class ReduceGrid:
     ``x`` (coloured by value, with :data:`~reducelab.plots.CMAP`) and the same ``x``
     after ``dist.reduce`` (coloured and hatched by status: unchanged, partial sum, full
     sum). Values are written in the cells wherever they fit at
-    :data:`~reducelab.plots.MIN_FONT` points; under the input panel a colour bar gives
+    :data:`~reducelab.plots.MIN_FONT` points (in the after panel on a white box,
+    :data:`LABEL_BOX`, clear of the hatching); under the input panel a colour bar gives
     the values, under the other a legend names the statuses.
 
     The figure persists and is rebuilt only when ``world_size`` or the number of
@@ -181,10 +185,9 @@ class ReduceGrid:
                         light = norm(values[i, j]) > 0.5
                         t.set_color(PALETTE["black"] if light else PANEL_GREY)
                         t.set_bbox(None)
-                    else:       # a box of the cell's own colour keeps digits clear of the hatching
+                    else:       # black on a white box, clear of the colour and the hatching
                         t.set_color(PALETTE["black"])
-                        t.set_bbox(dict(boxstyle="square,pad=0.15", linewidth=0,
-                                        facecolor=STATUS_COLOURS[int(status[i, j])]))
+                        t.set_bbox(LABEL_BOX if labels[i][j] and show else None)
         self._axes[0].set_yticks(range(world_size),
                                  [f"rank {r}" + (" (dst)" if r == dst else "")
                                   for r in range(world_size)])
