@@ -178,3 +178,29 @@ def test_the_project_stands_alone():
             if OUTSIDE.search(line) and name != "tests/test_notebooks.py":
                 hits.append(f"{name}:{n}: {line.strip()[:100]}")
     assert not hits, "paths outside the repository:\n" + "\n".join(hits[:20])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_the_setup_cell_says_what_to_do_without_reducelab(path):
+    """It imports reducelab first (the forkserver then imports torch while the kernel
+    does), and a kernel without it gets one sentence with the command, not a bare
+    ModuleNotFoundError."""
+    setup = source(code_cells(load(path))[0])
+    assert setup.startswith("try:"), setup[:80]
+    first_import = next(line for line in setup.splitlines()
+                        if re.match(r"\s*(from \S+ )?import ", line))
+    assert first_import.strip().startswith("from reducelab import")
+    namespace = {}
+    hidden = "import builtins\n_real = builtins.__import__\n" \
+             "def _no_reducelab(name, *a, **k):\n" \
+             "    if name.split('.')[0] == 'reducelab': raise ModuleNotFoundError(name)\n" \
+             "    return _real(name, *a, **k)\nbuiltins.__import__ = _no_reducelab\n"
+    guard = setup.split("\n\n")[0]
+    try:
+        exec(hidden, namespace)
+        with pytest.raises(ModuleNotFoundError) as info:
+            exec(guard, namespace)
+    finally:
+        import builtins
+        builtins.__import__ = namespace["_real"]
+    assert "%pip install reducelab" in str(info.value) and "restart the kernel" in str(info.value)
