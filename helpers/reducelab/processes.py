@@ -60,15 +60,28 @@ if not hasattr(mp.spawn.get_preparation_data, "reducelab_original"):
     mp.spawn.get_preparation_data = _without_main(mp.spawn.get_preparation_data)
 
 
+PRELOAD = {
+    "full": ["reducelab.rank_loop", "torch._dynamo", "torch.distributed.tensor",
+             "torch.distributed.fsdp"],
+    "torch": ["reducelab.rank_loop"],
+}
+"""What the forkserver imports before it serves ranks, by ``REDUCELAB_PRELOAD``.
+
+``full`` (the default) adds what DistributedDataParallel, DTensor and FSDP import on
+first use: about 1.2 s of CPU once in the server (measured on torch 2.13), instead of
+on every rank of every group, after every resize (a group of 4 on 2 cores would wait
+about 2.5 s at its first DDP call). ``torch`` makes the kernel's first group start about
+a second sooner, for classes that never use DDP."""
+
+
 def context():
-    """The multiprocessing context ranks start from: forkserver with torch preloaded."""
+    """The multiprocessing context ranks start from: forkserver with torch preloaded
+    (``REDUCELAB_START_METHOD=spawn`` forces spawn, as on Windows)."""
     if "forkserver" in mp.get_all_start_methods() and \
             os.environ.get("REDUCELAB_START_METHOD", "forkserver") == "forkserver":
         ctx = mp.get_context("forkserver")
-        # torch._dynamo is what DistributedDataParallel and DTensor import on first use
-        # (about 1.2 s of CPU per rank); loading it once in the server saves that on
-        # every rank of every group.
-        ctx.set_forkserver_preload(["reducelab.rank_loop", "torch._dynamo"])
+        ctx.set_forkserver_preload(PRELOAD.get(os.environ.get("REDUCELAB_PRELOAD", "full"),
+                                               PRELOAD["full"]))
         return ctx
     return mp.get_context("spawn")
 
