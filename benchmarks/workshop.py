@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -186,7 +187,8 @@ def main() -> None:
     (OUT / "workshop.json").write_text(json.dumps(results, indent=2) + "\n")
     md = report(results)
     (OUT / "workshop.md").write_text(md)
-    print(md)
+    print(md, flush=True)
+    os._exit(0)  # skip jupyter_client's event-loop teardown noise at interpreter exit
 
 
 if __name__ == "__main__":
