@@ -2,7 +2,9 @@
 the notebook teaches, each measured on real gloo ranks against a single-process reference."""
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 import warnings
 
 import numpy as np
@@ -196,52 +198,113 @@ def test_stub_fails_and_names_the_mean_of_means(group):
     assert group.world_size == 4
 
 
-@pytest.mark.parametrize("fn_name, says", [
-    ("local_only", "nothing was all-reduced"),
-    ("sum_only", "global sum of the losses"),
-    ("count_not_reduced", "count must be all-reduced"),
-    ("raises", "ZeroDivisionError"),
-    ("vector", "shape (2,)"),
-    ("text", "returned a str"),
-])
-def test_wrong_answers_are_explained(group, fn_name, says):
-    def local_only(l):
-        return l.mean()
+def local_only(l):
+    return l.mean()
 
-    def sum_only(l):
-        s = l.sum()
-        dist.all_reduce(s)
-        return s
 
-    def count_not_reduced(l):
-        s = l.sum()
-        dist.all_reduce(s)
-        return s / l.numel()
+def sum_only(l):
+    s = l.sum()
+    dist.all_reduce(s)
+    return s
 
-    def raises(l):
-        return 1 / 0
 
-    def vector(l):
-        return torch.zeros(2)
+def count_not_reduced(l):
+    s = l.sum()
+    dist.all_reduce(s)
+    return s / l.numel()
 
-    def text(l):
-        return "0.5"
 
-    fn = locals()[fn_name]
+def raises(l):
+    return 1 / 0
+
+
+def vector(l):
+    return torch.zeros(2)
+
+
+def text(l):
+    return "0.5"
+
+
+def two_all_reduces(l):  # step 1's weighted_mean: right, with two collectives
+    from torch.distributed import all_reduce  # counted however it is called
+    total, count = l.sum(), torch.tensor(float(l.numel()))
+    all_reduce(total)
+    dist.distributed_c10d.all_reduce(count)
+    return total / count
+
+
+def local_means_weighted(l):  # one all_reduce, right for non-empty batches, nan for an empty one
+    stats = torch.stack([l.mean() * l.numel(), torch.tensor(float(l.numel()))])
+    dist.all_reduce(stats)
+    return stats[0] / stats[1]
+
+
+def gathered(l):  # one collective, but not an all_reduce
+    stats = torch.stack([l.sum(), torch.tensor(float(l.numel()))])
+    out = [torch.zeros(2) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, stats)
+    total, count = torch.stack(out).sum(0)
+    return total / count
+
+
+WRONG = {
+    "local_only": (local_only, "other ranks' losses are not in it"),
+    "sum_only": (sum_only, "the sum of all 18 losses, not their mean"),
+    "count_not_reduced": (count_not_reduced, "each rank divides by a different number"),
+    "raises": (raises, "ZeroDivisionError"),
+    "vector": (vector, "shape (2,)"),
+    "text": (text, "returned a str"),
+    "two_all_reduces": (two_all_reduces, "rank 0 called all_reduce 2 times. The exercise asks "
+                                         "for one all_reduce per rank."),
+    "local_means_weighted": (local_means_weighted, "[4, 0, 3] (global batch 7), the global mean "
+                             "loss is 1.3025 (the sum of all 7 losses divided by 7), but rank 0 "
+                             "returned nan. Rank 1 holds no sample here, and the mean of an empty "
+                             "tensor is nan (0 / 0)"),
+    "gathered": (gathered, "rank 0 called all_gather once. The exercise asks for one all_reduce"),
+    "stub": (stub, "mean of the per-rank means"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG)
+def test_wrong_answers_are_explained(group, name):
+    fn, says = WRONG[name]
     verdict = check_global_mean_loss(group, fn)
     assert not verdict
     assert says in verdict.message, verdict.message
     assert group.world_size == 4
 
 
-def test_a_function_right_only_for_equal_batches_fails_on_the_second_setting(group):
+def test_no_check_message_gives_the_recipe(group):
+    """What was wrong, never how to write it: no solution line, and none of the recipe's
+    words (the review found 'All-reduce the loss sum and the sample count separately,
+    then divide.' in an earlier message)."""
+    solution = [line.strip() for line in
+                (conftest.SOLUTIONS / "03_global_mean_loss.py").read_text().splitlines()
+                if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+    recipe = re.compile(r"separately|then divide|two.element|stack|one tensor|sum and the "
+                        r"(sample )?count|all-reduce the|divide (it )?by the global", re.I)
+    for name, (fn, _) in WRONG.items():
+        message = check_global_mean_loss(group, fn).message
+        assert not any(line in message for line in solution), (name, message)
+        assert not recipe.search(message), (name, message)
+
+
+def test_a_function_right_only_for_the_first_setting_fails_on_the_second(group):
     # right answer for world_size 4 (hard-coded count 18), wrong for the other setting
     def hard_coded(l):
         s = l.sum()
         dist.all_reduce(s)
         return s / 18
     verdict = check_global_mean_loss(group, hard_coded)
-    assert not verdict and "[1, 6, 2]" in verdict.message
+    assert not verdict and "[4, 0, 3]" in verdict.message
+
+
+def test_the_check_includes_an_empty_local_batch():
+    assert any(0 in sizes for sizes in UNEVEN_BATCHES)
+    assert exercise_losses(1, 0).shape == (0,)
+    assert torch.isnan(exercise_losses(1, 0).mean())  # what the check's nan message says
+    assert torch.isnan(torch.tensor([]).mean())
 
 
 def test_check_rejects_a_non_function(group):
@@ -325,8 +388,10 @@ def accumulated_grad(variant, micro_batches=4, micro_batch_size=2):
     for xb, yb in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
         if variant == "zero_grad inside":
             model.zero_grad()
-        if variant == "sum / global batch":
-            loss = F.mse_loss(model(xb), yb, reduction="sum") / global_batch * world_size
+        if variant.startswith("sum / global batch"):
+            loss = F.mse_loss(model(xb), yb, reduction="sum") / global_batch
+            if variant == "sum / global batch * world_size":
+                loss = loss * world_size
         else:
             loss = F.mse_loss(model(xb), yb)
             if variant in ("/ micro_batches", "zero_grad inside"):
@@ -356,9 +421,17 @@ def grads_of(group, variant):
     return out[0]
 
 
-@pytest.mark.parametrize("variant", ["/ micro_batches", "sum / global batch"])
+@pytest.mark.parametrize("variant", ["/ micro_batches", "sum / global batch * world_size"])
 def test_normalised_accumulation_equals_the_full_batch_gradient(group, variant):
     assert torch.allclose(grads_of(group, variant), reference_grad(4), atol=1e-6)
+
+
+def test_question_2_without_world_size_ddp_leaves_a_quarter(group):
+    """Question 2: the summed loss over the global batch, without * world_size, under DDP
+    (which divides by world_size = 4)."""
+    ratio = grads_of(group, "sum / global batch") / reference_grad(4)
+    assert torch.allclose(ratio, torch.full_like(ratio, 0.25), atol=1e-5)
+    assert round(ratio[0].item(), 4) == 0.25
 
 
 def test_unnormalised_accumulation_is_micro_batches_times_too_large(group):
@@ -425,10 +498,29 @@ def _never_called(rank, marker):  # pragma: no cover - mp.spawn with nprocs=0 st
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fact is about machines without GPUs")
 def test_device_count_is_zero_and_spawn_then_starts_nothing(tmp_path):
+    """What the notebook's cell runs: join=False returns the ProcessContext, which lists no
+    process."""
     assert torch.cuda.device_count() == 0
     marker = tmp_path / "ran"
-    assert mp.spawn(_never_called, args=(str(marker),), nprocs=torch.cuda.device_count()) is None
+    ctx = mp.spawn(_never_called, args=(str(marker),), nprocs=torch.cuda.device_count(),
+                   join=False)
+    assert isinstance(ctx, mp.ProcessContext) and len(ctx.processes) == 0
     assert not marker.exists()
+
+
+def _writes_a_marker(rank, marker):
+    pathlib.Path(marker).write_text(f"rank {rank} ran")
+
+
+def test_spawn_with_join_returns_none_whether_or_not_it_ran(tmp_path):
+    """The notebook's text: mp.spawn(..., join=True) returns None either way, so its return
+    value proves nothing (checked by the review with nprocs=1)."""
+    marker = tmp_path / "ran"
+    assert mp.spawn(_writes_a_marker, args=(str(marker),), nprocs=1, join=True) is None
+    assert marker.read_text() == "rank 0 ran"
+    assert mp.spawn(_writes_a_marker, args=(str(tmp_path / "never"),), nprocs=0,
+                    join=True) is None
+    assert not (tmp_path / "never").exists()
 
 
 # --- plots ------------------------------------------------------------------------------------
@@ -475,3 +567,64 @@ def test_loss_plot_lines_differ_in_dash_and_legend_gives_values(drawn):
     texts = [t.get_text() for t in ax.get_legend().get_texts()]
     assert texts == ["reference, one process: 2.0000", "all_reduce(sum) / all_reduce(count): 2.0000",
                      "all_reduce(mean) / world_size: 2.2500"]
+
+
+# --- the notebook's text ----------------------------------------------------------------------
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "03_loss_aggregation.ipynb"
+
+
+def notebook_cells():
+    return [("".join(c["source"]), c) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+
+
+def test_the_text_claims_no_order_of_the_ranks_losses():
+    """Step 1's local means are not ordered by rank (2.36, 8.27, 4.04, 13.9), so the text
+    must not say that higher ranks have larger losses."""
+    text = "\n".join(src for src, c in notebook_cells() if c["cell_type"] == "markdown")
+    assert "higher ranks have larger losses" not in text
+    means = [losses_of(r, [3, 5, 8, 2]).mean().item() for r in range(4)]
+    assert means != sorted(means)
+    assert "rank 3, whose targets sit highest" in text
+    one_big = [losses_of(r, [1, 1, 1, 30]).mean().item() for r in range(4)]
+    assert max(one_big) == one_big[3]
+
+
+def test_question_2_is_not_answered_before_it_is_asked():
+    cells = [src for src, _ in notebook_cells()]
+    q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
+    before = "\n".join(cells[:q2 + 2])
+    assert '"sum / global batch"' in cells[q2 - 1] and "How many times" in cells[q2 - 1]
+    for spoiler in ("quarter", "0.25", "1/4", "divides by `world_size`", "divides each by"):
+        assert spoiler not in before.replace(cells[q2 + 1], ""), spoiler
+    assert "reveal(answer_2" in cells[q2 + 1] and '"sum / global batch")' in cells[q2 + 1]
+
+
+def test_the_exercise_asks_for_one_all_reduce_with_the_check_s_batch_sizes():
+    cells = [src for src, _ in notebook_cells()]
+    exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/03_"))
+    task = cells[exercise - 1]
+    assert "**one** `all_reduce` per rank" in task and "may be 0" in task
+    for sizes in UNEVEN_BATCHES:
+        assert ", ".join(map(str, sizes)) in task
+    assert cells[exercise + 1] == "check_global_mean_loss(group, global_mean_loss)"
+
+
+def test_the_spawn_cell_shows_what_spawn_started():
+    (src, cell), = [(s, c) for s, c in notebook_cells() if "mp.spawn(" in s and c["cell_type"] == "code"]
+    assert "join=False" in src and "len(ctx.processes)" in src
+    shown = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+    if not torch.cuda.is_available():
+        assert "processes mp.spawn started: 0" in shown
+    text = "\n".join(s for s, c in notebook_cells() if c["cell_type"] == "markdown")
+    assert "returns `None` whether it started processes or not" in text
+    assert "Nothing was printed by `train`" not in text
+
+
+def test_the_notebook_closes_as_agreed():
+    cells = [src for src, _ in notebook_cells()]
+    assert cells[-1] == "# group.close()"
+    assert cells[-2].endswith(
+        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
+        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
+        "explorers above then say their group is closed, and follow the new group once you "
+        "run the setup cell again.")

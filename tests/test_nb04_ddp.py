@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
+import pathlib
+import re
 import warnings
 
 import pytest
@@ -24,7 +27,7 @@ from reducelab.checks.ddp import (CHECK_WORLD_SIZES, check_loss_scale, compare_g
                                   expected_factor, explain)
 from reducelab.data import batch_order, load_digits_tensors, local_slice, split_sizes
 from reducelab.plots import message_png
-from reducelab.plots.ddp import GradientScatter, loss_curves, sample_weights
+from reducelab.plots.ddp import GAP_FLOOR, GradientScatter, loss_curves, sample_weights
 from reducelab.widgets.ddp import GradientFactorExplorer
 
 PNG = b"\x89PNG"
@@ -119,8 +122,44 @@ def both_orders():
     return late.item(), early.item()
 
 
+def ddp_float16_gradient(hook=None):
+    """As in the notebook: DDP over a float16 Linear whose weight's local gradient is 40000."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(1, 1, bias=False).half())
+    if hook is not None:
+        model.register_comm_hook(None, hook)
+    x = torch.ones(1, 1, dtype=torch.float16)
+    (40000 * model(x)).sum().backward()
+    return model.module.weight.grad.item()
+
+
+def sum_then_divide(state, bucket):
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0] / dist.get_world_size())
+
+
+def bucket_sizes_per_iteration(iterations=3):
+    """Bytes of each bucket DDP hands a (recording, then allreduce_hook) comm hook, per
+    backward(), for 8 Linear(256, 256) layers (about 2 MiB of float32 gradients)."""
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]))
+    seen = []
+
+    def recording(state, bucket):
+        seen.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, recording)
+    out = []
+    for _ in range(iterations):
+        seen.clear()
+        model(torch.randn(4, 256)).sum().backward()
+        out.append(list(seen))
+    return out
+
+
 def bucket_as_the_hook_sees_it(X, y):
-    """A comm hook that records the bucket DDP hands it, then runs torch's default hook."""
+    """A comm hook that records the bucket DDP hands it, then runs torch's allreduce_hook."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DDP(nn.Linear(64, 10))
@@ -178,6 +217,35 @@ def test_with_a_hook_the_bucket_arrives_undivided_and_leaves_averaged(group, bat
 
 def test_float16_dividing_first_does_not_overflow(group):
     assert group.run(both_orders) == [(float("inf"), 40000.0)] * 4
+
+
+def test_ddp_itself_divides_first_in_float16(group):
+    """Step 3's DDP run: with no hook (the reducer's C++ path) and with allreduce_hook the
+    float16 gradient 40000 on 4 ranks stays 40000; a hook that sums first overflows."""
+    assert group.run(ddp_float16_gradient) == [40000.0] * 4
+    assert group.run(ddp_float16_gradient, default_hooks.allreduce_hook) == [40000.0] * 4
+    assert group.run(ddp_float16_gradient, sum_then_divide) == [float("inf")] * 4
+
+
+def test_the_first_bucket_is_1_mib_by_default_once_buckets_are_rebuilt(group):
+    """Step 3's sentence on bucket_cap_mb: 25 MiB, the first bucket 1 MiB (after DDP rebuilds
+    its buckets in the 2nd iteration; the 1st has one bucket for all)."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+    config = _BucketCapacityConfig.create(None, None, False)
+    assert config.bucket_bytes_cap == 25 * 2**20
+    assert config.first_bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+    group.resize(2)
+    first, second, third = group.run(bucket_sizes_per_iteration)[0]
+    total = 8 * (256 * 256 + 256) * 4
+    assert first == [total]                       # one bucket before the rebuild
+    assert second == third and len(second) == 2 and sum(second) == total
+    # the first bucket closes once it reaches 1 MiB (it may pass it by one tensor)
+    assert 2**20 <= second[0] < 2**20 + (256 * 256) * 4
+
+
+def test_the_hook_docstring_the_notebook_quotes():
+    doc = " ".join(default_hooks.allreduce_hook.__doc__.split())
+    assert "DDP results is expected to be same as the case where no hook was registered" in doc
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4, 8])
@@ -458,3 +526,77 @@ def test_figures_fit_beside_the_controls_and_legends_cover_no_data(drawn):
     s = GradientScatter()
     s.draw([0.5, -1.0], [1.0, -2.0], 0.5, True, sizes=[3, 5], reduction="sum")
     assert drawn[-1].get_figheight() <= 4.5
+
+
+# --- the notebook's text ------------------------------------------------------------------
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "04_ddp_gradients.ipynb"
+
+
+def notebook_cells():
+    return ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+
+
+def test_step_3_describes_ddp_s_own_path_and_pins_its_sources():
+    cells = notebook_cells()
+    text = "\n".join(cells)
+    assert "DDP's default hook is Python" not in text
+    assert "(or in its default comm hook)" not in text
+    assert "1 / div_factor_)" not in text  # a paraphrase must not pass for the source
+    step3 = next(c for c in cells if c.startswith("## Step 3"))
+    for name in ("Reducer::run_allreduce_hook()", "_AllReduceBySumCommHook",
+                 "at::native::wrapped_scalar_tensor(1. / div_factor_)",
+                 "25 MiB by default", "1 MiB", "no communication hook registered"):
+        assert name in step3, name
+    links = re.findall(r"https://github\.com/pytorch/pytorch/blob/[^/\s)]+/", text)
+    assert links and set(links) == {"https://github.com/pytorch/pytorch/blob/v2.13.0/"}
+    ddp_run = next(i for i, c in enumerate(cells) if c.startswith("def ddp_float16_gradient"))
+    assert "DDP(nn.Linear(1, 1, bias=False).half())" in cells[ddp_run]
+    assert "40000.0" in cells[ddp_run + 1] and "not `inf`" in cells[ddp_run + 1]
+
+
+def test_the_ddp_float16_cell_shows_40000_then_inf():
+    nb = json.loads(NOTEBOOK.read_text())
+    cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("def ddp_float16_gradient"))
+    shown = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+    assert shown.splitlines() == [
+        "DDP, no hook:                 [40000.0, 40000.0, 40000.0, 40000.0]",
+        "DDP with allreduce_hook:      [40000.0, 40000.0, 40000.0, 40000.0]",
+        "DDP with a sum-first hook:    [inf, inf, inf, inf]"]
+
+
+def test_questions_2_and_3_are_asked_before_they_are_explained():
+    cells = notebook_cells()
+    q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
+    table = next(i for i, c in enumerate(cells) if c.startswith("WORLD_SIZES = "))
+    rows = next(i for i, c in enumerate(cells) if c.startswith("Read it row by row"))
+    assert q2 < table < rows
+    before = "\n".join(cells[:q2])
+    assert "1/W" not in before and "factor $1/W$" not in before and "1/8" not in before
+    q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
+    asked = cells[q3 - 1]
+    assert "DDP offers `model.no_sync()` for gradient accumulation" in asked
+    for mechanism in ("accumulate locally", "all_reduces the accumulated", "only accumulate",
+                      "unless it runs inside"):
+        assert mechanism not in asked, mechanism
+    assert "accumulates locally" in cells[q3 + 1]  # the mechanism is in the why
+
+
+def test_the_notebook_closes_as_agreed():
+    cells = notebook_cells()
+    assert cells[-1] == "# group.close()"
+    assert cells[-2].endswith(
+        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
+        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
+        "explorers above then say their group is closed, and follow the new group once you "
+        "run the setup cell again.")
+
+
+def test_the_gap_panel_says_where_an_exact_zero_is_drawn(drawn):
+    loss_curves({"a": [2.0, 1.0, 0.5], "b": [2.0, 1.0, 0.6]}, reference="a")
+    fig = drawn[-1]
+    gap = fig.axes[1]
+    assert gap.get_yscale() == "log"
+    assert "exact 0 drawn at 1e-9" in gap.get_title(loc="left")
+    ys = gap.get_lines()[0].get_ydata()
+    assert ys[0] == ys[1] == GAP_FLOOR == 1e-9  # the two exact zeros

@@ -5,12 +5,15 @@ multiple of the single-process full-batch gradient, and of which factor
 (:func:`compare_gradients`). This module imports only ``torch``, so its rank functions
 can run on the ranks.
 
-Source: DistributedDataParallel divides each gradient by the size of its process group
-while it copies it into a gradient bucket, then all_reduces the bucket with a sum
-(``Reducer::set_divide_factor`` and ``Reducer::mark_variable_ready_dense`` in
-``torch/csrc/distributed/c10d/reducer.cpp``; with a communication hook, DDP's default
-``allreduce_hook`` in ``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``
-divides first too); https://pytorch.org/docs/stable/notes/ddp.html
+Source: with no communication hook registered, DistributedDataParallel divides each
+gradient by the size of its process group while it copies it into a gradient bucket, then
+all_reduces the bucket with a sum (``Reducer::set_divide_factor``,
+``Reducer::mark_variable_ready_dense`` and ``Reducer::run_allreduce_hook``, which runs the
+C++ ``_AllReduceBySumCommHook``, in ``torch/csrc/distributed/c10d/reducer.cpp``, torch
+v2.13.0). A registered hook gets the gradients undivided; torch's Python
+``allreduce_hook`` (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``)
+divides first too, and gives what DDP gives without a hook;
+https://pytorch.org/docs/stable/notes/ddp.html
 """
 from __future__ import annotations
 

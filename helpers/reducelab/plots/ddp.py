@@ -161,6 +161,10 @@ LINE_STYLES = [dict(color=PALETTE["black"], ls="-", lw=3.0, marker=None),
 so overlapping curves stay visible and nothing is told by colour alone."""
 
 
+GAP_FLOOR = 1e-9
+"""Where :func:`loss_curves` draws a gap of exactly 0 (or below) on its log scale."""
+
+
 def loss_curves(curves: dict, title: str = "", ylabel: str = "loss on all 1797 digits",
                 reference: str | None = None) -> bytes:
     """Overlay loss curves; return PNG bytes of a 9.6 in wide figure.
@@ -172,8 +176,10 @@ def loss_curves(curves: dict, title: str = "", ylabel: str = "loss on all 1797 d
         title: figure title.
         ylabel: y-axis label.
         reference: optional label of one curve; a second panel then shows every other
-            curve's ``|loss - reference loss|`` per step on a log scale (floored at 1e-9),
-            which separates "equal up to rounding" from "close".
+            curve's ``|loss - reference loss|`` per step on a log scale, which separates
+            "equal up to rounding" from "close". A log scale has no 0: gaps below
+            :data:`GAP_FLOOR` (an exact 0 included) are drawn at it, and the panel's
+            title says so.
 
     The legend sits below the panels, where it covers no curve.
 
@@ -204,7 +210,7 @@ def loss_curves(curves: dict, title: str = "", ylabel: str = "loss on all 1797 d
         handles.append(h)
         if reference and label != reference:
             n = min(len(ys), len(ref))
-            axes[1].plot(steps[:n], np.maximum(np.abs(ys[:n] - ref[:n]), 1e-9), **kw)
+            axes[1].plot(steps[:n], np.maximum(np.abs(ys[:n] - ref[:n]), GAP_FLOOR), **kw)
     axes[0].set_xlabel("optimizer step")
     axes[0].set_ylabel(ylabel)
     axes[0].grid(alpha=0.3)
@@ -212,6 +218,8 @@ def loss_curves(curves: dict, title: str = "", ylabel: str = "loss on all 1797 d
         axes[1].set_yscale("log")
         axes[1].set_xlabel("optimizer step")
         axes[1].set_ylabel(f"gap to '{reference}'", fontsize=MIN_FONT)
+        axes[1].set_title(f"log scale: exact 0 drawn at {GAP_FLOOR:.0e}".replace("e-0", "e-"),
+                          fontsize=MIN_FONT, loc="left")
         axes[1].grid(alpha=0.3)
     fig.legend(handles=handles, loc="outside lower center", ncol=2, fontsize=MIN_FONT,
                handlelength=3.0)
