@@ -8,10 +8,12 @@ import ast
 import json
 import math
 import pathlib
+import re
 import sys
 import types
 
 import cloudpickle
+import matplotlib.colors as mcolors
 import numpy as np
 import pytest
 import torch
@@ -22,11 +24,12 @@ import conftest
 from reducelab import RankError
 from reducelab.checks.sharded import (ATOL, GLOBAL_BATCH, LAYOUT, NUMEL, check_zero2_step,
                                       exercise_run, flat_gradient, global_batches, initial_flat,
-                                      load_digits_tensors, local_part, make_model, placed,
-                                      placed_dtensors, reference_run)
+                                      load_digits_tensors, local_part, make_model, one_thread,
+                                      placed, placed_dtensors, reference_run)
 from reducelab.plots import MAX_WIDTH
-from reducelab.plots.sharded import (ShardingFigure, collective_figure, compact, memory_figure,
-                                     memory_formula, precision_figure, sent_formula)
+from reducelab.plots.sharded import (NOT_HELD, ShardingFigure, collective_figure, memory_figure,
+                                     memory_formula, precision_figure, scale_text, scaled_labels,
+                                     sent_formula)
 from reducelab.widgets.sharded import REDUCE_DTYPES, SHARDINGS, ShardingExplorer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -59,6 +62,19 @@ def notebook_functions() -> types.SimpleNamespace:
 
 NB = notebook_functions()
 X, y = NB.X, NB.y
+CELLS = json.loads(NOTEBOOK.read_text())["cells"]
+
+
+def cell_with(text: str, kind: str | None = None) -> str:
+    """The source of the one cell of the notebook that contains ``text``."""
+    hits = ["".join(c["source"]) for c in CELLS
+            if text in "".join(c["source"]) and kind in (None, c["cell_type"])]
+    assert len(hits) == 1, f"{len(hits)} cells contain {text!r}"
+    return hits[0]
+
+
+def markdown() -> str:
+    return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +101,27 @@ def test_composition_equals_all_reduce_bit_for_bit_on_gloo(group, world_size, dt
     exact = torch.stack([g.double() for g, _, _ in out]).sum(0)
     error = (out[0][1].double() - exact).abs().max().item()
     assert 0 < error < (1e-5 if dtype == "float32" else 0.2)   # rounded, not exact
+
+
+def test_the_integer_check_before_question_2_says_why_it_is_not_its_answer():
+    source = cell_with("out = group.run(reduce_scatter_then_all_gather, 8)\n")
+    assert "integers add exactly in any order" in source
+
+
+def test_gloo_reduce_scatter_is_one_all_reduce_of_the_whole_input(group):
+    """Question 2's why: ProcessGroupGloo::_reduce_scatter_base calls
+    reduce_scatter_tensor_coalesced, which clones the input, all-reduces all of it once
+    and copies chunk(world_size)[rank] (the profiler's trace of the notebook's rank
+    function shows those calls); the text cites that function, not #149869."""
+    calls = group.run(NB.what_gloo_runs, 1200)
+    for rank_calls in calls:
+        assert rank_calls == [("c10d::_reduce_scatter_base_", [[300], [1200]]), ("aten::clone", [[1200]]),
+                              ("gloo:all_reduce", [[1200]]), ("aten::chunk", [[1200]]),
+                              ("aten::copy_", [[300], [300]])]
+    why = cell_with("def composed_and_all_reduce(")
+    assert "ProcessGroupGloo::_reduce_scatter_base" in why and "reduce_scatter_tensor_coalesced" in why
+    assert "chunk(world_size)[rank]" in why and "#149869" not in why
+    assert "#149869" not in markdown()
 
 
 def test_old_names_warn_and_point_to_the_single_names(group):
@@ -124,6 +161,50 @@ def test_counting_sees_every_call_and_restores_the_collectives(group):
 
 
 # --- step 2: ZeRO by hand -----------------------------------------------------------------------
+def test_the_reference_is_written_in_the_notebook_and_equals_the_checks_copy():
+    assert NB.flat_gradient.__module__ == NB.reference_run.__module__ == "nb08_cells"   # cells, not imports
+    setup = "".join(next(c for c in CELLS if c["cell_type"] == "code")["source"])
+    assert "flat_gradient" not in setup and "reference_run" not in setup
+    idx = global_batches(1)[0]
+    assert torch.equal(NB.flat_gradient(initial_flat(), X[idx], y[idx]),
+                       flat_gradient(initial_flat(), X[idx], y[idx]))
+    with one_thread():                      # as setup() makes the notebook's kernel
+        mine = NB.reference_run(X, y, 2)
+    theirs = reference_run(X, y, 2)
+    for key in ("params", "grads"):
+        assert all(torch.equal(a, b) for a, b in zip(mine[key], theirs[key]))
+
+
+def test_the_bare_zero2_step_averages_steps_and_gathers(group):
+    for full in group.run(NB.bare_demo):
+        assert full.tolist() == [-2.5] * 8              # one SGD step, lr 1, on the mean 2.5
+
+
+def copied_bare_step(flat_params, flat_grad, my_shard, optimizer):
+    NB.zero2_step_bare(flat_params, flat_grad, my_shard, optimizer)
+
+
+def test_copying_the_bare_step_does_not_answer_the_exercise(group):
+    verdict = check_zero2_step(group, copied_bare_step)
+    assert not verdict
+    assert "With world_size=4" in verdict.message and "pad the flat gradient" in verdict.message
+    text = cell_with("## Exercise: a ZeRO-2 step")
+    for new in ("**padding**", "**offsets**", "**the write**", "in place"):
+        assert new in text
+    stub = cell_with("# %load solutions/08_zero2_step.py")
+    assert "reduce_scatter_single" not in stub and "all_gather_single" not in stub
+
+
+def test_one_tolerance_is_stated_and_it_is_atol():
+    """Every tolerance the notebook states (\"within 1e-6\", \"accept\", \"ATOL\") is ATOL."""
+    text = "\n".join("".join(c["source"]) for c in CELLS)
+    stated = re.findall(r"within (?:`ATOL` = )?(\d(?:\.\d+)?e-\d+)", text)
+    stated += re.findall(r"`ATOL` = (\d(?:\.\d+)?e-\d+)", text)
+    assert stated and {float(t) for t in stated} == {ATOL}, stated
+    assert "1e-7" not in markdown()
+    assert "worst <= ATOL" in cell_with("def fsdp_then_manual_sync(")
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_stage_steps_to_ddps_parameters_and_one_process(group, reference, world_size):
     group.resize(world_size)
@@ -169,6 +250,14 @@ def test_bytes_sent_per_step_by_stage(group):
         assert group.run(NB.zero_train, stage, X, y)[0]["sent"] == calls
     half = group.run(NB.zero_train, "ZeRO-2", X, y, 1, "bfloat16")[0]["sent"]
     assert half == [("reduce_scatter", f * S / 2), ("all_gather", f * S)]
+    total = {stage: sum(b for _, b in calls) for stage, calls in want.items()}
+    assert total["DDP"] == 14_472 and total["ZeRO-1"] == 21_708 == 1.5 * total["DDP"]   # as the text says
+    assert total["ZeRO-2"] == total["DDP"]
+    text = markdown()
+    assert "Up to stage 2 it costs no extra bytes" not in text
+    assert "stage 2 costs no extra bytes, and nor does stage 1 when it reduce-scatters as the paper does; " \
+           "an all_reduce-based ZeRO-1 (ours, like `ZeroRedundancyOptimizer`) sends 1.5 times" in text
+    assert "21,708 against 14,472" in text
 
 
 def test_what_each_stage_holds(group):
@@ -211,6 +300,31 @@ def test_fsdp2_step_is_our_zero3_and_gathers_twice(group, reference):
     assert names == ["all_gather"] * 4 + ["reduce_scatter"] * 2
     S = 4 * NUMEL
     assert 3 * 0.75 * S < sum(b for _, b in fsdp[0]["sent"]) < 3 * 0.75 * S * 1.05
+
+
+def test_reshard_after_forward_false_gathers_once(group):
+    default = group.run(NB.fsdp_train, X, y)[0]["sent"]
+    kept = group.run(NB.fsdp_train, X, y, 1, "float32", None, False)[0]["sent"]
+    assert [name for name, _ in kept] == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    zero3 = sum(b for _, b in group.run(NB.zero_train, "ZeRO-3", X, y)[0]["sent"])
+    assert zero3 <= sum(b for _, b in kept) < 1.05 * zero3 < sum(b for _, b in default)
+    assert "(`reshard_after_forward=False` does the same in FSDP2)" not in markdown()
+
+
+def test_an_unreduced_gradient_is_partial_and_redistributes_to_fsdp2s_rows(group, reference):
+    out = group.run(NB.partial_to_shard, X, y)
+    one = reference["grads"][0][:2048].view(32, 64)
+    for rank, (pending, rows, local) in enumerate(out):
+        assert str(pending) == "(Partial(avg),)" and str(rows) == "(Shard(dim=0),)"
+        assert local.shape == (8, 64) and (local - one[8 * rank:8 * rank + 8]).abs().max() < ATOL
+    assert "Partial()" in markdown()
+
+
+def test_premul_sum_is_said_as_the_docstring_says():
+    doc = " ".join(dist.ReduceOp.__doc__.split())
+    assert "``PREMUL_SUM`` is available with the ``NCCL`` backend" in doc and "``XCCL`` backend" in doc
+    text = cell_with("`CPUOffloadPolicy` fails on a machine without an accelerator.")
+    assert "only NCCL" not in text and "NCCL and XCCL" in text
 
 
 def test_fsdp2_memory_is_a_quarter_of_ddps_plus_padding(group):
@@ -316,6 +430,27 @@ def test_explorer_reduce_dtype_halves_the_gradient_bytes(explorer):
     assert 1e-7 < r.error <= 2.5 * 0.01                          # bf16 gradients: Adam's steps move
 
 
+def test_bfloat16_loses_one_elements_nearly_cancelling_gradients(explorer):
+    """Things to try: at 4 ranks, element 1929's four local gradients (each well within
+    bfloat16's range) nearly cancel; their bfloat16 mean comes out exactly 0, so Adam
+    does not move it, and it ends about lr from one process's."""
+    idx = global_batches(1)[0]
+    local = torch.stack([flat_gradient(initial_flat(), X[p], y[p])[1929]
+                         for p in (local_part(idx, r, 4) for r in range(4))])
+    assert local.abs().min() > 4e-4 and local.abs().max() < 3e-3
+    assert local.tolist() == pytest.approx([1.55e-3, -4.6e-4, 9.7e-4, -2.05e-3], rel=0.02)
+    assert local.mean().item() == pytest.approx(1.36e-6, rel=0.01)
+    assert (local.to(torch.bfloat16).float() - local).abs().max() < 1e-5     # each one fine in bfloat16
+    explorer.controls["reduce_dtype"].value = "bfloat16"
+    r = explorer.result
+    held = r.grad[:, 1929][np.isfinite(r.grad[:, 1929])]
+    assert held.tolist() == [0.0]                                  # reduced in bfloat16: exactly 0
+    worst = np.abs(r.after - explorer.reference.double().numpy()).max(axis=0)
+    assert int(np.nanargmax(worst)) == 1929 and 0.009 < worst[1929] < 0.011
+    assert "1.55e-3, -4.6e-4, 9.7e-4 and -2.05e-3" in cell_with("Things to try:")
+    assert "Its gradient is tiny" not in cell_with("Things to try:")
+
+
 def test_explorer_world_size_resizes_the_group(explorer, group):
     explorer.controls["world_size"].value = 3
     assert group.world_size == 3 and explorer.result.world_size == 3
@@ -325,6 +460,7 @@ def test_explorer_world_size_resizes_the_group(explorer, group):
     assert (held.sum(axis=0) == 1).all()                         # each element on one rank
     explorer.controls["world_size"].value = 1
     assert sum(explorer.result.sent[0].values()) == 0
+    assert "on 1 rank," in explorer.message.value
     explorer.controls["world_size"].value = 4
 
 
@@ -506,10 +642,15 @@ def test_formulas():
         sent_formula("DDP", 100, 0)
 
 
-def test_compact_labels_fit_a_cell():
-    assert [compact(v) for v in (0.123, -0.34, 0.003, -1e-5, 0.0, 12.0, float("nan"))] == \
-        [".12", "-.34", "3e-3", "-1e-5", "0", "12", ""]
-    assert all(len(compact(v)) <= 5 for v in np.geomspace(1e-9, 9.9, 50))
+def test_scaled_labels_share_a_unit_and_have_at_most_3_characters():
+    e, labels = scaled_labels(np.array([0.13, -0.09, 0.0004, float("nan"), -0.0001]))
+    assert e == -2 and labels.tolist() == ["13", "-9", "0", "", "0"] and scale_text(e) == "×10⁻²"
+    e, labels = scaled_labels(np.array([-9e-4, -1e-2, 5e-6]))
+    assert e == -3 and labels.tolist() == ["-1", "-10", "0"]
+    assert scaled_labels(np.array([0.0996]))[1].tolist() == ["10"]       # not 100
+    for v in np.concatenate([np.geomspace(1e-9, 99, 200), -np.geomspace(1e-9, 99, 200)]):
+        assert all(len(t) <= 3 for t in scaled_labels(np.array([v, v / 7, -v]))[1])
+    assert scale_text(0) == ""
 
 
 @pytest.fixture()
@@ -524,6 +665,9 @@ def drawn():
 def test_static_figures_and_their_errors(drawn):
     inputs = np.arange(8.0)[None, :] + np.arange(4.0)[:, None]
     assert collective_figure(inputs, np.ones((4, 2)), inputs).startswith(PNG)
+    not_held = drawn[-1].axes[1]                        # after reduce_scatter: grey where not held
+    assert mcolors.to_hex(not_held.get_facecolor()) == mcolors.to_hex(NOT_HELD)
+    assert "grey: not held" in not_held.get_title()
     with pytest.raises(ValueError, match="world_size"):
         collective_figure(inputs, np.ones((4, 3)), inputs)
     measured = {s: {w: memory_formula(s, NUMEL, w) for w in (1, 2, 4)} for s in STAGES}
@@ -537,17 +681,28 @@ def test_static_figures_and_their_errors(drawn):
         precision_figure({"a": {1: -1.0}})
 
 
-@pytest.mark.parametrize("world_size", [1, 3, 8])
+@pytest.mark.parametrize("world_size", [1, 3, 6, 7, 8])
 def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
     rng = np.random.default_rng(0)
     data = rng.normal(size=(world_size, NUMEL))
     mem = [{"parameters": 1000, "gradients": 500, "optimizer state": 2000}] * world_size
     sent = [{"reduce_scatter": 700, "all_gather": 700}] * world_size
     figure = ShardingFigure(NUMEL)
+    data = data * 1e-2
+    data[0, 0], data[-1, -1] = -9e-4, -1e-2                 # the labels that once overflowed their cells
     assert figure.draw(data, data, data, mem, sent, 3000, 1400, "formula (n−1)/n·(G+S)", "t").startswith(PNG)
     fig = drawn[-1]
     assert fig.get_figwidth() <= MAX_WIDTH and fig.get_figheight() <= 4.5
     fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert figure.write_values == (world_size <= 7)          # as the notebook says
+    assert "up to 7 ranks" in cell_with("## Step 4: explore")
+    for ax, texts, title in zip(figure.heat_axes, figure.cell_texts, figure.titles):
+        assert mcolors.to_hex(ax.get_facecolor()) == mcolors.to_hex(NOT_HELD)
+        width = ax.get_window_extent().width / len(figure.columns)
+        for t in (t for row in texts for t in row if t.get_text()):
+            assert len(t.get_text()) <= 3 and t.get_window_extent(renderer).width < width
+        assert ("×10⁻" in title.get_text()) == figure.write_values
     for ax in (figure.mem_ax, figure.sent_ax):
         assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
     assert "formula (n−1)/n·(G+S)" in [t.get_text() for t in figure.sent_legend.get_texts()]
@@ -558,3 +713,11 @@ def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
 def test_reduce_dtypes_and_shardings_are_the_fields_names():
     assert SHARDINGS == ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
     assert REDUCE_DTYPES == ("float32", "bfloat16")
+
+
+def test_the_closing_words_and_cell():
+    text = ("## When you are done\nThe ranks stop by themselves when the kernel shuts down or restarts. "
+            "To stop them now, remove the `# ` in the cell below and run it. The explorers above then say "
+            "their group is closed, and follow the new group once you run the setup cell again.")
+    last_md = "".join(CELLS[-2]["source"])
+    assert last_md.endswith(text) and "".join(CELLS[-1]["source"]) == "# group.close()"

@@ -11,7 +11,10 @@ Everything here runs in the kernel and on the ranks alike (it needs only ``torch
 * :func:`global_batches` and :func:`local_part`: the global batches of 840 digits and the
   slice of each that a rank holds;
 * :func:`reference_run`: one process, Adam on the flat vector, the whole global batch:
-  what every sharding must reproduce;
+  what every sharding must reproduce (:func:`flat_gradient` and :func:`reference_run`
+  are also written out in the notebook's step 2, where the learner reads them; the check
+  and the explorer use these copies, since they cannot import a notebook, and
+  ``tests/test_nb08_sharded.py`` holds the two versions equal bit for bit);
 * :func:`placed` and :func:`placed_dtensors`: what a rank holds, placed in the flat
   vector (NaN elsewhere), for the explorer's figure;
 * :func:`check_zero2_step`: the exercise, a ZeRO-2 step written by the learner.
@@ -43,7 +46,8 @@ LR = 0.01
 """Adam's learning rate everywhere in notebook 08."""
 ATOL = 1e-6
 """Largest absolute difference accepted between a sharded run and the single-process
-reference (float32; the runs measured in the notebook differ by 5e-8 or less)."""
+reference (float32; the runs measured in the notebook differ by 5e-8 or less). The one
+tolerance notebook 08 states: its text, its question 5 and this check all use it."""
 EXERCISE_WORLD_SIZES = (2, 4)
 """World sizes the exercise check runs: 2,410 elements divide by 2, not by 4."""
 EXERCISE_STEPS = 2

@@ -3,7 +3,7 @@ are shown (at most ``MAX_WIDTH`` wide, text of ``MIN_FONT`` points or more, colo
 :mod:`reducelab.palette`, and every colour also said by hatching, a marker or a label).
 
 * :func:`collective_figure`: each rank's tensor, then what it holds after
-  ``reduce_scatter`` (its own piece; blank elsewhere), then after ``all_gather``.
+  ``reduce_scatter`` (its own piece; grey elsewhere), then after ``all_gather``.
 * :func:`memory_figure`: bytes per rank of parameters, gradients and optimizer state for
   each sharding at several world sizes, stacked, beside the ZeRO paper's formula.
 * :func:`precision_figure`: relative gradient error against the world size, one line per
@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..palette import PANEL_GREY, TEXT_GREY
+from ..palette import NEUTRAL, PANEL_GREY, TEXT_GREY
 from . import (CMAP, HATCHES, MARKERS, MAX_WIDTH, MIN_FONT, PALETTE, RankHeatmaps, freeze_layout,
                new_figure, png)
+
+NOT_HELD = NEUTRAL
+"""Colour of a heatmap cell for an element a rank does not hold (NaN), in every figure of
+notebook 08; the figures also say it in words ("grey: not held")."""
 
 KINDS = ("parameters", "gradients", "optimizer state")
 """What a rank keeps between steps, in the order the bars stack."""
@@ -43,7 +47,8 @@ FORMULA_COLOUR = PALETTE["black"]
 def collective_figure(inputs: np.ndarray, shards: np.ndarray, gathered: np.ndarray,
                       title: str = "") -> bytes:
     """Three heatmaps, one row per rank: the tensor each rank passes, what it holds after
-    ``reduce_scatter`` (its own reduced piece, blank elsewhere) and after ``all_gather``.
+    ``reduce_scatter`` (its own reduced piece; grey, :data:`NOT_HELD`, elsewhere) and after
+    ``all_gather``.
 
     Args:
         inputs: shape ``(world_size, n)``, each rank's input.
@@ -69,10 +74,20 @@ def collective_figure(inputs: np.ndarray, shards: np.ndarray, gathered: np.ndarr
     placed = np.full((ws, n), np.nan)
     for r in range(ws):
         placed[r, r * k:(r + 1) * k] = shards[r]
-    heat = RankHeatmaps(("each rank's input", "after reduce_scatter", "after all_gather"))
+    heat = _HeldHeatmaps(("each rank's input", "after reduce_scatter", "after all_gather"))
     return heat.draw([inputs, placed, gathered],
-                     subtitles=["", f"rank r keeps piece r ({k} elements)", "every piece, in rank order"],
+                     subtitles=["", "rank r keeps piece r (grey: not held)", "every piece, in rank order"],
                      title=title)
+
+
+class _HeldHeatmaps(RankHeatmaps):
+    """:class:`~reducelab.plots.RankHeatmaps` whose empty (NaN) cells are grey,
+    :data:`NOT_HELD`, as in the explorer's figure, rather than white."""
+
+    def _build(self, world_size: int, n: int) -> None:
+        super()._build(world_size, n)
+        for ax in self._axes:
+            ax.set_facecolor(NOT_HELD)
 
 
 def memory_formula(sharding: str, numel: int, world_size: int, param_bytes: int = 4,
@@ -247,17 +262,48 @@ def precision_figure(errors: dict, title: str = "") -> bytes:
     return png(fig)
 
 
-def compact(v: float) -> str:
-    """A value in at most 5 characters for a heatmap cell: ``.12``, ``-.34``, ``3e-3``."""
-    if not np.isfinite(v):
-        return ""
-    if v == 0:
-        return "0"
-    if abs(v) >= 0.01:
-        s = f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
-        return s.replace("0.", ".", 1) if s.lstrip("-").startswith("0.") else s
-    m, e = f"{v:.0e}".split("e")
-    return f"{m}e{int(e)}"
+SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def scaled_labels(values: np.ndarray) -> tuple[int, np.ndarray]:
+    """Short labels for heatmap cells that share one scale: the values in units of
+    ``10**e``, rounded to whole numbers, with ``e`` chosen so that the largest magnitude
+    has two digits (``0.13`` and ``-0.09`` in units of 10⁻² are ``13`` and ``-9``).
+
+    Every label has at most 3 characters (a minus sign and two digits), so it fits a
+    heatmap cell at :data:`MIN_FONT` points where 3 characters fit; the panel says the
+    unit once (``scale_text(e)``).
+
+    Args:
+        values: any shape, float; NaN for a cell with no value.
+
+    Returns:
+        ``(e, labels)``: the exponent, and an array of ``str`` of the shape of
+        ``values`` (``""`` for NaN, ``"0"`` for values that round to zero).
+    """
+    values = np.asarray(values, dtype=float)
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
+    e = int(np.floor(np.log10(top))) - 1 if top > 0 else 0
+    if top > 0 and round(top / 10.0 ** e) >= 100:          # 99.6 would round to 3 digits
+        e += 1
+    return e, scaled_labels_in(values, e)
+
+
+def scaled_labels_in(values: np.ndarray, e: int) -> np.ndarray:
+    """Labels of ``values`` in units of ``10**e`` (as :func:`scaled_labels`, with a
+    given ``e``, so that two panels share a unit)."""
+    values = np.asarray(values, dtype=float)
+    labels = np.full(values.shape, "", dtype=object)
+    for index, v in np.ndenumerate(values):
+        if np.isfinite(v):
+            labels[index] = str(int(round(v / 10.0 ** e)))   # an int has no "-0"
+    return labels
+
+
+def scale_text(e: int) -> str:
+    """The unit of :func:`scaled_labels`' numbers, e.g. ``"×10⁻²"`` (``""`` for 10⁰)."""
+    return "" if e == 0 else f"×10{str(e).translate(SUPERSCRIPT)}"
 
 
 class ShardingFigure:
@@ -265,10 +311,13 @@ class ShardingFigure:
 
     Top row, one row per rank, ``columns`` evenly spaced elements of the flat parameter
     vector: the parameter values a rank holds before the step, the gradient it keeps
-    after the reduction, and the parameters it holds after the step; a blank (grey) cell
-    means the rank does not hold that element. Bottom row: the bytes each rank keeps
-    (parameters, gradients, optimizer state, stacked and hatched; ◆ the ZeRO paper's
-    total) and the bytes each rank sends in the step, by collective (dashed: the formula).
+    after the reduction, and the parameters it holds after the step; a grey
+    (:data:`NOT_HELD`) cell means the rank does not hold that element. Where 3 characters
+    fit a cell (up to 7 ranks), each cell shows its value as a whole number in the unit
+    its panel's title gives (``×10⁻²``; see :func:`scaled_labels`). Bottom row: the bytes
+    each rank keeps (parameters, gradients, optimizer state, stacked and hatched; ◆ the
+    ZeRO paper's total) and the bytes each rank sends in the step, by collective (dashed:
+    the formula).
 
     The figure is built once per world size and its layout frozen; a redraw only updates
     the images, texts and bars (a widget redraw, several times faster than a new figure).
@@ -293,11 +342,11 @@ class ShardingFigure:
         top, bottom = fig.subfigures(2, 1, height_ratios=[1.0, 1.05] if ws <= 4 else [1.3, 1.0])
         self.heat_axes = top.subplots(1, 3, sharey=True)
         self.images, self.cell_texts, self.titles = [], [], []
-        write = ws <= 6                                     # does a row fit a line of text?
         for ax, name in zip(self.heat_axes, self.TITLES):
-            ax.set_facecolor(PANEL_GREY)
+            ax.set_facecolor(NOT_HELD)
             self.images.append(ax.imshow(np.zeros((ws, len(cols))), cmap=CMAP, aspect="auto"))
-            self.titles.append(ax.set_title(f"{name}\n(1 of 8 ranks hold all 8)", fontsize=MIN_FONT))
+            self.titles.append(ax.set_title(f"{name}, ×10⁻⁸\n(1 of 8 ranks hold all 8)",
+                                            fontsize=MIN_FONT))
             ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=90)
             ax.set_yticks(range(ws), [f"rank {r}" if ws <= 4 else str(r) for r in range(ws)])
             ax.set_xticks(np.arange(len(cols) + 1) - 0.5, minor=True)
@@ -305,7 +354,7 @@ class ShardingFigure:
             ax.grid(True, which="minor", color="white", linewidth=2)
             ax.tick_params(which="both", length=0)
             self.cell_texts.append([[ax.text(j, i, "", ha="center", va="center", fontsize=MIN_FONT)
-                                     for j in range(len(cols))] for i in range(ws)] if write else [])
+                                     for j in range(len(cols))] for i in range(ws)])
         if ws > 4:
             self.heat_axes[0].set_ylabel("rank")
         self.heat_axes[1].set_xlabel(f"element of the flat parameter vector ({len(cols)} of "
@@ -346,6 +395,19 @@ class ShardingFigure:
         labels = [t.get_text() for t in self.sent_legend.get_texts()]
         self._sent_formula_handle = self.sent_legend.legend_handles[labels.index(self.sent_formula.get_label())]
         freeze_layout(fig)
+        # values only where the widest label, "-88", fits a cell with a margin
+        probe = self.cell_texts[0][0][0]
+        probe.set_text("-88")
+        label = probe.get_window_extent(fig.canvas.get_renderer())
+        probe.set_text("")
+        cell = self.heat_axes[0].get_window_extent()
+        self.write_values = (label.width <= 0.85 * cell.width / len(cols)
+                             and label.height <= 0.9 * cell.height / ws)
+        if not self.write_values:
+            for texts in self.cell_texts:
+                for t in (t for row in texts for t in row):
+                    t.remove()
+            self.cell_texts = [[] for _ in self.cell_texts]
         self.fig, self.world_size = fig, ws
 
     def draw(self, before: np.ndarray, grad: np.ndarray, after: np.ndarray,
@@ -379,19 +441,22 @@ class ShardingFigure:
         gfin = g[np.isfinite(g)]
         gmax = float(np.abs(gfin).max()) if gfin.size and np.abs(gfin).max() > 0 else 1.0
         panels = [(before[:, cols], plo, phi), (g, -gmax, gmax), (after[:, cols], plo, phi)]
+        e_params, _ = scaled_labels(params)                  # one unit for before and after
         for k, (data, lo, hi) in enumerate(panels):
             hi = hi if hi > lo else lo + 1
             self.images[k].set_data(np.ma.masked_invalid(data))
             self.images[k].set_clim(lo, hi)
+            e, labels = scaled_labels(data) if k == 1 else (e_params, scaled_labels_in(data, e_params))
+            unit = f", {scale_text(e)}" if self.write_values and scale_text(e) else ""
             full_rows = int(np.isfinite(data).all(axis=1).sum())
-            self.titles[k].set_text(f"{self.TITLES[k]}\n(every rank holds all {len(cols)})"
-                                    if full_rows == ws else
-                                    f"{self.TITLES[k]}\n({full_rows} of {ws} ranks hold all {len(cols)})")
+            held = (f"every rank holds all {len(cols)}" if full_rows == ws else
+                    f"{full_rows} of {ws} ranks hold all {len(cols)}")
+            self.titles[k].set_text(f"{self.TITLES[k]}{unit}\n({held})")
             mid = (lo + hi) / 2
             for i, row in enumerate(self.cell_texts[k]):
                 for j, t in enumerate(row):
                     v = data[i, j]
-                    t.set_text(compact(v))
+                    t.set_text(labels[i, j])
                     t.set_color("black" if np.isfinite(v) and v > mid else "white")
         self.suptitle.set_text(title)
 

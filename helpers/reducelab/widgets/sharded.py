@@ -149,7 +149,8 @@ class ShardingExplorer(Explorer):
         total = sum(m.values())
         ddp = sum(memory_formula("DDP", NUMEL, 1).values())
         sent = sum(r.sent[0].values())
-        return (f"{r.sharding} on {r.world_size} ranks, gradients reduced in {r.reduce_dtype}: "
+        ranks = f"{r.world_size} rank{'s' if r.world_size > 1 else ''}"
+        return (f"{r.sharding} on {ranks}, gradients reduced in {r.reduce_dtype}: "
                 f"rank 0 keeps {m['parameters'] / 1000:.1f} kB of parameters, "
                 f"{m['gradients'] / 1000:.1f} kB of gradients and "
                 f"{m['optimizer state'] / 1000:.1f} kB of Adam state ({total / 1000:.1f} kB; "
