@@ -53,6 +53,11 @@ def notebook_cells() -> list[str]:
     return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
 
 
+def markdown_cells() -> list[str]:
+    nb = json.loads(NOTEBOOK.read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+
+
 def notebook_functions() -> dict:
     """The functions defined in the notebook's code cells (the ``def``s only, not the
     calls), with the cells' own line numbers, so these tests run the code a learner reads."""
@@ -149,6 +154,34 @@ def test_question_1_monitored_barrier_names_no_one_when_rank_0_is_stuck(short):
     assert {r.collective for r in err.reports[1:]} == {"monitored_barrier"}
 
 
+def _barrier_without_rank_0():
+    """Question 1's pattern, with the waits on groups of their own: rank 0 is stuck in an
+    all_reduce on a group with a 4 s timeout; ranks 1 to 3 wait in a monitored_barrier of
+    1 s on a group whose timeout is 2 s. Returns (seconds waited, what was raised)."""
+    slow = dist.new_group(timeout=timedelta(seconds=4))
+    quick = dist.new_group(timeout=timedelta(seconds=2))
+    t0 = time.monotonic()
+    try:
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(1), group=slow)
+        else:
+            dist.monitored_barrier(group=quick, timeout=timedelta(seconds=1), wait_all_ranks=True)
+        return time.monotonic() - t0, "returned"
+    except RuntimeError as err:
+        return time.monotonic() - t0, str(err)
+
+
+def test_question_1_ranks_1_to_3_wait_on_the_process_groups_timeout_not_the_barriers():
+    with LocalGroup(world_size=4, timeout=20, env=FR) as g:
+        out = g.run(_barrier_without_rank_0)
+    for seconds, message in out[1:]:
+        assert 1.8 < seconds < 3.9, out             # the group's 2 s, not the barrier's 1 s
+        assert "successfully reached monitoredBarrier" in message and "Ranks" not in message
+    assert out[0][0] > 3.5                            # rank 0 waited on its own group's 4 s
+    why = next(c for c in notebook_cells() if "def log_on_rank_0_then_check" in c)
+    assert "process group's own timeout" in why and "no timeout of their own" not in why
+
+
 # --- step 2: mismatched collectives ---------------------------------------------------------
 
 def test_plain_gloo_shape_mismatch_hangs_one_rank_and_corrupts_another(short, capsys):
@@ -218,18 +251,35 @@ def test_the_cpu_build_has_fr_dumps_but_no_nccl_dump():
     assert torch.__version__.startswith("2.13")
 
 
-def _records_kept(n):
-    x = torch.ones(1)
-    for _ in range(n):
-        dist.all_reduce(x)
-    return len(pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"])
-
-
-@pytest.mark.parametrize("env, kept", [(None, 2000), ({"TORCH_FR_BUFFER_SIZE": "0"}, 0),
+@pytest.mark.parametrize("env, kept", [({}, 2000), ({"TORCH_FR_BUFFER_SIZE": "0"}, 0),
                                        ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "8"}, 8)])
 def test_the_flight_recorder_is_on_by_default_and_sized_by_its_variables(env, kept):
+    """The notebook's step 3 cell: its envs, its rank function."""
+    assert os.environ.get("TORCH_FR_BUFFER_SIZE") is None
+    cell = next(c for c in notebook_cells() if "def records_kept" in c)
+    assert json.dumps(env) in cell
     with LocalGroup(world_size=2, timeout=30, env=env) as g:
-        assert g.run(_records_kept, 2100) == [kept, kept]
+        assert g.run(NB["records_kept"]) == [kept, kept]
+
+
+def test_the_old_variable_name_warns_that_it_is_deprecated():
+    """The warning comes from torch's C++ code on the rank's standard error when it joins:
+    a fresh process, whose ranks inherit its stderr, catches it."""
+    run = conftest.run_python("""
+        from reducelab import LocalGroup
+        with LocalGroup(world_size=2, env={"TORCH_NCCL_TRACE_BUFFER_SIZE": "8"}) as g:
+            g.run(lambda: None)
+    """)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr.count("Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated; "
+                            "use TORCH_FR_BUFFER_SIZE instead") == 2, run.stderr[-2000:]
+
+
+def test_the_notebook_prints_gloos_pg_config_before_it_gives_the_group_its_name():
+    cells = notebook_cells()
+    printed = next(i for i, c in enumerate(cells) if 'print("rank 0\'s pg_config:", records[0]["pg_config"])' in c)
+    overwritten = next(i for i, c in enumerate(cells) if 'record["pg_config"] = ' in c)
+    assert printed < overwritten
 
 
 def test_flight_records_dumped_after_a_hang_show_which_rank_is_behind(short):
@@ -306,6 +356,27 @@ def test_join_finishes_and_matches_its_single_process_reference(short, divide):
         assert torch.equal(params, out[0][1])                      # question 3: True
         assert (params - ref).abs().max().item() < 1e-6
     assert not torch.allclose(NB["reference"](4, True), NB["reference"](4, False))
+
+
+def _when_each_rank_passes_the_join_block(my_samples):
+    """train_ddp's Join loop, with a 0.5 s pause in the third step of the ranks that have
+    one: returns (rank, seconds from the start to the first line after the block)."""
+    rank = dist.get_rank()
+    model = DDP(torch.nn.Linear(3, 1))
+    t0 = time.monotonic()
+    with Join([model]):
+        for step, (x, y) in enumerate(my_samples(rank, dist.get_world_size())):
+            if step == 2:
+                time.sleep(0.5)
+            F.mse_loss(model(x), y).backward()
+    return rank, time.monotonic() - t0
+
+
+def test_join_keeps_a_rank_that_ran_out_inside_the_block_until_every_rank_has(short):
+    out = dict(short.run(_when_each_rank_passes_the_join_block, NB["my_samples"]))
+    assert min(out.values()) > 0.5, out                # ranks 2 and 3 waited for steps 3 of 0 and 1
+    text = next(c for c in markdown_cells() if "Join.__exit__" in c)
+    assert "leaves the `with` block" not in text and "does not leave it" in text
 
 
 def test_padding_repeats_and_dropping_loses_samples(short):
@@ -388,6 +459,16 @@ def test_every_failure_at_every_debug_level(explorer, failure, debug):
         assert "stuck" in state.values()
     # after every failure, the same groups run again
     assert explorer.group_for(debug).run(lambda: dist.get_rank()) == [0, 1, 2, 3]
+
+
+def test_a_wrong_value_gets_a_mark_and_a_word_of_its_own(explorer):
+    for debug in DEBUG_LEVELS:
+        result = _set(explorer, "op mismatch", 2, debug)
+        hit = result.rows[2]
+        assert hit.outcome.startswith("≠ wrong value") and "✓" not in hit.outcome, hit.outcome
+        assert hit.outcome.endswith("(should be 480)")
+    result = _set(explorer, "none", 2, "OFF")
+    assert all(row.outcome == "✓ returned 480" for row in result.rows)
 
 
 def test_the_explorer_follows_new_groups_once_its_own_are_closed():
@@ -579,3 +660,38 @@ def test_timeline_figure_draws_every_status_within_the_rules():
     eight = timeline_figure([TimelineRow(r, [TimelineEntry("all_reduce", "[4]")] * 6, "✓ returned 1")
                              for r in range(8)], "eight ranks")
     assert int.from_bytes(eight[20:24], "big") <= 450
+
+
+# --- the notebook's outline and texts ------------------------------------------------------
+
+def test_the_outline_has_one_purpose_per_markdown_cell():
+    headers = [line for text in markdown_cells() for line in text.splitlines() if line.startswith("## ")]
+    assert headers[:5] == ["## What you will learn", "## Prerequisites", "## Setup",
+                           "## Step 1: one rank takes another branch",
+                           "## Step 2: every rank calls a collective, but not the same one"]
+    assert headers.index("## Step 5: explore") < headers.index("## Exercise: find the stuck rank, then fix the loop") \
+        < headers.index("## Common misconceptions") < headers.index("## Summary") \
+        < headers.index("## Further reading") < headers.index("## When you are done") == len(headers) - 1
+    for text in markdown_cells()[1:]:          # after the title cell: a header opens its cell
+        assert not [line for line in text.splitlines()[1:] if line.startswith("## ")], text[:120]
+    stuck = [t for t in markdown_cells() if t.startswith("Stuck?")]
+    assert len(stuck) == 1 and "\n" not in stuck[0].strip()
+
+
+def test_the_closing_cell_says_how_to_stop_both_groups():
+    nb = json.loads(NOTEBOOK.read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"]]
+    assert cells[-2] == (
+        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or restarts. "
+        "To stop them now, remove the `# ` in the cell below and run it. The explorers above then say "
+        "their group is closed, and follow the new group once you run the setup cell again.")
+    assert cells[-1] == "# group.close(); detail_group.close()"
+
+
+def test_question_3_is_not_answered_before_it_is_asked():
+    texts = markdown_cells()
+    question = next(i for i, t in enumerate(texts) if "**Question 3.**" in t)
+    before = "\n".join(texts[:question + 1])
+    assert "broadcasts the final model" not in before and "_sync_final_model" not in before
+    why = next(c for c in notebook_cells() if "reveal(answer_3" in c)
+    assert "broadcasts the final model from the last rank to run out of" in why

@@ -9,12 +9,19 @@ The formulas are the ones notebook 10 fits and measures on real ranks:
   Applications 19(1), 49-66, 2005); Hockney introduced it ("The communication challenge
   for MPP", Parallel Computing 20(3), 1994);
 * the **bus factor** of nccl-tests, ``doc/PERFORMANCE.md`` (NVIDIA/nccl-tests): the bytes
-  each rank must send per byte of the collective's size ``S``, ``2 (n - 1) / n`` for
-  all_reduce, ``(n - 1) / n`` for reduce_scatter and all_gather, ``1`` for broadcast.
-  ``algbw = S / t`` and ``busbw = algbw * factor``.
+  each rank must send per byte of the collective's size ``S`` in the best algorithm,
+  ``2 (n - 1) / n`` for all_reduce, ``(n - 1) / n`` for reduce_scatter and all_gather,
+  ``1`` for broadcast. ``algbw = S / t`` and ``busbw = algbw * bus factor``;
+* the **bytes gloo sends** (:func:`gloo_factor`): what the busiest rank of a gloo group
+  really sends per byte of ``S`` in torch 2.13, measured by notebooks 08 and 10 on each
+  rank's sockets. It is the bus factor, except for ``reduce_scatter_single`` (gloo
+  all-reduces the whole input, then keeps this rank's chunk:
+  ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``) and ``broadcast`` (a tree: the
+  root sends the whole tensor in each of ``ceil(log2 n)`` rounds, ``gloo/broadcast.cc``).
 
-Notebook 10 fits ``t = α + β · factor · S`` to each collective, so ``β`` is seconds per
-byte that a rank sends and ``1 / β`` is comparable with busbw.
+Notebook 10 fits ``t = α + β · gloo_factor · S`` to each collective, so ``β`` is seconds
+per byte that a rank really sends and ``1 / β`` is a bandwidth; busbw keeps nccl-tests'
+definition, so it falls below ``1 / β`` where gloo sends more than the best algorithm.
 """
 from __future__ import annotations
 
@@ -29,10 +36,11 @@ from ..errors import RankError
 from ..group import LocalGroup
 from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
-"""The collectives notebook 10 times; ``S`` is always the size of the whole result, as in
-nccl-tests: the all_reduce tensor, the all_gather output, the reduce_scatter input, the
-broadcast tensor."""
+COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast")
+"""The collectives notebook 10 times, by their torch 2.13 names (``all_gather_single`` and
+``reduce_scatter_single`` were ``all_gather_into_tensor`` and ``reduce_scatter_tensor``);
+``S`` is always the size of the whole result, as in nccl-tests: the all_reduce tensor,
+the all_gather output, the reduce_scatter input, the broadcast tensor."""
 
 TOLERANCE = 3.0
 """The exercise's check accepts a real run within this factor of the prediction (either
@@ -44,6 +52,11 @@ def _check_world_size(world_size) -> None:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
 
 
+def _check_collective(collective) -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
+
+
 def bus_factor(collective: str, world_size: int) -> float:
     """Bytes each rank sends per byte of ``S`` in an optimal algorithm (nccl-tests'
     busbw correction factor, ``doc/PERFORMANCE.md``).
@@ -53,21 +66,49 @@ def bus_factor(collective: str, world_size: int) -> float:
         world_size: ``n``, the number of ranks (int >= 1).
 
     Returns:
-        ``2 (n - 1) / n`` for all_reduce, ``(n - 1) / n`` for all_gather_into_tensor and
-        reduce_scatter_tensor, ``1.0`` for broadcast (float).
+        ``2 (n - 1) / n`` for all_reduce, ``(n - 1) / n`` for all_gather_single and
+        reduce_scatter_single, ``1.0`` for broadcast (float).
 
     Raises:
         ValueError: an unknown collective or a world size below 1.
     """
+    _check_collective(collective)
     _check_world_size(world_size)
     n = world_size
     if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        return (n - 1) / n
     if collective == "broadcast":
         return 1.0
-    raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
+    return (n - 1) / n
+
+
+def gloo_factor(collective: str, world_size: int) -> float:
+    """Bytes the busiest rank of a gloo group sends per byte of ``S`` (torch 2.13), the
+    ``f`` that notebook 10 fits with; notebook 10 measures it on each rank's sockets
+    (``write_chars`` of ``/proc/self/io``), as notebook 08 does.
+
+    Args:
+        collective: one of :data:`COLLECTIVES`.
+        world_size: ``n``, the number of ranks (int >= 1).
+
+    Returns:
+        :func:`bus_factor`, except ``2 (n - 1) / n`` for reduce_scatter_single (gloo
+        all-reduces the whole input and keeps this rank's chunk,
+        ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``) and ``ceil(log2 n)`` for
+        broadcast (the root sends the whole tensor in each round of a tree,
+        ``gloo/broadcast.cc``); a float.
+
+    Raises:
+        ValueError: an unknown collective or a world size below 1.
+    """
+    _check_collective(collective)
+    _check_world_size(world_size)
+    n = world_size
+    if collective == "reduce_scatter_single":
+        return 2 * (n - 1) / n
+    if collective == "broadcast":
+        return float(math.ceil(math.log2(n)))
+    return bus_factor(collective, n)
 
 
 def algbw(size_bytes: float, seconds: float) -> float:
@@ -194,8 +235,9 @@ def _diagnose(got, sizes, alpha, beta, n, what) -> str | None:
         return (f"For {what} (world_size={n}) your prediction is {seconds_label(got)}; every "
                 f"all_reduce costs at least α = {seconds_label(alpha)}.")
     return (f"For {what} (world_size={n}) your prediction is {seconds_label(got)}, but the model "
-            f"gives {seconds_label(want)}. Per tensor of S bytes: α for the message, plus β for each "
-            f"byte a rank sends, and a rank sends 2(n - 1)/n x S bytes in an all_reduce.")
+            f"gives {seconds_label(want)}. Look again at step 3: what does one all_reduce pay "
+            f"per call, what per byte, and how many bytes does a rank send in an all_reduce "
+            f"of S bytes?")
 
 
 def check_all_reduce_prediction(group: LocalGroup, fn, fits: dict, grad_bytes: list[int],

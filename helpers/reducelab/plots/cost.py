@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from ..checks.cost import bus_factor, crossover_bytes, model_seconds, seconds_label, size_label
+from ..checks.cost import crossover_bytes, gloo_factor, model_seconds, seconds_label, size_label
 from . import HATCHES, MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, TEXT_GREY, new_figure, png
 
 HEIGHT = 4.2
@@ -55,7 +55,8 @@ class Curve:
         sizes: bytes, shape ``(k,)``.
         medians: seconds, shape ``(k,)``: the median over repeats of the slowest rank.
         alpha, beta: the fit, seconds and seconds per byte sent.
-        factor: bytes sent per byte of ``S`` (the bus factor), so the model is
+        factor: bytes the busiest rank sends per byte of ``S`` on gloo
+            (:func:`~reducelab.checks.cost.gloo_factor`), so the model is
             ``alpha + beta * factor * S``.
     """
 
@@ -70,7 +71,7 @@ class Curve:
 def curve(sweep, alpha: float, beta: float, label: str | None = None) -> Curve:
     """A :class:`Curve` from a :class:`~reducelab.widgets.cost.Sweep` and its fit."""
     return Curve(label or sweep.label, sweep.sizes, sweep.medians, alpha, beta,
-                 bus_factor(sweep.collective, sweep.world_size))
+                 gloo_factor(sweep.collective, sweep.world_size))
 
 
 def fits_figure(panels: dict[str, list[Curve]], title: str = "") -> bytes:
@@ -131,7 +132,7 @@ def explorer_figure(view) -> bytes:
     medians (bars) and the model's prediction (dashed).
     """
     sweep, spot = view.sweep, view.spot
-    f = bus_factor(sweep.collective, sweep.world_size)
+    f = gloo_factor(sweep.collective, sweep.world_size)
     fig = new_figure(9.6, HEIGHT)
     grid = fig.add_gridspec(1, 2, width_ratios=[1.45, 1])
     ax, bx = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])

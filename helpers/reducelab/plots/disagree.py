@@ -67,8 +67,8 @@ class TimelineRow:
     Attributes:
         rank: the rank.
         entries: the collectives it entered, in order.
-        outcome: how it ended, one short line (``"✓ returned 480"``, ``"✗ stuck in
-            all_reduce #3"``, ``"✕ died: SIGKILL"``, ...).
+        outcome: how it ended, one short line (``"✓ returned 480"``, ``"≠ wrong value 4
+            (should be 480)"``, ``"✗ stuck in all_reduce #3"``, ``"✕ died: SIGKILL"``, ...).
         detail: an optional second line (the line of code, the mismatch).
         note: text written across the row instead of boxes when there is no record.
     """

@@ -9,6 +9,10 @@ Timing method (as in the notebook): a warm-up call, a barrier before each repeat
 rank times its own call, the collective's time is the slowest rank's, and a point is
 the median over repeats.
 
+The model is ``α + β·f·S`` with ``f`` the bytes gloo's busiest rank really sends per byte
+of ``S`` (:func:`~reducelab.checks.cost.gloo_factor`); busbw is nccl-tests' (with its bus
+factor), so it is below ``1/β`` where gloo sends more than the best algorithm would.
+
 Sources: Thakur, Rabenseifner & Gropp (2005), Int. J. High Performance Computing
 Applications 19(1) (the α-β model); NVIDIA/nccl-tests ``doc/PERFORMANCE.md`` (algbw,
 busbw and the bus factors).
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 import ipywidgets as W
 import numpy as np
 
-from ..checks.cost import (COLLECTIVES, bus_factor, busbw, crossover_bytes, model_seconds,
+from ..checks.cost import (COLLECTIVES, busbw, crossover_bytes, gloo_factor, model_seconds,
                            seconds_label, size_label)
 from ..group import LocalGroup
 from ..plots.cost import explorer_figure
@@ -148,7 +152,9 @@ class CostExplorer(Explorer):
         fn: the notebook's rank function ``fn(collective, size_bytes, repeats)`` that
             returns ``(S, [seconds of each repeat])`` on each rank (warm-up and a barrier
             before each repeat included).
-        fit: the notebook's ``fit(sizes_bytes, seconds, factor) -> (alpha, beta)``.
+        fit: the notebook's ``fit(sizes_bytes, seconds, factor) -> (alpha, beta)``; it is
+            called with :func:`~reducelab.checks.cost.gloo_factor`, the bytes gloo's
+            busiest rank sends per byte of ``S``.
         sweeps: ``{(collective, world_size): Sweep}`` already measured (the notebook's);
             other pairs are measured when first chosen, and added to this dict.
         collective: initial collective, one of
@@ -210,7 +216,7 @@ class CostExplorer(Explorer):
             self.sweeps[key] = Sweep(collective, world_size, [
                 self.measure(collective, s, sweep_repeats(s)) for s in self.sizes])
         sweep = self.sweeps[key]
-        alpha, beta = self.fit(sweep.sizes, sweep.medians, bus_factor(collective, world_size))
+        alpha, beta = self.fit(sweep.sizes, sweep.medians, gloo_factor(collective, world_size))
         nearest = int(np.argmin(np.abs(np.log(sweep.sizes) - np.log(size))))
         expected = max(float(sweep.medians[nearest]), 1e-6)
         repeats = int(np.clip(SPOT_SECONDS / expected, MIN_REPEATS, MAX_REPEATS))
@@ -234,7 +240,7 @@ class CostExplorer(Explorer):
 
     def describe(self, view: CostView) -> str:
         sweep, spot = view.sweep, view.spot
-        n, f = sweep.world_size, bus_factor(sweep.collective, sweep.world_size)
+        n, f = sweep.world_size, gloo_factor(sweep.collective, sweep.world_size)
         predicted = float(model_seconds(view.alpha, view.beta, f, spot.size_bytes))
         star = crossover_bytes(view.alpha, view.beta, f)
         regime = "latency-bound" if spot.size_bytes < star else "bandwidth-bound"

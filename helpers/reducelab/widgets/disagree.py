@@ -45,6 +45,9 @@ FAILURES = ("none", "skipped collective", "shape mismatch", "op mismatch", "dead
 """The failures the explorer injects, by the names its rank function receives."""
 DEBUG_LEVELS = ("OFF", "DETAIL")
 """``TORCH_DISTRIBUTED_DEBUG`` levels the explorer offers (one group each)."""
+WRONG_VALUE = "≠ wrong value"
+"""How a figure row starts for a rank that returned a value other than the right one
+(``✓ returned`` is kept for a right value)."""
 
 _NAMES = {"ALLREDUCE": "all_reduce", "BROADCAST": "broadcast", "ALLGATHER": "all_gather",
           "REDUCE": "reduce", "GATHER": "gather", "SCATTER": "scatter", "BARRIER": "barrier",
@@ -162,7 +165,7 @@ def timeline_rows(run: RecordedRun, expected=None) -> list[TimelineRow]:
     :class:`~reducelab.RankError`'s report, which is authoritative: a rank that
     returned finished every collective it entered, even if its record had not yet
     marked the last one retired). A returned value other than ``expected`` (what every
-    rank returns with no failure) says so."""
+    rank returns with no failure) gets :data:`WRONG_VALUE` instead of ``✓ returned``."""
     rows = []
     for rank in range(run.world_size):
         rec, state, report = run.records[rank], run.state(rank), run.report(rank)
@@ -178,9 +181,11 @@ def timeline_rows(run: RecordedRun, expected=None) -> list[TimelineRow]:
             row.entries.append(TimelineEntry(e["name"], _shape(e["sizes"]), status))
         if state == "returned":
             value = run.value(rank)
-            row.outcome = f"✓ returned {_fmt(value)}"
             if expected is not None and value is not None and value != expected:
-                row.outcome += f" (should be {_fmt(expected)})"
+                # a mark and a word of its own: ✓ would call a wrong value right
+                row.outcome = f"{WRONG_VALUE} {_fmt(value)} (should be {_fmt(expected)})"
+            else:
+                row.outcome = f"✓ returned {_fmt(value)}"
         elif state == "stuck":
             waiting = [k + 1 for k, e in enumerate(row.entries) if e.status == "waiting"]
             if report.collective and not waiting:
