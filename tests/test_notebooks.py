@@ -204,3 +204,16 @@ def test_the_setup_cell_says_what_to_do_without_reducelab(path):
         import builtins
         builtins.__import__ = namespace["_real"]
     assert "%pip install reducelab" in str(info.value) and "restart the kernel" in str(info.value)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_a_question_sets_the_world_size_it_needs(path):
+    """An explorer may have left the group at any size; a question that runs on the
+    ranks resizes the group first, so its answer never depends on the widget."""
+    for c in code_cells(load(path)):
+        src = source(c)
+        run = re.search(r"\bgroup\.run\(", src)
+        if "reveal(" in src and run:
+            resize = src.find("group.resize(")
+            assert 0 <= resize < run.start(), f"question cell without group.resize first: " \
+                                              f"{src.splitlines()[0][:80]}"

@@ -388,7 +388,8 @@ class DisagreeExplorer(Explorer):
         title = (f"{result.failure} on rank {result.rank} · TORCH_DISTRIBUTED_DEBUG="
                  f"{result.debug} · timeout {result.run.timeout:g} s"
                  if result.failure != "none" else
-                 f"no failure · TORCH_DISTRIBUTED_DEBUG={result.debug}")
+                 f"no failure (rank {result.rank} would be hit) · "
+                 f"TORCH_DISTRIBUTED_DEBUG={result.debug}")
         return timeline_figure(result.rows, title,
                                hit=result.rank if result.failure != "none" else None)
 
