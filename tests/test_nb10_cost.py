@@ -9,6 +9,7 @@ for, so a test breaks when the notebook's code stops doing what its text says.
 from __future__ import annotations
 
 import ast
+import builtins
 import contextlib
 import html
 import json
@@ -67,7 +68,10 @@ def notebook(*names: str) -> dict:
                 for t in node.targets:
                     nodes.setdefault(t.id, node)
     X, y = load_digits_tensors(256)
-    ns = {"__name__": "notebook_10", "contextlib": contextlib, "math": math, "time": time,
+    # The builtins module, not exec's default (this process's builtins dict): rank functions
+    # close over ``ns``, and a dict would travel by value, with whatever an IPython shell
+    # started by another test put into it (get_ipython holds an sqlite3 connection).
+    ns = {"__name__": "notebook_10", "__builtins__": builtins, "contextlib": contextlib, "math": math, "time": time,
           "warnings": warnings, "np": np, "psutil": psutil, "torch": torch, "dist": dist, "nn": nn, "F": F,
           "DDP": DDP, "allreduce_hook": allreduce_hook, "bf16_compress_hook": bf16_compress_hook,
           "fp16_compress_hook": fp16_compress_hook, "PowerSGDState": PowerSGDState,
