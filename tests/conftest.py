@@ -42,6 +42,16 @@ def audited_figures(request):
                     + "\n  ".join(dict.fromkeys(problems)))
 
 
+@pytest.fixture()
+def drawn():
+    """The matplotlib figures the package draws during the test, in order."""
+    from reducelab import plots
+    figures = []
+    plots.AUDITS.append(figures.append)
+    yield figures
+    plots.AUDITS.remove(figures.append)
+
+
 @pytest.fixture(scope="module")
 def group():
     """A 4-rank gloo group shared by the tests of one module. The timeout (60 s) is

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import conftest
 from reducelab import LocalGroup
 from reducelab.checks.loss import UNEVEN_BATCHES, check_global_mean_loss, exercise_losses
-from reducelab import plots
 from reducelab.plots import message_png
 from reducelab.plots.loss import LossAggregationPlot, gradient_variants, parameter_drift
 from reducelab.widgets.loss import LossExplorer, parse_batch_sizes
@@ -536,15 +535,6 @@ def test_plots_refuse_bad_input():
         gradient_variants([1.0], {str(k): [1.0] for k in range(8)})
 
 
-@pytest.fixture()
-def drawn():
-    """The matplotlib figures the package draws during the test, in order."""
-    figures = []
-    plots.AUDITS.append(figures.append)
-    yield figures
-    plots.AUDITS.remove(figures.append)
-
-
 def test_gradient_variants_tell_series_apart_without_colour(drawn):
     gradient_variants([1.0, -1.0], {"a": [1.0, -1.0], "b": [2.0, -2.0], "c": [0.5, 0.5]})
     ax = drawn[-1].axes[0]
@@ -618,13 +608,3 @@ def test_the_spawn_cell_shows_what_spawn_started():
     text = "\n".join(s for s, c in notebook_cells() if c["cell_type"] == "markdown")
     assert "returns `None` whether it started processes or not" in text
     assert "Nothing was printed by `train`" not in text
-
-
-def test_the_notebook_closes_as_agreed():
-    cells = [src for src, _ in notebook_cells()]
-    assert cells[-1] == "# group.close()"
-    assert cells[-2].endswith(
-        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
-        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
-        "explorers above then say their group is closed, and follow the new group once you "
-        "run the setup cell again.")

@@ -490,15 +490,6 @@ def test_batch_order_is_seeded_and_drops_last():
     assert len(set(torch.cat(a[:3]).tolist())) == 96
 
 
-@pytest.fixture()
-def drawn():
-    """The matplotlib figures the package draws during the test, in order."""
-    figures = []
-    plots.AUDITS.append(figures.append)
-    yield figures
-    plots.AUDITS.remove(figures.append)
-
-
 def test_plots_return_png_and_refuse_bad_input():
     s = GradientScatter()
     assert s.draw([0.5, -1.0], [1.0, -2.0], 0.5, True, sizes=[3, 5], reduction="mean",
@@ -582,14 +573,6 @@ def test_questions_2_and_3_are_asked_before_they_are_explained():
     assert "accumulates locally" in cells[q3 + 1]  # the mechanism is in the why
 
 
-def test_the_notebook_closes_as_agreed():
-    cells = notebook_cells()
-    assert cells[-1] == "# group.close()"
-    assert cells[-2].endswith(
-        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
-        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
-        "explorers above then say their group is closed, and follow the new group once you "
-        "run the setup cell again.")
 
 
 def test_the_gap_panel_says_where_an_exact_zero_is_drawn(drawn):

@@ -12,7 +12,6 @@ import re
 import sys
 
 import cloudpickle
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -720,13 +719,3 @@ def test_the_exercise_shows_the_model_and_the_data():
     assert "def train_step" in printed
     assert "Linear(in_features=4, out_features=8" in printed and "Tanh()" in printed
     assert "x (8, 4), y (8, 2)" in printed
-
-
-def test_closing_text():
-    cells = _cells()
-    assert _src(cells[-1]) == "# group.close()"
-    assert _src(cells[-2]) == (
-        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
-        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
-        "explorers above then say their group is closed, and follow the new group once you "
-        "run the setup cell again.")

@@ -580,13 +580,3 @@ def test_the_text_says_why_the_check_takes_no_group():
 def test_the_text_says_the_ring_direction_is_a_choice():
     text = _src(_cells()[_index_of("In reduce-scatter step `s`")])
     assert "direction does not matter" in text and "notebook 02" in text
-
-
-def test_closing_text():
-    cells = _cells()
-    assert _src(cells[-1]) == "# group.close()"
-    assert _src(cells[-2]) == (
-        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or "
-        "restarts. To stop them now, remove the `# ` in the cell below and run it. The "
-        "explorers above then say their group is closed, and follow the new group once you "
-        "run the setup cell again.")

@@ -653,15 +653,6 @@ def test_scaled_labels_share_a_unit_and_have_at_most_3_characters():
     assert scale_text(0) == ""
 
 
-@pytest.fixture()
-def drawn():
-    from reducelab import plots
-    figures = []
-    plots.AUDITS.append(figures.append)
-    yield figures
-    plots.AUDITS.remove(figures.append)
-
-
 def test_static_figures_and_their_errors(drawn):
     inputs = np.arange(8.0)[None, :] + np.arange(4.0)[:, None]
     assert collective_figure(inputs, np.ones((4, 2)), inputs).startswith(PNG)
@@ -713,11 +704,3 @@ def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
 def test_reduce_dtypes_and_shardings_are_the_fields_names():
     assert SHARDINGS == ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
     assert REDUCE_DTYPES == ("float32", "bfloat16")
-
-
-def test_the_closing_words_and_cell():
-    text = ("## When you are done\nThe ranks stop by themselves when the kernel shuts down or restarts. "
-            "To stop them now, remove the `# ` in the cell below and run it. The explorers above then say "
-            "their group is closed, and follow the new group once you run the setup cell again.")
-    last_md = "".join(CELLS[-2]["source"])
-    assert last_md.endswith(text) and "".join(CELLS[-1]["source"]) == "# group.close()"

@@ -580,13 +580,6 @@ def test_the_outline_follows_the_skeleton_one_purpose_per_markdown_cell():
     assert len(stuck) == 1 and "\n" not in stuck[0].strip()
 
 
-def test_the_closing_cell_says_how_to_stop_the_ranks():
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    assert "".join(cells[-2]["source"]) == (
-        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or restarts. "
-        "To stop them now, remove the `# ` in the cell below and run it. The explorers above then say "
-        "their group is closed, and follow the new group once you run the setup cell again.")
-    assert "".join(cells[-1]["source"]) == "# group.close()"
 
 
 def test_question_4_asks_about_underflow_and_its_answer_cell_gives_nothing_away():

@@ -678,14 +678,6 @@ def test_the_outline_has_one_purpose_per_markdown_cell():
     assert len(stuck) == 1 and "\n" not in stuck[0].strip()
 
 
-def test_the_closing_cell_says_how_to_stop_both_groups():
-    nb = json.loads(NOTEBOOK.read_text())
-    cells = ["".join(c["source"]) for c in nb["cells"]]
-    assert cells[-2] == (
-        "## When you are done\nThe ranks stop by themselves when the kernel shuts down or restarts. "
-        "To stop them now, remove the `# ` in the cell below and run it. The explorers above then say "
-        "their group is closed, and follow the new group once you run the setup cell again.")
-    assert cells[-1] == "# group.close(); detail_group.close()"
 
 
 def test_question_3_is_not_answered_before_it_is_asked():

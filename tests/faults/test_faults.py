@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import gone, run_python, start_python
+from conftest import gone, start_python
 from reducelab import LocalGroup, RankError
 
 LOOPBACK = {"127.0.0.1", "::1"}

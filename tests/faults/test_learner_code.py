@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import gone, run_python
+from conftest import run_python
 from reducelab import LocalGroup
 
 

@@ -279,7 +279,7 @@ def _ranks(ranks: list[int]) -> str:
 def lesson(failure: str, debug: str, run: RecordedRun) -> str:
     """One or two sentences on what ``run`` shows, for ``failure`` at ``debug``; only
     what the run itself showed is said."""
-    stuck, raised, died = run.ranks_in("stuck"), run.ranks_in("raised"), run.ranks_in("died")
+    stuck, raised = run.ranks_in("stuck"), run.ranks_in("raised")
     refused = [r for r in raised if fingerprint(full_message(run.report(r)) or "")]
     if failure == "none":
         return "Every rank entered the same collectives in the same order."
