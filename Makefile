@@ -19,7 +19,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 PORT ?= 8888
 LAB_DIR ?= reducelab-notebooks
 
-.PHONY: install browser lab test test-spawn unit nbval notebooks bench workshop-bench clean
+.PHONY: install browser lab test test-spawn unit nbval notebooks bench workshop-bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing Reduce Lab into $(VENV): torch (CPU), JupyterLab, ipywidgets, matplotlib"
@@ -55,6 +55,12 @@ test: install browser
 	$(MAKE) --no-print-directory test-spawn
 	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=120 -p no:cacheprovider
+
+# For a hosted service (Colab, a hub without a shared environment): the wheel learners
+# install with `%pip install reducelab-<version>-py3-none-any.whl`, notebooks included.
+wheel: install
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
+	@ls dist/reducelab-*.whl
 
 # Where there is no forkserver (Windows; macOS too, if a learner chooses), ranks start with
 # spawn. This runs the LocalGroup tests and notebook 01 with spawn forced on Linux.

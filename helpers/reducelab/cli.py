@@ -40,8 +40,9 @@ def shipped_notebooks() -> pathlib.Path:
         if any(candidate.glob("[0-9][0-9]_*.ipynb")):
             return candidate
     raise FileNotFoundError("no Reduce Lab notebooks were found next to the reducelab "
-                            "package; reinstall it (pip install reducelab) or run from a "
-                            "clone of the repository")
+                            "package; reinstall it from its wheel (pip install --force-reinstall "
+                            "reducelab-<version>-py3-none-any.whl, built by make wheel) or run "
+                            "from a clone of the repository")
 
 
 def copy_notebooks(target: pathlib.Path, source: pathlib.Path | None = None,
