@@ -255,7 +255,8 @@ def bench_notebook_explorers(repeat: int = 10) -> dict:
         upto = next((i for i, c in enumerate(code) if "explorer = " in c.source), None)
         if upto is None:
             continue
-        cells = [c for c in code[:upto + 1] if not c.source.lstrip().startswith("%%")]
+        # %%ranks cells only print; %%writefile cells write files later cells read
+        cells = [c for c in code[:upto + 1] if not c.source.lstrip().startswith("%%ranks")]
         probe = nbformat.v4.new_code_cell(
             "import statistics as _s\n_t = []\n"
             f"for _ in range({repeat}):\n    explorer.refresh(); _t.append(explorer.seconds)\n"
