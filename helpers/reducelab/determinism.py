@@ -36,3 +36,26 @@ def setup(seed: int = 0) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     print_options()
+
+
+def within(value: float, tol: float) -> str:
+    """``value`` as a stored notebook should show it: the same text on every CPU.
+
+    A difference of the size of rounding noise (float32: about 1e-7 of the values' size
+    per operation) changes in its digits with the CPU's vector width (AVX2, AVX-512 or
+    none), the thread count and the order gloo adds in, so a notebook shows it against a
+    stated tolerance, not as raw digits: ``"≤ 1e-06"`` when ``value <= tol``. A value
+    above the tolerance is a result, not noise, and is shown with the bound it passes:
+    ``"0.003 (above 1e-06)"``. PyTorch's reproducibility note ("results may not be
+    reproducible between CPU and GPU executions, even when using identical seeds") and
+    ``torch.testing.assert_close``'s per-dtype tolerances are the sources.
+
+    ``value`` and ``tol`` are floats, in the units of the compared tensors. Raises
+    ``ValueError`` for a ``tol`` that is negative or not a number. Used from notebook 05
+    on.
+    """
+    if not tol >= 0:  # also catches NaN
+        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
+    if value <= tol:
+        return f"≤ {tol:g}"
+    return f"{value:.1g} (above {tol:g})"
