@@ -29,6 +29,9 @@ OUTLINE = PALETTE["black"]
 """Colour of the outline around each process group and of the text in the cells."""
 CELL_W, CELL_H = 1.15, 0.72
 """Size of one rank's cell, inches."""
+MIN_WIDTH = 6.4
+"""Narrowest figure, inches (640 px at ``DPI``): a 2 x 2 mesh still fills a projector's
+width as the other notebooks' figures do, with its cells at their usual size."""
 
 
 def group_index(coords: list[tuple[int, int]], groups: list[list[int]]) -> np.ndarray:
@@ -66,7 +69,7 @@ class MeshGrid:
     value that rank's ``all_reduce`` returned). Each group is filled with
     ``GROUP_COLOURS[k]``, outlined, and labelled beside the grid: under its column for
     ``dim="dp"``, right of its row for ``dim="cp"``. Figures are at most 4.4 in tall
-    (4 rows) and 7 in wide (4 columns), drawn at their shown size.
+    (4 rows) and at least 6.4 in wide, drawn at their shown size.
     """
 
     def __init__(self):
@@ -113,10 +116,12 @@ class MeshGrid:
         label_w = 2.1 if dim == "cp" else 0.3
         label_h = 0.75 if dim == "dp" else 0.1
         title_w = 0.11 * len(title) + 0.3   # a 12 pt title is about 0.11 in per character
-        self.fig = fig = new_figure(max(0.8 + CELL_W * cp + label_w, title_w),
-                                    0.75 + CELL_H * dp + label_h)
+        grid_w = 0.8 + CELL_W * cp + label_w
+        width = max(grid_w, title_w, MIN_WIDTH)
+        self.fig = fig = new_figure(width, 0.75 + CELL_H * dp + label_h)
         ax = fig.subplots()
-        ax.set_xlim(-0.5, cp - 0.5)
+        pad = (width - grid_w) / CELL_W / 2  # cells keep their size; the grid stays centred
+        ax.set_xlim(-0.5 - pad, cp - 0.5 + pad)
         ax.set_ylim(dp - 0.5, -0.5)
         ax.set_aspect("auto")
         ax.set_xticks(range(cp), [f"cp {j}" for j in range(cp)])

@@ -18,7 +18,8 @@ import ipywidgets as W
 import numpy as np
 import torch
 
-from ..checks.sharded import NUMEL, placed, placed_dtensors, reference_run  # noqa: F401 (re-exported)
+from ..checks.sharded import ATOL, LR, NUMEL, placed, placed_dtensors, reference_run  # noqa: F401 (re-exported)
+from ..determinism import within
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.sharded import COLLECTIVES, ShardingFigure, memory_formula, sent_formula
@@ -155,8 +156,8 @@ class ShardingExplorer(Explorer):
                 f"{m['gradients'] / 1000:.1f} kB of gradients and "
                 f"{m['optimizer state'] / 1000:.1f} kB of Adam state ({total / 1000:.1f} kB; "
                 f"DDP keeps {ddp / 1000:.1f} kB) and sends {sent / 1000:.1f} kB per step. "
-                f"After the step every rank's parameters are within {r.error:.1g} of one "
-                f"process's on the whole batch.")
+                f"After the step, max |parameters - one process's on the whole batch| over "
+                f"every rank {within(r.error, ATOL if r.reduce_dtype == 'float32' else 3 * LR)}.")
 
     def explain_error(self, values: dict, err: RankError) -> str:
         return (f"The ranks refused {values['sharding']} at world_size="
