@@ -214,7 +214,10 @@ def test_every_stage_steps_to_ddps_parameters_and_one_process(group, reference, 
         for o in out:
             for step in range(3):
                 assert torch.equal(o["params"][step], ddp[step]), (stage, step)   # bit for bit
-                assert (o["params"][step] - reference["params"][step]).abs().max() < 1e-7
+                # One process adds the 840 per-sample gradients in another order than the
+                # ranks do: float32 rounding, up to 5e-8 here on AVX-512 and on scalar
+                # kernels; ATOL (1e-6) is the bound the notebook states and its check uses.
+                assert (o["params"][step] - reference["params"][step]).abs().max() <= ATOL
     assert not torch.equal(ddp[2], initial_flat())       # it really trained
 
 
@@ -295,7 +298,7 @@ def test_fsdp2_step_is_our_zero3_and_gathers_twice(group, reference):
     for o, z in zip(fsdp, zero3):
         for step in range(3):
             assert (o["params"][step] - z["params"][step]).abs().max() < ATOL
-            assert (o["params"][step] - reference["params"][step]).abs().max() < 1e-7
+            assert (o["params"][step] - reference["params"][step]).abs().max() <= ATOL  # float32 rounding, as above
     names = [name for name, _ in fsdp[0]["sent"]]
     assert names == ["all_gather"] * 4 + ["reduce_scatter"] * 2
     S = 4 * NUMEL
@@ -413,7 +416,7 @@ def test_explorer_runs_every_sharding_on_real_ranks(explorer):
         r = explorer.result
         assert explorer.error is None and r.sharding == sharding and r.world_size == 4
         assert bytes(explorer.image.value[:8]) == PNG
-        assert r.error < 1e-7                                  # one process's parameters
+        assert r.error <= ATOL                                 # one process's, to float32 rounding
         kept[sharding] = sum(r.memory[0].values())
         assert f"{sharding} on 4 ranks" in explorer.message.value
     assert kept["DDP"] > kept["ZeRO-1"] > kept["ZeRO-2"] > kept["ZeRO-3"]
