@@ -5,6 +5,7 @@ the stub, the solution and each usual mistake; and the figures."""
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import math
 import pathlib
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 import conftest
 from reducelab import RankError
+import reducelab.checks.sharded as helper
 from reducelab.checks.sharded import (ATOL, GLOBAL_BATCH, LAYOUT, NUMEL, check_zero2_step,
                                       exercise_run, flat_gradient, global_batches, initial_flat,
                                       load_digits_tensors, local_part, make_model, one_thread,
@@ -37,6 +39,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 PNG = b"\x89PNG\r\n\x1a\n"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "08_sharded_data_parallel.ipynb"
+NOTEBOOK_15 = ROOT / "notebooks" / "15_fsdp2.ipynb"
 STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
 pytestmark = pytest.mark.usefixtures("keep_four_ranks")
@@ -71,6 +74,10 @@ def cell_with(text: str, kind: str | None = None) -> str:
             if text in "".join(c["source"]) and kind in (None, c["cell_type"])]
     assert len(hits) == 1, f"{len(hits)} cells contain {text!r}"
     return hits[0]
+
+
+def explorer_cell_source() -> str:
+    return cell_with("explorer = ShardingExplorer(")
 
 
 def markdown() -> str:
@@ -202,7 +209,6 @@ def test_one_tolerance_is_stated_and_it_is_atol():
     stated += re.findall(r"`ATOL` = (\d(?:\.\d+)?e-\d+)", text)
     assert stated and {float(t) for t in stated} == {ATOL}, stated
     assert "1e-7" not in markdown()
-    assert "worst <= ATOL" in cell_with("def fsdp_then_manual_sync(")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -278,140 +284,120 @@ def test_what_each_stage_holds(group):
             assert torch.equal(held["grad"], grads), (stage, rank)
 
 
-# --- step 3: FSDP2 ------------------------------------------------------------------------------
-def test_fsdp2_parameters_and_gradients_are_shard0_dtensors(group, reference):
-    out = group.run(NB.what_rank_holds, X, y)
-    rows = {name: (kind, str(pl), shape, local, gkind, str(gpl))
-            for name, kind, pl, shape, local, gkind, gpl in out[0][0]}
-    assert rows["0.weight"] == ("DTensor", "(Shard(dim=0),)", (32, 64), (8, 64), "DTensor",
-                                "(Shard(dim=0),)")
-    assert [r[3] for r in rows.values()] == [(8, 64), (8,), (3, 32), (3,)]
-    rank3 = {name: local for name, _, _, _, local, _, _ in out[3][0]}
-    assert rank3["2.weight"] == (1, 32) and rank3["2.bias"] == (1,)   # question 4
-    for _, full_grad in out:
-        assert (full_grad - reference["grads"][0]).abs().max() < ATOL
+def stored_text(source_part: str) -> str:
+    """The text the committed notebook shows for the one code cell containing ``source_part``."""
+    cell = next(c for c in CELLS if c["cell_type"] == "code" and source_part in "".join(c["source"]))
+    return "".join("".join(o.get("text", "")) for o in cell["outputs"] if o["output_type"] == "stream")
 
 
-def test_fsdp2_step_is_our_zero3_and_gathers_twice(group, reference):
-    fsdp = group.run(NB.fsdp_train, X, y, 3)
-    zero3 = group.run(NB.zero_train, "ZeRO-3", X, y, 3)
-    for o, z in zip(fsdp, zero3):
-        for step in range(3):
-            assert (o["params"][step] - z["params"][step]).abs().max() < ATOL
-            assert (o["params"][step] - reference["params"][step]).abs().max() <= ATOL  # float32 rounding, as above
-    names = [name for name, _ in fsdp[0]["sent"]]
-    assert names == ["all_gather"] * 4 + ["reduce_scatter"] * 2
-    S = 4 * NUMEL
-    assert 3 * 0.75 * S < sum(b for _, b in fsdp[0]["sent"]) < 3 * 0.75 * S * 1.05
+# --- the corrections of issue 21, each with the code behind it --------------------------------------
+def test_every_reduce_op_is_honoured_by_gloos_reduce_scatter(group):
+    """#162338's cause: ProcessGroupGloo's reduce_scatter dropped the requested op (every op,
+    not only AVG as #162344 said); on torch 2.13 each op gives what all_reduce gives."""
+    want = {"SUM": 10.0, "AVG": 2.5, "MIN": 1.0, "MAX": 4.0, "PRODUCT": 24.0}
+    for rows in group.run(NB.every_op):
+        assert {op: piece for op, (piece, _) in rows.items()} == want
+        assert all(piece == whole for piece, whole in rows.values())
+    stored = stored_text("out = group.run(every_op)")            # the committed table says the same
+    for op, value in want.items():
+        assert re.search(rf"^{op}\s+{value:g}\s+{value:g}\s+True$", stored, re.M), op
+    text = markdown()
+    assert "#171458" in text and "#162344" in text and "MIN, MAX and PRODUCT included" in text
 
 
-def test_reshard_after_forward_false_gathers_once(group):
-    default = group.run(NB.fsdp_train, X, y)[0]["sent"]
-    kept = group.run(NB.fsdp_train, X, y, 1, "float32", None, False)[0]["sent"]
-    assert [name for name, _ in kept] == ["all_gather"] * 2 + ["reduce_scatter"] * 2
-    zero3 = sum(b for _, b in group.run(NB.zero_train, "ZeRO-3", X, y)[0]["sent"])
-    assert zero3 <= sum(b for _, b in kept) < 1.05 * zero3 < sum(b for _, b in default)
-    assert "(`reshard_after_forward=False` does the same in FSDP2)" not in markdown()
+def test_gloo_has_a_reduce_scatter_that_processgroupgloo_does_not_use():
+    """The gloo library has ReduceScatterHalvingDoubling (gloo/reduce_scatter.h); the
+    profiler trace (test above) shows ProcessGroupGloo running one all_reduce instead."""
+    text = "\n".join("".join(c["source"]) for c in CELLS)
+    assert "has no reduce_scatter algorithm" not in text and "no reduce-scatter algorithm" not in text
+    why = cell_with("def composed_and_all_reduce(")
+    assert "ReduceScatterHalvingDoubling" in why and "does not use it" in why
 
 
-def test_an_unreduced_gradient_is_partial_and_redistributes_to_fsdp2s_rows(group, reference):
-    out = group.run(NB.partial_to_shard, X, y)
-    one = reference["grads"][0][:2048].view(32, 64)
-    for rank, (pending, rows, local) in enumerate(out):
-        assert str(pending) == "(Partial(avg),)" and str(rows) == "(Shard(dim=0),)"
-        assert local.shape == (8, 64) and (local - one[8 * rank:8 * rank + 8]).abs().max() < ATOL
-    assert "Partial()" in markdown()
+def test_the_single_names_are_new_in_2_13_and_the_old_names_are_the_fallback(group):
+    step1 = cell_with("## Step 1: all_reduce = reduce_scatter + all_gather")
+    assert "torch 2.13" in step1 and "#186123" in step1
+    assert "`dist.reduce_scatter_tensor(output, input, op)`" in step1
+    assert "`dist.all_gather_into_tensor(output_tensor, input_tensor)`" in step1
+    # the fallback really takes the same arguments: one step with the old names equals the new
+    def both():
+        n, rank = dist.get_world_size(), dist.get_rank()
+        x = torch.arange(2.0 * n) + rank
+        new, old = torch.empty(2), torch.empty(2)
+        dist.reduce_scatter_single(new, x)
+        with __import__("warnings").catch_warnings():
+            __import__("warnings").simplefilter("ignore")
+            dist.reduce_scatter_tensor(old, x)
+        return torch.equal(new, old)
+    assert all(group.run(both))
+    assert [p for p in inspect.signature(dist.reduce_scatter_single).parameters][:3] == ["output", "input", "op"]
 
 
-def test_premul_sum_is_said_as_the_docstring_says():
-    doc = " ".join(dist.ReduceOp.__doc__.split())
-    assert "``PREMUL_SUM`` is available with the ``NCCL`` backend" in doc and "``XCCL`` backend" in doc
-    text = cell_with("`CPUOffloadPolicy` fails on a machine without an accelerator.")
-    assert "only NCCL" not in text and "NCCL and XCCL" in text
+def test_the_gpu_part_says_what_was_not_run_and_its_facts_hold_in_the_installed_torch():
+    part = cell_with("## On GPUs with NCCL")
+    assert "None of this was run here" in part and "torch.cuda.synchronize()" in part
+    assert "py-spy dump" in part and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in part
+    import torch.distributed.constants as constants
+    from torch.distributed import distributed_c10d
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+    assert str(constants.default_pg_timeout) == "0:30:00"            # gloo's default: 30 minutes
+    doc = inspect.getsource(distributed_c10d.init_process_group)
+    assert "Default value is 10 minutes for NCCL and 30 minutes for other backends" in doc
+    assert '"TORCH_NCCL_ASYNC_ERROR_HANDLING", str(1)' in inspect.getsource(local_elastic_agent)
+    assert "10 minutes for NCCL and 30 minutes for other backends" in part
 
 
-def test_fsdp2_memory_is_a_quarter_of_ddps_plus_padding(group):
-    fsdp = group.run(NB.fsdp_train, X, y)[0]["bytes"]
-    ddp = group.run(NB.zero_train, "DDP", X, y)[0]["bytes"]
-    local = 4 * (8 * 64 + 8 + 3 * 32 + 3)          # rank 0's rows of each parameter, float32
-    assert fsdp == {"parameters": local, "gradients": local,
-                    "optimizer state": 2 * local + 4 * 4}   # exp_avg, exp_avg_sq, 4 step counters
-    assert sum(ddp.values()) == 38596 and sum(fsdp.values()) / sum(ddp.values()) == pytest.approx(0.257, abs=0.001)
+def test_fsdp2_moved_to_notebook_15_and_08_stays_one_study_unit():
+    prose = markdown().split("## Further reading")[0]                  # the reading list is not study
+    assert 1500 < len(prose.split()) < 3300, len(prose.split())        # 4,095 before the split
+    header = "".join(CELLS[0]["source"])
+    assert "About 40 min to study" in header and "s to run top to bottom" in header
+    assert "fully_shard" not in "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "code")
+    assert NOTEBOOK_15.exists() and "notebook 15" in markdown()
 
 
-def test_reduce_dtype_errors_as_the_world_size_grows(group, reference):
-    exact = reference["grads"][0].double()
-    errors = {}
-    for world_size in (1, 4):
-        group.resize(world_size)
-        for setting in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), (None, "float32")):
-            out = group.run(NB.fsdp_train, X, y, 1, setting[1], setting[0])
-            grad = torch.stack([o["grad"] for o in out]).nanmean(0).double()
-            errors[setting, world_size] = ((grad - exact).norm() / exact.norm()).item()
-    assert errors[(None, "float32"), 4] < 1e-6
-    bf_fp, bf_bf = ("bfloat16", "float32"), ("bfloat16", "bfloat16")
-    assert 1e-3 < errors[bf_fp, 1] < 1e-2 and errors[bf_fp, 1] == errors[bf_bf, 1]
-    assert errors[bf_fp, 4] < errors[bf_fp, 1]               # averaging lowers it a little
-    assert errors[bf_bf, 4] > errors[bf_bf, 1] * 1.1         # bf16 sums add error
-    assert errors[bf_bf, 4] > errors[bf_fp, 4]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_copies_in_the_package_equal_the_notebooks_cells(group, world_size):
+    """Notebook 15 and the check import reducelab.checks.sharded's zero_train,
+    counting_collectives and storage_bytes: the same code as notebook 08's cells."""
+    for name in ("ring_bytes", "counting_collectives", "storage_bytes", "zero_train"):
+        assert getattr(NB, name).__module__ == "nb08_cells"
+    group.resize(world_size)
+    for stage in STAGES:
+        for dtype in ("float32", "bfloat16"):
+            mine = group.run(NB.zero_train, stage, X, y, 2, dtype)
+            theirs = group.run(helper.zero_train, stage, X, y, 2, dtype)
+            for a, b in zip(mine, theirs):
+                assert a["sent"] == b["sent"] and a["bytes"] == b["bytes"]
+                assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+                for key in ("before", "grad", "after"):
+                    assert torch.equal(a[key].nan_to_num(7.0), b[key].nan_to_num(7.0))
+    t = torch.ones(10)
+    assert NB.ring_bytes("all_reduce", t, 4) == helper.ring_bytes("all_reduce", t, 4) == 60.0
+    assert NB.storage_bytes(t, t[:2], None) == helper.storage_bytes(t, t[:2], None) == 40
 
 
-def test_what_fails_on_gloo_and_the_sum_workaround(group):
-    one = make_model()
-    one(X[:8]).sum().backward()
-    one_grad = torch.cat([p.grad.flatten() for p in one.parameters()])
-    ratio = lambda option: (group.run(NB.fsdp_option, option)[0] / one_grad).nanmedian().item()  # noqa: E731
-    assert ratio("plain") == pytest.approx(1.0)
-    with pytest.raises(RankError, match="Cannot access accelerator device"):
-        group.run(NB.fsdp_option, "offload")
-    with pytest.raises(RankError, match="PREMUL_SUM with Gloo"):
-        group.run(NB.fsdp_option, "sum")
-    assert ratio("sum, forced") == pytest.approx(4.0)
+def test_the_stored_byte_counts_are_the_ones_the_text_states():
+    stored = stored_text("memory, sent = {}, {}")
+    assert re.search(r"DDP\s+all_reduce\s+14,472 bytes = 2 x", stored)
+    assert re.search(r"ZeRO-1\s+all_reduce \+ all_gather\s+21,708 bytes = 3 x", stored)
+    assert re.search(r"ZeRO-2\s+reduce_scatter \+ all_gather\s+14,472 bytes = 2 x", stored)
+    assert "21,708 against 14,472" in markdown()
 
-
-def test_issue_162338_fsdp2_averages_on_gloo(group):
-    one = make_model()
-    one(X[:8]).sum().backward()
-    one_grad = torch.cat([p.grad.flatten() for p in one.parameters()])
-    out = group.run(NB.same_input_everywhere)
-    assert (out[0][0] / one_grad).nanmedian().item() == pytest.approx(1.0)
-    assert [piece for _, piece in out] == [2.5] * 4
-
-
-def test_a_manual_sync_after_fsdp2_mixes_shards(group, reference):
-    group.resize(2)
-    out = group.run(NB.fsdp_then_manual_sync, X, y)
-    ref = reference["grads"][0]
-    for g in out:                                                # question 5: far from 1e-6
-        assert (g - ref).norm() / ref.norm() > 0.1
-
-
-def held_rows_of_a_sharded_model():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    model = make_model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    return placed_dtensors(model.parameters())
-
-
-def test_placed_dtensors_follows_torch_chunk(group):
-    group.resize(3)
-    out = torch.stack(group.run(held_rows_of_a_sharded_model))
-    assert torch.equal(torch.isfinite(out).sum(0), torch.ones(NUMEL, dtype=torch.long))
-    assert torch.equal(out.nan_to_num(0).sum(0), initial_flat())
 
 
 # --- the explorer ---------------------------------------------------------------------------------
 @pytest.fixture()
 def explorer(group):
     group.resize(4)
-    return ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, world_size=4,
-                            sharding="ZeRO-2")
+    return ShardingExplorer(group, NB.zero_train, None, X, y, world_size=4, sharding="ZeRO-2")
 
 
 def test_explorer_runs_every_sharding_on_real_ranks(explorer):
     kept = {}
-    for sharding in SHARDINGS:
+    assert explorer.controls["sharding"].options == STAGES          # notebook 08: no FSDP2
+    assert explorer_cell_source().count("ShardingExplorer(group, zero_train, None,") == 1
+    for sharding in STAGES:
         explorer.controls["sharding"].value = sharding
         r = explorer.result
         assert explorer.error is None and r.sharding == sharding and r.world_size == 4
@@ -420,7 +406,6 @@ def test_explorer_runs_every_sharding_on_real_ranks(explorer):
         kept[sharding] = sum(r.memory[0].values())
         assert f"{sharding} on 4 ranks" in explorer.message.value
     assert kept["DDP"] > kept["ZeRO-1"] > kept["ZeRO-2"] > kept["ZeRO-3"]
-    assert kept["FSDP2"] == pytest.approx(kept["ZeRO-3"], rel=0.05)
     assert "DDP keeps 38.6 kB" in explorer.text()
 
 
@@ -458,7 +443,7 @@ def test_explorer_world_size_resizes_the_group(explorer, group):
     explorer.controls["world_size"].value = 3
     assert group.world_size == 3 and explorer.result.world_size == 3
     assert explorer.result.memory[0]["optimizer state"] == 2 * 4 * 804 + 4
-    explorer.controls["sharding"].value = "FSDP2"
+    explorer.controls["sharding"].value = "ZeRO-3"
     held = np.isfinite(explorer.result.grad)
     assert (held.sum(axis=0) == 1).all()                         # each element on one rank
     explorer.controls["world_size"].value = 1
@@ -468,18 +453,20 @@ def test_explorer_world_size_resizes_the_group(explorer, group):
 
 
 def test_explorer_rejects_bad_initial_values(group):
-    with pytest.raises(ValueError, match="DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2"):
-        ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, sharding="ZeRO-4")
+    with pytest.raises(ValueError, match="DDP, ZeRO-1, ZeRO-2, ZeRO-3; got 'ZeRO-4'"):
+        ShardingExplorer(group, NB.zero_train, None, X, y, sharding="ZeRO-4")
+    with pytest.raises(ValueError, match="ZeRO-3; got 'FSDP2'"):            # FSDP2 needs an fsdp_train
+        ShardingExplorer(group, NB.zero_train, None, X, y, sharding="FSDP2")
     with pytest.raises(ValueError, match="float32, bfloat16"):
-        ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, reduce_dtype="float16")
+        ShardingExplorer(group, NB.zero_train, None, X, y, reduce_dtype="float16")
     with pytest.raises(ValueError, match="from 1 to 8"):
-        ShardingExplorer(group, NB.zero_train, NB.fsdp_train, X, y, world_size=9)
+        ShardingExplorer(group, NB.zero_train, None, X, y, world_size=9)
 
 
 def test_explorer_follows_the_newest_open_group_when_its_own_is_closed(group):
     from reducelab import LocalGroup
     g = LocalGroup(world_size=2)
-    ex = ShardingExplorer(g, NB.zero_train, NB.fsdp_train, X, y)
+    ex = ShardingExplorer(g, NB.zero_train, None, X, y)
     g.close()
     ex.controls["sharding"].value = "DDP"
     assert ex.group is group and ex.error is None
@@ -489,9 +476,9 @@ def test_explorer_follows_the_newest_open_group_when_its_own_is_closed(group):
 def test_explorer_refusal_is_a_sentence(group):
     def broken(*args):
         raise RuntimeError("boom")
-    ex = ShardingExplorer(group, NB.zero_train, broken, X, y)
-    ex.controls["sharding"].value = "FSDP2"
-    assert ex.result is None and "refused FSDP2 at world_size=4" in ex.message.value
+    ex = ShardingExplorer(group, broken, None, X, y, sharding="ZeRO-2")
+    ex.controls["sharding"].value = "ZeRO-1"
+    assert ex.result is None and "refused ZeRO-1 at world_size=4" in ex.message.value
     assert "boom" in ex.message.value
 
 
@@ -690,7 +677,7 @@ def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     assert figure.write_values == (world_size <= 7)          # as the notebook says
-    assert "up to 7 ranks" in cell_with("## Step 4: explore")
+    assert "up to 7 ranks" in cell_with("## Step 3: explore")
     for ax, texts, title in zip(figure.heat_axes, figure.cell_texts, figure.titles):
         assert mcolors.to_hex(ax.get_facecolor()) == mcolors.to_hex(NOT_HELD)
         width = ax.get_window_extent().width / len(figure.columns)

@@ -17,6 +17,11 @@ Everything here runs in the kernel and on the ranks alike (it needs only ``torch
   ``tests/test_nb08_sharded.py`` holds the two versions equal bit for bit);
 * :func:`placed` and :func:`placed_dtensors`: what a rank holds, placed in the flat
   vector (NaN elsewhere), for the explorer's figure;
+* :func:`ring_bytes`, :func:`counting_collectives`, :func:`storage_bytes` and
+  :func:`zero_train`: the byte counting and the hand-written DDP and ZeRO stages 1 to 3
+  of notebook 08's steps 1 and 2, where the learner reads them. Notebook 15 (FSDP2)
+  imports these copies to compare FSDP2 with our stage 3, and
+  ``tests/test_nb08_sharded.py`` holds them equal to the notebook's cells;
 * :func:`check_zero2_step`: the exercise, a ZeRO-2 step written by the learner.
 
 Sources: Rajbhandari, Rasley, Ruwase and He, "ZeRO: Memory Optimizations Toward Training
@@ -30,6 +35,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -184,6 +190,108 @@ def placed_dtensors(tensors) -> torch.Tensor:
         start_row = min(rank * math.ceil(shape[0] / n), shape[0])
         start = offset + start_row * math.prod(shape[1:])
         out[start:start + local.numel()] = local
+    return out
+
+
+# --- notebook 08's byte counting and ZeRO stages (copies for notebook 15) ------------
+
+def ring_bytes(collective: str, tensor: torch.Tensor, world_size: int) -> float:
+    """Bytes one rank sends in a ring collective: ``2 (n-1)/n · S`` for ``"all_reduce"``,
+    ``(n-1)/n · S`` for ``"reduce_scatter"`` and ``"all_gather"``, with ``S`` the bytes
+    of ``tensor``, the whole (unsharded) tensor. (Notebook 08, step 1.)"""
+    S = tensor.numel() * tensor.element_size()
+    return (2 if collective == "all_reduce" else 1) * (world_size - 1) / world_size * S
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """On a rank: record ``(collective, bytes sent)`` (:func:`ring_bytes`) for every
+    ``dist.all_reduce``, ``dist.reduce_scatter_single`` and ``dist.all_gather_single``
+    called inside the block, by this code or by a library such as FSDP2, which calls
+    them through the ``torch.distributed`` module. Yields the list; the module's
+    functions are restored on exit. (Notebook 08, step 1.)"""
+    sent, originals = [], {}
+
+    def counted(name, call, whole_tensor):
+        def wrapper(*args, **kwargs):
+            sent.append((name, ring_bytes(name, whole_tensor(*args, **kwargs), dist.get_world_size())))
+            return call(*args, **kwargs)
+        return wrapper
+    for name, attr, whole_tensor in [
+            ("all_reduce", "all_reduce", lambda tensor, *a, **k: tensor),
+            ("reduce_scatter", "reduce_scatter_single", lambda output, input, *a, **k: input),
+            ("all_gather", "all_gather_single", lambda output_tensor, input_tensor, *a, **k: output_tensor)]:
+        originals[attr] = getattr(dist, attr)
+        setattr(dist, attr, counted(name, originals[attr], whole_tensor))
+    try:
+        yield sent
+    finally:
+        for attr, call in originals.items():
+            setattr(dist, attr, call)
+
+
+def storage_bytes(*tensors) -> int:
+    """Bytes of the tensors' storages, each storage counted once (``None`` skipped): a
+    view costs nothing, a copy counts. (Notebook 08, step 2.)"""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def zero_train(stage: str, X: torch.Tensor, y: torch.Tensor, steps: int = 1,
+               reduce_dtype: str = "float32") -> dict:
+    """Runs on every rank: ``steps`` Adam steps of ``stage`` (``"DDP"``, ``"ZeRO-1"``,
+    ``"ZeRO-2"`` or ``"ZeRO-3"``) on the flat vector padded to ``n * k`` elements,
+    ``k = ceil(NUMEL / n)``; the gradient travels in ``reduce_dtype``. Notebook 08's
+    step 2, where the learner reads it line by line.
+
+    Returns:
+        ``{"params": [flat float32 (NUMEL,) after each step], "before", "grad", "after"
+        (float32 (NUMEL,), NaN where the rank holds nothing: see :func:`placed`), "bytes"
+        ({kind: bytes} kept between steps), "sent" ([(collective, bytes)] of the last
+        step)}``.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = math.ceil(NUMEL / n)
+    lo = rank * k
+    full = F.pad(initial_flat(), (0, n * k - NUMEL))
+    if stage == "DDP":
+        mine = full
+    elif stage == "ZeRO-3":
+        mine, full = full[lo:lo + k].clone(), None
+    else:
+        mine = full[lo:lo + k]
+    optimizer = torch.optim.Adam([mine], lr=LR)
+    dtype = getattr(torch, reduce_dtype)
+    out = {"params": []}
+    for idx in global_batches(steps):
+        part = local_part(idx, rank, n)
+        with counting_collectives() as sent:
+            if stage == "ZeRO-3":
+                full = torch.empty(n * k)
+                dist.all_gather_single(full, mine)
+            out["before"] = placed(full) if stage != "ZeRO-3" else placed(mine, lo)
+            grad = F.pad(flat_gradient(full, X[part], y[part]), (0, n * k - NUMEL)).to(dtype)
+            if stage == "ZeRO-3":
+                full = None
+            if stage in ("DDP", "ZeRO-1"):
+                dist.all_reduce(grad, op=dist.ReduceOp.AVG)
+                mine.grad = (grad if stage == "DDP" else grad[lo:lo + k]).float()
+            else:
+                shard = torch.empty(k, dtype=dtype)
+                dist.reduce_scatter_single(shard, grad, op=dist.ReduceOp.AVG)
+                mine.grad, grad = shard.float(), None
+            optimizer.step()
+            if stage in ("ZeRO-1", "ZeRO-2"):
+                dist.all_gather_single(full, mine)
+        out["sent"] = sent
+        out["grad"] = placed(mine.grad, 0 if stage == "DDP" else lo)
+        out["after"] = placed(full) if full is not None else placed(mine, lo)
+        out["bytes"] = {"parameters": storage_bytes(full, mine),
+                        "gradients": storage_bytes(grad, mine.grad),
+                        "optimizer state": storage_bytes(*optimizer.state[mine].values())}
+        whole = torch.empty(n * k)
+        dist.all_gather_single(whole, mine if full is None else full[lo:lo + k])
+        out["params"].append(whole[:NUMEL])
     return out
 
 
@@ -375,4 +483,5 @@ def check_zero2_step(group: LocalGroup, zero2_step, world_sizes=EXERCISE_WORLD_S
 __all__ = ["GLOBAL_BATCH", "LR", "ATOL", "LAYOUT", "NUMEL", "make_model", "initial_flat",
            "as_parameters", "flat_gradient", "global_batches", "local_part", "one_thread",
            "reference_run",
-           "placed", "placed_dtensors", "exercise_run", "check_zero2_step"]
+           "placed", "placed_dtensors", "ring_bytes", "counting_collectives", "storage_bytes",
+           "zero_train", "exercise_run", "check_zero2_step"]

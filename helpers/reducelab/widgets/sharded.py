@@ -1,6 +1,6 @@
-"""The sharding explorer of notebook 08: pick the world size, the sharding (DDP, ZeRO-1,
-ZeRO-2, ZeRO-3, FSDP2) and the dtype gradients are reduced in; every change runs one
-real Adam step of the notebook's rank functions on the ranks.
+"""The sharding explorer of notebooks 08 and 15: pick the world size, the sharding (DDP,
+ZeRO-1, ZeRO-2, ZeRO-3; and FSDP2 in notebook 15) and the dtype gradients are reduced in;
+every change runs one real Adam step of the notebook's rank functions on the ranks.
 
 The figure shows what each rank holds of the parameters before the step, of the reduced
 gradient and of the parameters after it; the bytes each rank keeps beside the ZeRO
@@ -26,7 +26,8 @@ from ..plots.sharded import COLLECTIVES, ShardingFigure, memory_formula, sent_fo
 from . import Explorer
 
 SHARDINGS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
-"""The shardings the explorer offers: what each rank keeps between steps."""
+"""Every sharding the explorer can offer: what each rank keeps between steps. FSDP2 is
+offered only with an ``fsdp_train`` (notebook 15); notebook 08 offers the first four."""
 REDUCE_DTYPES = ("float32", "bfloat16")
 """The dtypes a gradient can be reduced in."""
 MAX_WORLD_SIZE = 8
@@ -69,10 +70,12 @@ class ShardingExplorer(Explorer):
     Args:
         group: the notebook's :class:`~reducelab.LocalGroup`; the world-size slider
             resizes it.
-        zero_train: the notebook's rank function for DDP and ZeRO, called on every rank as
+        zero_train: the rank function for DDP and ZeRO (notebook 08's, or its copy in
+            :mod:`reducelab.checks.sharded` in notebook 15), called on every rank as
             ``zero_train(sharding, X, y, 1, reduce_dtype)``.
-        fsdp_train: the notebook's FSDP2 rank function, called as
-            ``fsdp_train(X, y, 1, reduce_dtype)``.
+        fsdp_train: notebook 15's FSDP2 rank function, called as
+            ``fsdp_train(X, y, 1, reduce_dtype)``; ``None`` (notebook 08): the explorer
+            offers DDP and the ZeRO stages only.
         X, y: the digits, float32 ``(N, 64)`` and int64 ``(N,)``.
         world_size, sharding, reduce_dtype: initial control values.
 
@@ -88,8 +91,9 @@ class ShardingExplorer(Explorer):
     def __init__(self, group: LocalGroup, zero_train, fsdp_train, X, y, world_size: int | None = None,
                  sharding: str = "ZeRO-2", reduce_dtype: str = "float32"):
         world_size = world_size or group.world_size
-        if sharding not in SHARDINGS:
-            raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}; got {sharding!r}")
+        self.shardings = SHARDINGS if fsdp_train is not None else SHARDINGS[:-1]
+        if sharding not in self.shardings:
+            raise ValueError(f"sharding must be one of {', '.join(self.shardings)}; got {sharding!r}")
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}; "
                              f"got {reduce_dtype!r}")
@@ -103,7 +107,7 @@ class ShardingExplorer(Explorer):
         super().__init__({
             "world_size": W.IntSlider(value=world_size, min=1, max=MAX_WORLD_SIZE,
                                       description="world_size", continuous_update=False, style=style),
-            "sharding": W.ToggleButtons(options=SHARDINGS, value=sharding, description="sharding",
+            "sharding": W.ToggleButtons(options=self.shardings, value=sharding, description="sharding",
                                         style={**style, "button_width": "64px"}),
             "reduce_dtype": W.ToggleButtons(options=REDUCE_DTYPES, value=reduce_dtype,
                                             description="reduce dtype",

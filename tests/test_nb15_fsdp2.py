@@ -1,0 +1,364 @@
+"""Tests of notebook 15 (FSDP2): the facts the notebook states, each run on real gloo ranks
+with the notebook's own rank functions (read from its code cells); the claims its stored
+outputs make, re-derived; the explorer with FSDP2; and the cp-sync exercise check on the
+solution and each usual mistake."""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import pathlib
+import re
+import sys
+import types
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import conftest
+from reducelab import RankError
+from reducelab.checks.fsdp import check_cp_sync
+from reducelab.checks.sharded import (ATOL, NUMEL, initial_flat, load_digits_tensors, make_model,
+                                      placed_dtensors, reference_run, zero_train)
+from reducelab.widgets.sharded import SHARDINGS, ShardingExplorer
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "15_fsdp2.ipynb"
+CELLS = json.loads(NOTEBOOK.read_text())["cells"]
+
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
+
+
+def notebook_functions() -> types.SimpleNamespace:
+    """The notebook's imports and ``def``s (nothing else of its cells runs), in a module of
+    their own that the ranks cannot import, so that its functions travel by value."""
+    module = types.ModuleType("nb15_cells")
+    sys.modules.pop("nb15_cells", None)
+    for cell in (c for c in CELLS if c["cell_type"] == "code"):
+        tree = ast.parse("".join(cell["source"]))
+        keep = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb15", "exec"), module.__dict__)
+    module.X, module.y = load_digits_tensors()
+    return module
+
+
+NB = notebook_functions()
+X, y = NB.X, NB.y
+
+
+def cell_with(text: str, kind: str | None = None) -> str:
+    hits = ["".join(c["source"]) for c in CELLS
+            if text in "".join(c["source"]) and kind in (None, c["cell_type"])]
+    assert len(hits) == 1, f"{len(hits)} cells contain {text!r}"
+    return hits[0]
+
+
+def markdown() -> str:
+    return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
+
+
+def stored_text(source_part: str) -> str:
+    """What the committed notebook prints in the one code cell containing ``source_part``."""
+    cell = next(c for c in CELLS if c["cell_type"] == "code" and source_part in "".join(c["source"]))
+    return "".join("".join(o.get("text", "")) for o in cell["outputs"] if o["output_type"] == "stream")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(X, y, steps=3)
+
+
+# --- reshard_after_forward: None by default, True below the root, False for the root ----------
+def test_reshard_after_forwards_default_is_none_in_the_installed_torch():
+    from torch.distributed.fsdp import fully_shard
+    assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    doc = " ".join(inspect.getdoc(fully_shard).split())
+    assert "If ``None``, it is set to ``True`` for non-root modules and ``False`` for root modules." in doc
+    for path in (NOTEBOOK, ROOT / "notebooks" / "08_sharded_data_parallel.ipynb"):
+        text = path.read_text()
+        assert "True` (the default)" not in text and "True (the default)" not in text
+    assert "its default is `None`" in markdown()
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    lazy = inspect.getsource(FSDPState._lazy_init)                 # where the root turns None into False
+    assert "if self._auto_reshard_after_forward:" in lazy and "post_forward_mesh_info = None" in lazy
+    assert "`FSDPState._lazy_init`" in markdown()
+
+
+def test_question_2_the_root_alone_gathers_once(group):
+    sent = group.run(NB.collectives_per_step, X, y, "the root only", None)
+    for rank_sent in sent:
+        assert [name for name, _ in rank_sent] == ["all_gather", "reduce_scatter"]
+    assert "answer_2 = None" in cell_with("answer_2 = ")
+
+
+@pytest.mark.parametrize("wrap, reshard, gathers", [
+    ("each Linear, then the root", None, 4), ("each Linear, then the root", True, 4),
+    ("each Linear, then the root", False, 2), ("the root only", None, 1),
+    ("the root only", True, 2), ("the root only", False, 1)])
+def test_every_wrapping_and_reshard_setting(group, wrap, reshard, gathers):
+    names = [name for name, _ in group.run(NB.collectives_per_step, X, y, wrap, reshard)[0]]
+    assert names.count("all_gather") == gathers
+    stored = stored_text("for reshard in (None, True, False):")
+    label = str(reshard) + (" (default)" if reshard is None else "")
+    line = next(l for l in stored.splitlines() if l.startswith(wrap) and f" {label} " in l)
+    assert f"all_gather x{gathers}," in line
+
+
+# --- step 3: FSDP2 ------------------------------------------------------------------------------
+def test_fsdp2_parameters_and_gradients_are_shard0_dtensors(group, reference):
+    out = group.run(NB.what_rank_holds, X, y)
+    rows = {name: (kind, str(pl), shape, local, gkind, str(gpl))
+            for name, kind, pl, shape, local, gkind, gpl in out[0][0]}
+    assert rows["0.weight"] == ("DTensor", "(Shard(dim=0),)", (32, 64), (8, 64), "DTensor",
+                                "(Shard(dim=0),)")
+    assert [r[3] for r in rows.values()] == [(8, 64), (8,), (3, 32), (3,)]
+    rank3 = {name: local for name, _, _, _, local, _, _ in out[3][0]}
+    assert rank3["2.weight"] == (1, 32) and rank3["2.bias"] == (1,)   # question 4
+    for _, full_grad in out:
+        assert (full_grad - reference["grads"][0]).abs().max() < ATOL
+
+
+def test_fsdp2_step_is_our_zero3_and_gathers_twice(group, reference):
+    fsdp = group.run(NB.fsdp_train, X, y, 3)
+    zero3 = group.run(NB.zero_train, "ZeRO-3", X, y, 3)
+    for o, z in zip(fsdp, zero3):
+        for step in range(3):
+            assert (o["params"][step] - z["params"][step]).abs().max() < ATOL
+            assert (o["params"][step] - reference["params"][step]).abs().max() <= ATOL  # float32 rounding, as above
+    names = [name for name, _ in fsdp[0]["sent"]]
+    assert names == ["all_gather"] * 4 + ["reduce_scatter"] * 2
+    S = 4 * NUMEL
+    assert 3 * 0.75 * S < sum(b for _, b in fsdp[0]["sent"]) < 3 * 0.75 * S * 1.05
+
+
+def test_reshard_after_forward_false_gathers_once(group):
+    default = group.run(NB.fsdp_train, X, y)[0]["sent"]
+    kept = group.run(NB.fsdp_train, X, y, 1, "float32", None, False)[0]["sent"]
+    assert [name for name, _ in kept] == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    zero3 = sum(b for _, b in group.run(NB.zero_train, "ZeRO-3", X, y)[0]["sent"])
+    assert zero3 <= sum(b for _, b in kept) < 1.05 * zero3 < sum(b for _, b in default)
+    assert "(`reshard_after_forward=False` does the same in FSDP2)" not in markdown()
+
+
+def test_an_unreduced_gradient_is_partial_and_redistributes_to_fsdp2s_rows(group, reference):
+    out = group.run(NB.partial_to_shard, X, y)
+    one = reference["grads"][0][:2048].view(32, 64)
+    for rank, (pending, rows, local) in enumerate(out):
+        assert str(pending) == "(Partial(avg),)" and str(rows) == "(Shard(dim=0),)"
+        assert local.shape == (8, 64) and (local - one[8 * rank:8 * rank + 8]).abs().max() < ATOL
+    assert "Partial()" in markdown()
+
+
+def test_premul_sum_is_said_as_the_docstring_says():
+    doc = " ".join(dist.ReduceOp.__doc__.split())
+    assert "``PREMUL_SUM`` is available with the ``NCCL`` backend" in doc and "``XCCL`` backend" in doc
+    text = cell_with("`CPUOffloadPolicy` fails on a machine without an accelerator.")
+    assert "only NCCL" not in text and "NCCL and XCCL" in text
+
+
+def test_fsdp2_memory_is_a_quarter_of_ddps_plus_padding(group):
+    fsdp = group.run(NB.fsdp_train, X, y)[0]["bytes"]
+    ddp = group.run(NB.zero_train, "DDP", X, y)[0]["bytes"]
+    local = 4 * (8 * 64 + 8 + 3 * 32 + 3)          # rank 0's rows of each parameter, float32
+    assert fsdp == {"parameters": local, "gradients": local,
+                    "optimizer state": 2 * local + 4 * 4}   # exp_avg, exp_avg_sq, 4 step counters
+    assert sum(ddp.values()) == 38596 and sum(fsdp.values()) / sum(ddp.values()) == pytest.approx(0.257, abs=0.001)
+
+
+def test_reduce_dtype_errors_as_the_world_size_grows(group, reference):
+    exact = reference["grads"][0].double()
+    errors = {}
+    for world_size in (1, 4):
+        group.resize(world_size)
+        for setting in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), (None, "float32")):
+            out = group.run(NB.fsdp_train, X, y, 1, setting[1], setting[0])
+            grad = torch.stack([o["grad"] for o in out]).nanmean(0).double()
+            errors[setting, world_size] = ((grad - exact).norm() / exact.norm()).item()
+    assert errors[(None, "float32"), 4] < 1e-6
+    bf_fp, bf_bf = ("bfloat16", "float32"), ("bfloat16", "bfloat16")
+    assert 1e-3 < errors[bf_fp, 1] < 1e-2 and errors[bf_fp, 1] == errors[bf_bf, 1]
+    assert errors[bf_fp, 4] < errors[bf_fp, 1]               # averaging lowers it a little
+    assert errors[bf_bf, 4] > errors[bf_bf, 1] * 1.1         # bf16 sums add error
+    assert errors[bf_bf, 4] > errors[bf_fp, 4]
+
+
+def test_what_fails_on_gloo_and_the_sum_workaround(group):
+    one = make_model()
+    one(X[:8]).sum().backward()
+    one_grad = torch.cat([p.grad.flatten() for p in one.parameters()])
+    ratio = lambda option: (group.run(NB.fsdp_option, option)[0] / one_grad).nanmedian().item()  # noqa: E731
+    assert ratio("plain") == pytest.approx(1.0)
+    with pytest.raises(RankError, match="Cannot access accelerator device"):
+        group.run(NB.fsdp_option, "offload")
+    with pytest.raises(RankError, match="PREMUL_SUM with Gloo"):
+        group.run(NB.fsdp_option, "sum")
+    assert ratio("sum, forced") == pytest.approx(4.0)
+
+
+def test_issue_162338_fsdp2_averages_on_gloo(group):
+    one = make_model()
+    one(X[:8]).sum().backward()
+    one_grad = torch.cat([p.grad.flatten() for p in one.parameters()])
+    out = group.run(NB.same_input_everywhere)
+    assert (out[0][0] / one_grad).nanmedian().item() == pytest.approx(1.0)
+    assert [piece for _, piece in out] == [2.5] * 4
+
+
+def test_a_manual_sync_after_fsdp2_mixes_shards(group, reference):
+    group.resize(2)
+    out = group.run(NB.fsdp_then_manual_sync, X, y)
+    ref = reference["grads"][0]
+    for g in out:                                                # question 5: far from 1e-6
+        assert (g - ref).norm() / ref.norm() > 0.1
+
+
+def held_rows_of_a_sharded_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    return placed_dtensors(model.parameters())
+
+
+def test_placed_dtensors_follows_torch_chunk(group):
+    group.resize(3)
+    out = torch.stack(group.run(held_rows_of_a_sharded_model))
+    assert torch.equal(torch.isfinite(out).sum(0), torch.ones(NUMEL, dtype=torch.long))
+    assert torch.equal(out.nan_to_num(0).sum(0), initial_flat())
+
+
+
+
+def test_the_mixed_precision_cell_states_only_what_holds_on_every_cpu(group, reference):
+    """Every claim the cell prints is True in the stored output, and re-derived on this
+    machine (the same inequalities the test above asserts; `make nbval-other-cpu` runs the
+    cell on other CPU kernels)."""
+    stored = stored_text("claims = [")
+    claims = [line for line in stored.splitlines() if line.startswith("  ")]
+    assert len(claims) == 6 and all(line.rstrip().endswith("True") for line in claims), claims
+    assert "what holds on every CPU" in stored
+    text = markdown()
+    assert "between 10⁻³ and 10⁻² of relative error at any world size" in text
+
+
+def test_the_step_is_stored_as_zero3_and_with_fsdp2s_gathers():
+    stored = stored_text("zero3 = group.run(zero_train")
+    assert "max |FSDP2 params - our ZeRO-3 params|, every rank, 3 steps ≤ 1e-06" in stored
+    assert "all_gather, all_gather, all_gather, all_gather, reduce_scatter, reduce_scatter" in stored
+    assert "bytes sent: 22,284, our ZeRO-3: 14,472" in stored
+    assert "about 1.5 times what notebook 08's ZeRO-3 sends" in markdown()     # 22,284 / 14,472 = 1.54
+
+
+def test_question_3_uses_the_one_tolerance():
+    assert "worst <= ATOL" in cell_with("def fsdp_then_manual_sync(")
+
+
+def test_the_gpu_part_says_what_was_not_run_and_names_what_exists_in_the_source():
+    part = cell_with("## On GPUs with NCCL")
+    assert "None of what follows was run here" in part and "torch.cuda.synchronize()" in part
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+    source = inspect.getsource(_fsdp_param_group)
+    assert "self.all_gather_stream = " in source and "self.reduce_scatter_stream = " in source
+    assert hasattr(FSDPModule, "set_modules_to_forward_prefetch")
+    assert hasattr(FSDPModule, "set_modules_to_backward_prefetch")
+    callback = inspect.getsource(_fsdp_state.FSDPState._root_post_backward_final_callback)
+    assert "current_stream().wait_event" in callback            # the stream waits, not the host
+
+
+def test_the_version_statement_and_the_fix_are_cited():
+    text = markdown()
+    assert "#171458" in text and "torch 2.9" in text and "torch 2.13 averages" in text
+
+
+def test_one_study_unit():
+    prose = markdown().split("## Further reading")[0]
+    assert 1500 < len(prose.split()) < 3000, len(prose.split())
+    assert "About 40 min to study" in "".join(CELLS[0]["source"])
+
+
+# --- the explorer, with FSDP2 -------------------------------------------------------------------
+def test_explorer_offers_fsdp2_beside_the_zero_stages(group):
+    assert "ShardingExplorer(group, zero_train, fsdp_train, X, y, world_size=4, sharding=\"FSDP2\")" \
+        in cell_with("explorer = ShardingExplorer(")
+    group.resize(4)
+    ex = ShardingExplorer(group, zero_train, NB.fsdp_train, X, y, world_size=4, sharding="FSDP2")
+    assert ex.controls["sharding"].options == SHARDINGS
+    kept = {}
+    for sharding in ("FSDP2", "ZeRO-3", "DDP"):
+        ex.controls["sharding"].value = sharding
+        r = ex.result
+        assert ex.error is None and r.error <= ATOL and bytes(ex.image.value[:8]) == PNG
+        kept[sharding] = sum(r.memory[0].values())
+    assert kept["FSDP2"] == pytest.approx(kept["ZeRO-3"], rel=0.05) and kept["DDP"] > 3 * kept["FSDP2"]
+    ex.controls["world_size"].value = 3
+    held = np.isfinite(ex.result.grad)
+    ex.controls["sharding"].value = "FSDP2"
+    held = np.isfinite(ex.result.grad)
+    assert (held.sum(axis=0) == 1).all()                       # each element on one rank
+
+
+# --- the exercise ---------------------------------------------------------------------------------
+def nothing(model, mesh):
+    pass
+
+
+def summed_over_cp(model, mesh):
+    for p in model.parameters():
+        dist.all_reduce(p.grad.to_local(), group=mesh.get_group("cp"))
+
+
+def averaged_over_the_world(model, mesh):
+    for p in model.parameters():
+        dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG)
+
+
+def averaged_over_dp(model, mesh):
+    for p in model.parameters():
+        dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
+
+
+def the_dtensor_itself(model, mesh):
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mesh.get_group("cp"))
+
+
+def solution_lines() -> list[str]:
+    path = ROOT / "notebooks" / "solutions" / "15_cp_sync.py"
+    return [line.strip() for line in path.read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+
+
+def test_the_solution_passes_and_the_stub_fails(group):
+    verdict = check_cp_sync(group, conftest.load_solution("15_cp_sync").cp_sync)
+    assert verdict, verdict.message
+    assert group.world_size == 4
+    stub = check_cp_sync(group, NB.cp_sync)
+    assert not stub and "left it unchanged" in stub.message
+    assert "all_reduce" not in cell_with("# %load solutions/15_cp_sync.py")
+
+
+@pytest.mark.parametrize("mistake, explanation", [
+    (nothing, "Your sync left it unchanged: it is still the mean over dp only"),
+    (summed_over_cp, "It is twice the mean: the SUM over the 2 cp ranks"),
+    (averaged_over_the_world, "not the whole world or dp, whose ranks hold other rows"),
+    (averaged_over_dp, "not the whole world or dp, whose ranks hold other rows"),
+    (the_dtensor_itself, "p.grad is a DTensor, and a torch.distributed collective takes a plain tensor"),
+])
+def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
+    verdict = check_cp_sync(group, mistake)
+    assert not verdict and explanation in verdict.message, verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]
+    assert group.world_size == 4
+
+
+def test_the_exercise_is_a_case_the_notebook_did_not_run():
+    code = "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "code")
+    assert 'mesh_dim_names=("dp", "cp")' not in code          # the 2-D mesh only in the prompt
+    assert 'get_group("cp")' not in code
