@@ -118,8 +118,9 @@ def doctor_checks(smoke: bool = True) -> list[dict]:
                              "pip install torch --index-url https://download.pytorch.org/whl/cpu"))
         return checks
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    checks.append(_check(version >= (2, 8), f"torch {torch.__version__}",
-                         "gloo gained ReduceOp.AVG in torch 2.8: pip install -U torch "
+    checks.append(_check(version >= (2, 13), f"torch {torch.__version__}",
+                         "the notebooks call dist.reduce_scatter_single and all_gather_single, "
+                         "new in torch 2.13: pip install -U torch "
                          "--index-url https://download.pytorch.org/whl/cpu"))
     if torch.version.cuda:
         checks.append(_check(None, f"torch is a CUDA build ({torch.version.cuda}); the "
