@@ -57,6 +57,8 @@ an operator's band, and the space between two items."""
 TITLE, SUBTITLE, FOOTER = 0.34, 0.24, 0.6
 """Heights, inches: the title, the line under it, and the note and colour bar at the
 bottom."""
+VALUE_GID = "cell value"
+"""``gid`` of every text that writes a cell's value (so a test can find them all)."""
 COLOUR_BAR_LABEL = "colour: each element's value, on one scale for every line"
 """What the colour bar at the bottom says."""
 HATCH_EVERY, HATCH_WHITE = 10, 0.55
@@ -221,7 +223,7 @@ def draw_diagram(diagram: Diagram) -> bytes:
         for i, row in enumerate(values):
             for j, v in enumerate(row):
                 ax.text(x0 + (j + 0.5) * cw, y0 + (i + 0.5) * ROW, fmt_value(round(float(v), 2)),
-                        ha="center", va="center", fontsize=MIN_FONT,
+                        ha="center", va="center", fontsize=MIN_FONT, gid=VALUE_GID,
                         color="black" if v > mid else "white")
 
     for it in diagram.items:
@@ -286,4 +288,4 @@ def _colour_bar(fig, ax, height: float, lo: float, hi: float) -> None:
 
 
 __all__ = ["Stage", "Operator", "Diagram", "draw_diagram", "KINDS", "MAX_HEIGHT",
-           "MAX_COLUMNS", "MIN_CELL", "COLOUR_BAR_LABEL"]
+           "MAX_COLUMNS", "MIN_CELL", "COLOUR_BAR_LABEL", "VALUE_GID"]
