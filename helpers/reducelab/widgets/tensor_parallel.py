@@ -1,7 +1,9 @@
 """The tensor-parallel explorer of notebook 09: pick the tp degree, the split (column then
 row, as Megatron-LM does, or row then column) and the layer width; see what every rank
-holds at every stage of one forward pass, where the partial sums are, and which
-collectives ran in forward and in backward.
+holds at every stage of one forward pass of one token, top to bottom, with every value
+written in its cell at every width offered; where the partial sums are; and which
+collectives ran in forward and in backward (drawn by
+:func:`reducelab.plots.tensor_parallel.draw_diagram`).
 
 Every control change runs the notebook's rank function on real gloo ranks (the group is
 resized to ``tp`` ranks), then checks in the kernel that every rank's output and input
@@ -31,7 +33,8 @@ SPLITS = (("column → row", "column-row"), ("row → column", "row-column"))
 """``(label, value)`` of the two splits: Megatron-LM's column-parallel then row-parallel
 MLP, and the other way round."""
 WIDTHS = (4, 6, 8, 12)
-"""Layer widths offered: ``A`` and ``B`` are ``width x width``."""
+"""Layer widths offered: ``A`` and ``B`` are ``width x width``; up to
+:data:`~reducelab.plots.tensor_parallel.MAX_COLUMNS`, so every value fits its cell."""
 TOLERANCE = 1e-5
 """Largest difference from one process that still counts as equal (float32)."""
 
@@ -53,7 +56,8 @@ class TPResult:
 
     Attributes:
         tp, split, width: the settings (``split`` is ``"column-row"`` or ``"row-column"``).
-        held: ``held[rank][name]``, the float32 tensor that rank held at each stage:
+        held: ``held[rank][name]``, the float32 tensor that rank held at each stage,
+            ``(tokens, columns)`` for the activations:
             ``"x"`` (its input to layer 1), ``"A"``, ``"B"`` (its shards), ``"partial"``
             (its partial sum), ``"h"`` (the hidden activation as it held it), ``"y_r"``
             (its output columns, row-column only) and ``"y"`` (the full output).
