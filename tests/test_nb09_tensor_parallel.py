@@ -1,6 +1,6 @@
 """Notebook 09: tensor parallelism. The facts the notebook states, run with the notebook's
-own definitions; the explorer driven headlessly; the exercise's check on the stub, the
-solution and each usual mistake.
+own definitions; what its stored outputs say, re-derived; the explorer driven headlessly;
+the exercise's check on the stub, the solution and each likely mistake.
 
 The notebook's ``def``, ``class``, import and constant statements are read from its code
 cells (nothing else of the notebook runs here), so these tests check the code the learner
@@ -9,9 +9,11 @@ reads, not a copy of it.
 from __future__ import annotations
 
 import ast
-import importlib.util
+import html
+import io
 import json
 import pathlib
+import re
 import sys
 
 import cloudpickle
@@ -20,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from reducelab import LocalGroup
-from reducelab.checks.tensor_parallel import check_row_parallel, reference
-from reducelab.plots.tensor_parallel import MAX_HEIGHT
-from reducelab.widgets.tensor_parallel import TensorParallelExplorer
+from reducelab.checks.tensor_parallel import (DIM, IDS_SHAPE, VOCAB, check_vocab_parallel_embedding,
+                                              layer_tensors, reference)
+from reducelab.plots.tensor_parallel import (COLOUR_BAR_LABEL, MAX_HEIGHT, MIN_CELL, VALUE_GID,
+                                             Diagram, Stage, draw_diagram)
+from reducelab.widgets.tensor_parallel import TP_DEGREES, WIDTHS, TensorParallelExplorer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.usefixtures("keep_four_ranks")
@@ -51,6 +55,35 @@ NB = notebook_definitions()
 Y_REF, GRADS_REF = NB["unsharded"]()
 NB["y_ref"], NB["grads_ref"] = Y_REF, GRADS_REF     # differences() reads these globals
 TOL = NB["TOL"]
+SEQ, BATCH, EMBED = NB["SEQ"], NB["BATCH"], NB["EMBED"]
+WHOLE = (SEQ, BATCH, EMBED)
+
+
+def cells():
+    return [("".join(c["source"]), c) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+
+
+def shown(start: str) -> str:
+    """Everything the code cell starting with ``start`` shows (streams and text/html,
+    the html unescaped), as committed."""
+    src, cell = next((s, c) for s, c in cells() if s.startswith(start))
+    parts = []
+    for o in cell["outputs"]:
+        parts.append("".join(o.get("text", "")))
+        data = o.get("data", {})
+        parts.append(html.unescape("".join(data.get("text/html", data.get("text/plain", "")))))
+    return "\n".join(parts)
+
+
+def real_result(start: str) -> str:
+    """What the folded verdict of the question cell starting with ``start`` says the real run gave."""
+    return re.search(r"The real run gives (.+?)\. ", shown(start)).group(1)
+
+
+def test_the_header_gives_study_time_and_run_time():
+    header = cells()[0][0]
+    assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · "
+                     r"world sizes 1 to 4 · CPU only \(gloo\)\*", header), header[:200]
 
 
 # --- step 2: f and g by hand ----------------------------------------------------------
@@ -61,7 +94,7 @@ def test_by_hand_output_and_every_gradient_match_one_process(group, tp):
     diff = NB["differences"](out)
     assert set(diff) == {"y", "x", "0.weight", "0.bias", "2.weight", "2.bias"}
     assert max(diff.values()) <= TOL, diff
-    want = [("forward", "g", "all_reduce", (3, 4)), ("backward", "f", "all_reduce", (3, 4))]
+    want = [("forward", "g", "all_reduce", WHOLE), ("backward", "f", "all_reduce", WHOLE)]
     assert all(o[2] == want for o in out)
 
 
@@ -69,83 +102,166 @@ def test_without_f_only_the_input_gradient_is_wrong_and_its_sum_is_right(group):
     out = group.run(NB["tp_mlp"], False, True)
     diff = NB["differences"](out)
     assert sorted(k for k, d in diff.items() if d > TOL) == ["x"]
-    assert all(o[2] == [("forward", "g", "all_reduce", (3, 4))] for o in out)
+    assert all(o[2] == [("forward", "g", "all_reduce", WHOLE)] for o in out)
     summed = sum(o[1]["x"] for o in out)
     assert (summed - GRADS_REF["x"]).abs().max() <= TOL
+    assert real_result("group.resize(4)                      # this question's world size, "
+                       "whatever the explorer left\nout = group.run(tp_mlp, False") == "['x']"
 
 
-def test_without_g_each_rank_holds_a_partial_sum_and_every_gradient_is_wrong(group):
+def test_without_g_every_rank_holds_a_partial_sum_and_every_gradient_is_wrong(group):
+    """What the summary says: without g, every rank works on a partial sum."""
     out = group.run(NB["tp_mlp"], True, False)
     ys = [o[0] for o in out]
-    assert all(not torch.equal(ys[i], ys[j]) for i in range(4) for j in range(i + 1, 4))
     b2 = NB["make_mlp"]()[2].bias.detach()
     assert (sum(ys) - 3 * b2 - Y_REF).abs().max() <= TOL
-    diff = NB["differences"](out)
-    assert all(d > TOL for d in diff.values()), diff
+    assert all(d > TOL for d in NB["differences"](out).values())
 
 
-# --- step 3: DTensor --------------------------------------------------------------------
-def test_dtensor_placements_what_each_rank_holds_and_its_collectives(group):
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    out = group.run(NB["dtensor_mlp"])
-    table, counts = out[0][0], out[0][1]
-    assert all(o[0] == table for o in out)
-    assert table["param 0.weight"] == ("DTensor", (Shard(0),), (8, 4), (2, 4))
-    assert table["param 0.bias"] == ("DTensor", (Shard(0),), (8,), (2,))
-    assert table["param 2.weight"] == ("DTensor", (Shard(1),), (4, 8), (4, 2))
-    assert table["param 2.bias"] == ("DTensor", (Replicate(),), (4,), (4,))
-    assert table["h (Linear 1's output)"] == ("Tensor", "-", (3, 2), (3, 2))
-    assert table["Linear 2's input"] == ("DTensor", (Shard(1),), (3, 8), (3, 2))
-    assert table["Linear 2's raw output"] == ("DTensor", (Partial("sum"),), (3, 4), (3, 4))
-    assert repr(Partial("sum")) == "Partial(sum)"
-    assert table["y (the model's output)"][0] == "AsyncCollectiveTensor"
-    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
-        assert table[f"grad {name}"] == table[f"param {name}"]
-    assert counts == {"forward": {"c10d_functional.all_reduce": 1},
-                      "backward": {"c10d_functional.all_reduce": 1}}
-    hand = group.run(NB["tp_mlp"])
-    for d, h in zip(out, hand):
-        assert (d[2] - Y_REF).abs().max() <= TOL
-        assert (d[4] - GRADS_REF["x"]).abs().max() <= TOL
-        assert max((d[3][n] - h[1][n]).abs().max().item() for n in d[3]) <= TOL
-    assert group.run(NB["hand_counts"])[0] == {"forward": {"c10d.allreduce_": 1},
-                                               "backward": {"c10d.allreduce_": 1}}
+# --- step 3: attention by heads ---------------------------------------------------------
+def torch_attention():
+    """nn.MultiheadAttention's output and gradients on the notebook's input and loss."""
+    mha, x = NB["make_attention"](), NB["make_input"]()
+    y = mha(x, x, x, attn_mask=NB["CAUSAL"], need_weights=False)[0]
+    NB["loss_fn"](y).backward()
+    return y.detach(), x.grad, mha
 
 
-def test_without_an_input_gradient_backward_runs_no_collective(group):
-    counts = group.run(NB["dtensor_mlp"], False)[0][1]
-    assert (sum(counts["forward"].values()), sum(counts["backward"].values())) == (1, 0)
+def test_attention_with_every_head_is_torchs_multihead_attention():
+    y, _, _ = torch_attention()
+    every = NB["shard_attention"](0, 1)
+    x = NB["make_input"]().detach()
+    assert (NB["attention"](x, every) + every["o.bias"] - y).abs().max() <= TOL
 
 
-def test_visualize_sharding_prints_the_layout_on_rank_0_only(group):
-    assert importlib.util.find_spec("tabulate"), "tabulate is a dependency (pyproject.toml)"
-    out = group.run(NB["show_sharding"])
-    assert out[1:] == [""] * 3                        # only mesh coordinate 0 prints
-    tables = out[0]
-    for line in ("0.weight: Shard(dim=0), global shape (8, 4)", "Row 0-1  cpu:0",
-                 "Row 6-7  cpu:3", "2.weight: Shard(dim=1), global shape (4, 8)",
-                 "Col 6-7", "2.bias: Replicate(), global shape (4,)", "Row 0-3  cpu:0,1,2,3"):
-        assert line in tables, line
-    assert "ValueError" not in tables
+@pytest.mark.parametrize("tp", [2, 4])
+def test_attention_split_by_heads_matches_torch_with_one_collective_each_way(group, tp):
+    group.resize(tp)
+    y, x_grad, mha = torch_attention()
+    out = group.run(NB["attention_on_ranks"])
+    for o in out:
+        assert (o[0] - y).abs().max() <= TOL and (o[1] - x_grad).abs().max() <= TOL
+        assert (o[2]["o.bias"] - mha.out_proj.bias.grad).abs().max() <= TOL
+        assert o[3] == [("forward", "g", "all_reduce", WHOLE), ("backward", "f", "all_reduce", WHOLE)]
+    qkv = torch.cat([torch.cat([o[2][f"{n}.weight"] for o in out]) for n in "qkv"])
+    assert (qkv - mha.in_proj_weight.grad).abs().max() <= TOL
+    qkv_bias = torch.cat([torch.cat([o[2][f"{n}.bias"] for o in out]) for n in "qkv"])
+    assert (qkv_bias - mha.in_proj_bias.grad).abs().max() <= TOL
+    w_o = torch.cat([o[2]["o.weight"] for o in out], dim=1)
+    assert (w_o - mha.out_proj.weight.grad).abs().max() <= TOL
 
 
-def test_the_notebook_shows_the_visualiser_and_keeps_one_pitfall():
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    assert "neither torch nor Reduce Lab installs" not in text
-    assert "### What does not work here\nOne thing" in text
-    shown = "".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code"
-                    and "".join(c["source"]).startswith("from torch.distributed.tensor.debug "
-                                                        "import visualize_sharding")
-                    for o in c["outputs"])
-    assert "Row 0-1  cpu:0" in shown and "ranks 1 to 3 printed: ['', '', '']" in shown
+def test_question_2_stored_answer_is_one_forward_collective():
+    assert real_result("group.resize(4)                      # this question's world size, "
+                       "whatever the explorer left\ncalls = group.run(attention_on_ranks)") == "1"
 
 
-def test_a_comm_debug_mode_entered_again_for_backward_fails(group):
-    assert group.run(NB["reused_comm_debug_mode"]) == ["KeyError: 'Sequential.0'"] * 4
+# --- step 4: the layer, with sequence parallelism ---------------------------------------
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_layer_with_tensor_parallelism_matches_one_process(group, tp):
+    group.resize(tp)
+    diff = NB["compare"](group.run(NB["layer_on_ranks"], False), False)
+    assert len(diff) == 2 + 16 and max(diff.values()) <= TOL, diff
 
 
-# --- step 4: (dp, tp) -------------------------------------------------------------------
+def test_reference_layer_is_torchs_modules_and_not_the_notebooks_own_functions():
+    """The one-process reference must not share the code it checks."""
+    src = next(s for s, _ in cells() if s.startswith("def reference_layer"))
+    body = src.split("CUT =")[0]
+    for own in ("block(", "attention(x", "mlp(x", "F.apply", "G.apply"):
+        assert own not in body, own
+    assert "make_attention()" in body and "make_norm(1)" in body
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_with_sequence_parallelism_exactly_the_parameters_seen_by_one_rank_are_partial(group, tp):
+    group.resize(tp)
+    out = group.run(NB["layer_on_ranks"], True)
+    diff = NB["compare"](out, True)
+    assert diff["y"] <= TOL and diff["x.grad"] <= TOL
+    wrong = sorted(n for n, d in diff.items() if d > TOL)
+    assert wrong == sorted(NB["SEQUENCE_PARALLEL"]), wrong
+    _, _, ref = NB["reference_layer"]()
+    for name in wrong:                                  # partial sums over the tokens
+        assert (sum(o[2][name] for o in out) - ref[name]).abs().max() <= TOL
+    fixed = NB["compare"](group.run(NB["sp_step"]), True)
+    assert max(fixed.values()) <= TOL, fixed
+
+
+def test_question_3_stored_answer_is_the_six_sequence_parallel_parameters():
+    stored = real_result("group.resize(4)                      # this question's world size, "
+                         "whatever the explorer left\nout = group.run(layer_on_ranks, True)")
+    assert sorted(ast.literal_eval(stored)) == sorted(NB["SEQUENCE_PARALLEL"])
+
+
+def test_sequence_parallel_operators_replace_each_all_reduce_by_two_collectives(group):
+    for i in (1, 2):
+        calls = group.run(NB["layer_on_ranks"], True, (i,))[0][3]
+        assert [(w, op, c) for w, op, c, _ in calls] == [
+            ("forward", "in", "all_gather"), ("forward", "out", "reduce_scatter"),
+            ("backward", "out", "all_gather"), ("backward", "in", "reduce_scatter")]
+        assert all(shape == WHOLE for *_, shape in calls)   # S: the whole activation
+        calls = group.run(NB["layer_on_ranks"], False, (i,))[0][3]
+        assert [c for *_, c, _ in calls] == ["all_reduce", "all_reduce"]
+
+
+def table_rows(text: str) -> dict:
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"(attention|MLP)\s+(tp \+ sp|tp)\s+(.+?)\s{2,}(.+?)\s{2,}([\d,]+)\s+(\d+) bytes$", line)
+        if m:
+            rows[(m[1], m[2])] = (m[3], m[4], int(m[5].replace(",", "")), int(m[6]))
+    return rows
+
+
+def test_the_stored_table_says_the_same_bytes_and_a_quarter_of_the_layernorm_input(group):
+    """The prose: the same bytes with and without sequence parallelism, each rank holding
+    a quarter of the tokens. Re-derived from the stored table, then from a fresh run."""
+    stored = table_rows(shown("def ring_bytes("))
+    assert len(stored) == 4, stored
+    for block in ("attention", "MLP"):
+        tp, sp = stored[(block, "tp")], stored[(block, "tp + sp")]
+        assert tp[:2] == ("all_reduce", "all_reduce")
+        assert sp[:2] == ("all_gather, reduce_scatter", "all_gather, reduce_scatter")
+        S = 4 * SEQ * BATCH * EMBED                     # bytes of the whole activation
+        assert tp[2] == sp[2] == 2 * (2 * 3 / 4 * S)    # two ring all_reduces on 4 ranks
+        assert sp[3] * 4 == tp[3] == S
+    ns = dict(NB, group=group, print=lambda *a, **k: printed.append(" ".join(map(str, a))))
+    printed = []
+    exec(next(s for s, _ in cells() if s.startswith("def ring_bytes(")), ns)
+    assert table_rows("\n".join(printed)) == stored
+
+
+# --- step 5: parallelize_module ---------------------------------------------------------
+def test_parallelize_module_tp_and_sp_plans_run_on_gloo_and_match_one_process(group):
+    model, x = NB["NormMLP"](), NB["make_input"]()
+    y = model(x)
+    NB["loss_fn"](y).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    want = {"tp": ({"all_reduce": 1}, 0, "a plain tensor"),
+            "tp + sp": ({"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, 2, "Partial(sum)")}
+    for plan, (counts, steps, norm) in want.items():
+        out = group.run(NB["dtensor_block"], plan)
+        join = torch.cat if plan == "tp + sp" else (lambda ts: ts[0])
+        assert (join([o[0] for o in out]) - y).abs().max() <= TOL
+        assert (join([o[1] for o in out]) - x.grad).abs().max() <= TOL
+        _, _, got, grads, step_count, stepped = out[0]
+        assert got == {"forward": counts, "backward": counts} and step_count == steps
+        assert grads["norm.weight"] == grads["norm.bias"] == norm
+        assert grads["mlp.0.weight"] == "Shard(dim=0)" and grads["mlp.2.weight"] == "Shard(dim=1)"
+        assert grads["mlp.2.bias"] == "Replicate()"
+        for name, p in model.named_parameters():
+            assert (stepped[name] - p).abs().max() <= TOL, name
+
+
+def test_torch_refuses_to_shard_multihead_attention_in_its_own_words(group):
+    said = group.run(NB["parallelize_torch_attention"])[0]
+    assert said == ("NotImplementedError: ColwiseParallel currently only support nn.Linear "
+                    "and nn.Embedding!")
+    assert f"torch: {said}" in shown("def parallelize_torch_attention")
+
+
+# --- step 6: (dp, tp) -------------------------------------------------------------------
 def mean_reference() -> dict:
     return {n: (NB["unsharded"](0)[1][n] + NB["unsharded"](1)[1][n]) / 2 for n in GRADS_REF}
 
@@ -157,12 +273,13 @@ def test_averaging_over_dp_only_is_right_and_over_tp_too_mixes_shards(group):
     out = group.run(NB["dp_tp_step"], "dp and tp")          # runs: no error
     wrong = NB["wrong_grads"](out)
     assert all(w == ["0.weight", "0.bias", "2.weight"] for w in wrong.values()), wrong
-    mixed = (mean_ref["0.weight"][:4] + mean_ref["0.weight"][4:]) / 2
+    half = NB["HIDDEN"] // 2
+    mixed = (mean_ref["0.weight"][:half] + mean_ref["0.weight"][half:]) / 2
     assert (out[0][1]["0.weight"] - mixed).abs().max() <= TOL
     assert out[0][0] == (0, 0) and out[3][0] == (1, 1)
 
 
-# --- step 5: the two splits -------------------------------------------------------------
+# --- step 7: the two splits -------------------------------------------------------------
 def test_column_then_row_needs_one_collective_each_way_row_then_column_two(group):
     fwd = lambda calls, w: [(op, c) for when, op, c, _ in calls if when == w]  # noqa: E731
     calls = group.run(NB["tp_block"], "column-row", 8)[0][2]
@@ -171,6 +288,13 @@ def test_column_then_row_needs_one_collective_each_way_row_then_column_two(group
     calls = group.run(NB["tp_block"], "row-column", 8)[0][2]
     assert fwd(calls, "forward") == [("g", "all_reduce"), ("gather", "all_gather")]
     assert fwd(calls, "backward") == [("f", "all_reduce"), ("f", "all_reduce")]
+
+
+def test_the_explorers_values_are_small_integers_whose_sums_can_be_checked_by_eye(group):
+    for split in ("column-row", "row-column"):
+        held = group.run(NB["tp_block"], split, 12)[0][0]
+        for t in held.values():
+            assert torch.equal(t, t.round()) and t.abs().max() < 100
 
 
 # --- the explorer -----------------------------------------------------------------------
@@ -186,8 +310,8 @@ def test_the_explorer_starts_on_four_ranks_and_matches_one_process(explorer):
     assert [h["A"].shape for h in r.held] == [torch.Size([8, 2])] * 4
     assert bytes(explorer.image.value[:4]) == b"\x89PNG"
     text = explorer.text()
-    assert "forward: 1 collective(s) per rank (g: all_reduce of 3×8)" in text
-    assert "stays sharded (3×2 per rank)" in text and "equal one process's" in text
+    assert "forward: 1 collective(s) per rank (g: all_reduce of 1×8)" in text
+    assert "stays sharded (1×2 per rank)" in text and "equal one process's" in text
 
 
 @pytest.mark.parametrize("tp, split, width", [(2, "row-column", 12), (1, "column-row", 4),
@@ -202,7 +326,7 @@ def test_every_control_change_runs_real_ranks(explorer, group, tp, split, width)
     n_fwd = 1 if split == "column-row" else 2
     assert len(r.collectives("forward")) == n_fwd == len(r.collectives("backward"))
     h_cols = width // tp if split == "column-row" else width
-    assert all(h["h"].shape == (3, h_cols) for h in r.held)
+    assert all(h["h"].shape == (1, h_cols) for h in r.held)
     assert f"forward: {n_fwd} collective(s)" in explorer.message.value
 
 
@@ -214,18 +338,6 @@ def test_an_uneven_split_is_refused_with_the_valid_choices(explorer):
     assert "Pick tp 1, 2 or 3 for width 6, or width 4, 8 or 12 for tp 4" in message
     explorer.controls["width"].value = 12
     assert explorer.error is None and explorer.result.width == 12
-
-
-def test_the_figure_fits_a_screen_at_every_setting(explorer):
-    from PIL import Image
-    import io
-    for tp, width in [(1, 4), (4, 12), (2, 8)]:
-        for split in ("row-column", "column-row"):
-            explorer.controls["tp"].value = tp
-            explorer.controls["width"].value = width
-            explorer.controls["split"].value = split
-            w, h = Image.open(io.BytesIO(explorer.image.value)).size
-            assert w <= 960 and h <= MAX_HEIGHT * 100 + 1, (tp, width, split, w, h)
 
 
 def drawn_figure(explorer):
@@ -240,31 +352,67 @@ def drawn_figure(explorer):
     return caught[-1]
 
 
+def test_every_value_is_written_and_fits_its_cell_at_every_setting_offered(explorer):
+    """The issue: the explorer showed no values at some widths. Every tp, width and split
+    it offers writes every element's value, inside its cell."""
+    from PIL import Image
+    seen = 0
+    for split in ("column-row", "row-column"):
+        for width in WIDTHS:
+            for tp in TP_DEGREES:
+                if width % tp:
+                    continue
+                explorer.controls["width"].value = width
+                explorer.controls["split"].value = split
+                explorer.controls["tp"].value = tp
+                fig = drawn_figure(explorer)
+                diagram = explorer.diagram(explorer.result)
+                cells_ = sum(s.lines() * s.tokens * s.whole_columns
+                             for s in diagram.items if isinstance(s, Stage))
+                values = [t for t in fig.findobj(lambda a: getattr(a, "get_gid", lambda: None)()
+                                                 == VALUE_GID)]
+                assert len(values) == cells_, (split, width, tp)
+                renderer = fig.canvas.get_renderer()
+                cell_px = MIN_CELL * 100
+                assert max(t.get_window_extent(renderer).width for t in values) < cell_px - 4
+                w, h = Image.open(io.BytesIO(explorer.image.value)).size
+                assert w == 960 and h <= MAX_HEIGHT * 100 + 1, (split, width, tp, w, h)
+                seen += 1
+    assert seen == 26
+
+
 def test_the_figure_has_one_colour_scale_with_a_colour_bar_and_values_on_top(explorer):
     from matplotlib.image import AxesImage
-    from reducelab.plots.tensor_parallel import COLOUR_BAR_LABEL
     explorer.controls["tp"].value = 1
     explorer.controls["width"].value = 4
     fig = drawn_figure(explorer)
     held = explorer.result.held[0]
-    values = torch.cat([held[k].flatten() for k in ("x", "A", "h", "B", "partial", "y")])
+    values = torch.cat([held[k].flatten() for k in ("x", "h", "partial", "y")])
     texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
     assert COLOUR_BAR_LABEL + ":" in texts
-    assert f"{values.min().item():.1f}" in texts and f"{values.max().item():.1f}" in texts
+    assert f"{values.min().item():.0f}" in texts and f"{values.max().item():.0f}" in texts
     assert any(isinstance(a, AxesImage) for ax in fig.axes for a in ax.get_children())
-    # the blocks' image lies under the axes, so the values written in the cells show
     assert all(im.get_zorder() < ax.get_zorder() for im in fig.images for ax in fig.axes)
-    assert f"{held['x'][0, 0].item():.1f}" in texts
+
+
+def test_a_stage_that_differs_across_ranks_is_drawn_once_per_rank_not_as_the_same():
+    stage = Stage("y", [torch.ones(1, 4).numpy(), torch.zeros(1, 4).numpy()], "each")
+    assert stage.lines() == 2
+    assert Stage("y", [torch.ones(1, 4).numpy()] * 2, "same").lines() == 1
+    with pytest.raises(ValueError, match="kind must be one of same, sharded, partial, each"):
+        Stage("y", [torch.ones(1, 4).numpy()], "whole")
+    with pytest.raises(ValueError, match="wider than the 12"):
+        draw_diagram(Diagram("t", [Stage("y", [torch.ones(1, 13).numpy()])]))
 
 
 def test_the_hatch_of_a_partial_sum_is_thin_and_light():
     import numpy as np
-    from reducelab.plots.tensor_parallel import _paint_block
+    from reducelab.plots.tensor_parallel import _paint
     values = np.linspace(0, 1, 12).reshape(3, 4)
-    plain = np.zeros((200, 200, 4), dtype=np.uint8)
+    plain = np.zeros((200, 300, 4), dtype=np.uint8)
     hatched = plain.copy()
-    _paint_block(plain, 0.1, 0.1, 0.4, 0.4, values, 0.0, 1.0, partial=False)
-    _paint_block(hatched, 0.1, 0.1, 0.4, 0.4, values, 0.0, 1.0, partial=True)
+    _paint(plain, 0.1, 0.1, 0.5, values, 0.0, 1.0, partial=False)
+    _paint(hatched, 0.1, 0.1, 0.5, values, 0.0, 1.0, partial=True)
     changed = (plain != hatched).any(axis=-1)
     assert 0.05 < changed.mean() / (plain[..., 3] > 0).mean() < 0.15   # most pixels keep colour
     assert (hatched[changed][:, :3] >= plain[changed][:, :3]).all()      # lighter, never darker
@@ -303,8 +451,9 @@ def test_the_explorer_follows_the_new_group_after_its_own_was_closed(group):
 
 
 # --- the exercise -----------------------------------------------------------------------
-SOLUTION_PATH = NOTEBOOK.parent / "solutions" / "09_row_parallel.py"
+SOLUTION_PATH = NOTEBOOK.parent / "solutions" / "09_vocab_parallel_embedding.py"
 G = NB["G"]
+E = torch.nn.functional.embedding
 
 
 def after_loading_the_solution() -> dict:
@@ -320,133 +469,185 @@ def test_the_solution_defines_only_the_learners_function():
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
                 if isinstance(t, ast.Name)}
-    assert defined == {"row_parallel_linear"}        # nothing of the notebook's is replaced
+    assert defined == {"vocab_parallel_embedding"}   # nothing of the notebook's is replaced
 
 
-def test_after_loading_the_solution_the_cells_and_the_explorer_still_record_g(group):
-    ns = after_loading_the_solution()
-    assert check_row_parallel(group, ns["row_parallel_linear"])
-    out = group.run(ns["tp_mlp"])
-    assert out[0][2] == [("forward", "g", "all_reduce", (3, 4)),
-                         ("backward", "f", "all_reduce", (3, 4))]
-    explorer = TensorParallelExplorer(group, ns["tp_block"])
-    assert "forward: 1 collective(s) per rank (g: all_reduce of 3×8)" in explorer.text()
-    g = explorer._operators(explorer.result)["g"]
-    assert (g.forward, g.backward) == ("all_reduce", "identity")
-
-
-def test_the_solution_passes_at_tp_2_and_4_and_the_world_size_is_restored(group):
-    verdict = check_row_parallel(group, after_loading_the_solution()["row_parallel_linear"])
+def test_the_solution_passes_at_tp_2_and_3_and_the_world_size_is_restored(group):
+    verdict = check_vocab_parallel_embedding(group, after_loading_the_solution()["vocab_parallel_embedding"])
     assert verdict, verdict.message
     assert "1 collective(s) in your forward and 0 in backward" in verdict.message
     assert group.world_size == 4
 
 
+def test_after_loading_the_solution_the_cells_and_the_explorer_still_record_g(group):
+    ns = after_loading_the_solution()
+    out = group.run(ns["tp_mlp"])
+    assert out[0][2] == [("forward", "g", "all_reduce", WHOLE), ("backward", "f", "all_reduce", WHOLE)]
+    explorer = TensorParallelExplorer(group, ns["tp_block"])
+    g = explorer._operators(explorer.result)["g"]
+    assert (g.forward, g.backward) == ("all_reduce of 1×8", "identity")
+
+
 def test_the_notebooks_stub_fails_and_says_why(group):
-    verdict = check_row_parallel(group, NB["row_parallel_linear"])
+    verdict = check_vocab_parallel_embedding(group, NB["vocab_parallel_embedding"])
     assert not verdict and "returned None" in verdict.message
     assert group.world_size == 4
+    assert "rank 0 returned None" in shown("check_vocab_parallel_embedding(")
 
 
-def no_sum(h_shard, weight_shard, bias):
-    return h_shard @ weight_shard.T + bias
+def _mine(ids, w):
+    k = w.shape[0]
+    first = dist.get_rank() * k
+    return k, first, (ids >= first) & (ids < first + k)
 
 
-def bias_on_every_rank(h_shard, weight_shard, bias):
-    return G.apply(h_shard @ weight_shard.T + bias, None)
+def global_ids_as_rows(ids, w):
+    return G.apply(E(ids, w), None)
 
 
-def bias_on_rank_0_only(h_shard, weight_shard, bias):
-    y = G.apply(h_shard @ weight_shard.T, None)
-    return y + bias if dist.get_rank() == 0 else y
+def no_sum(ids, w):
+    k, first, m = _mine(ids, w)
+    return E(torch.where(m, ids - first, 0), w) * m.unsqueeze(-1)
 
 
-def bias_before_the_sum_on_rank_0(h_shard, weight_shard, bias):
-    partial = h_shard @ weight_shard.T
-    return G.apply(partial + bias if dist.get_rank() == 0 else partial, None)
+def others_not_zeroed(ids, w):
+    k, first, m = _mine(ids, w)
+    return G.apply(E(torch.where(m, ids - first, 0), w), None)
 
 
-def all_reduce_both_ways(h_shard, weight_shard, bias):
+def clamped(ids, w):
+    k, first, _ = _mine(ids, w)
+    return G.apply(E((ids - first).clamp(0, k - 1), w), None)
+
+
+def modulo(ids, w):
+    return G.apply(E(ids % w.shape[0], w), None)
+
+
+def concatenated(ids, w):
+    share = no_sum(ids, w)
+    pieces = [torch.empty_like(share) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, share.contiguous())
+    return torch.cat(pieces, -1)
+
+
+def first_id_left_out(ids, w):
+    k, first, _ = _mine(ids, w)
+    m = (ids > first) & (ids < first + k)
+    return G.apply(E(torch.where(m, ids - first, 0), w) * m.unsqueeze(-1), None)
+
+
+def next_ranks_first_id_let_in(ids, w):
+    k, first, _ = _mine(ids, w)
+    m = (ids >= first) & (ids <= first + k)
+    return G.apply(E(torch.where(m, ids - first, 0), w) * m.unsqueeze(-1), None)
+
+
+def ids_changed_in_place(ids, w):
+    k, first, m = _mine(ids, w)
+    ids -= first
+    ids[~m] = 0
+    return G.apply(E(ids, w) * m.unsqueeze(-1), None)
+
+
+def all_reduce_both_ways(ids, w):
     import torch.distributed.nn.functional as dist_nn
-    return dist_nn.all_reduce(h_shard @ weight_shard.T) + bias
+    return dist_nn.all_reduce(no_sum(ids, w))
 
 
-def plain_all_reduce(h_shard, weight_shard, bias):
-    partial = h_shard @ weight_shard.T
-    dist.all_reduce(partial)
-    return partial + bias
+def plain_all_reduce(ids, w):
+    share = no_sum(ids, w)
+    dist.all_reduce(share)
+    return share
 
 
-def sum_the_hidden_shards(h_shard, weight_shard, bias):
-    h = h_shard.clone()
-    dist.all_reduce(h)                       # a sum where an all_gather was needed
-    return G.apply(h @ weight_shard.T, None) + bias
-
-
-def gather_the_partial_outputs(h_shard, weight_shard, bias):
-    partial = h_shard @ weight_shard.T
-    pieces = [torch.empty_like(partial) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, partial)
-    return torch.cat(pieces, dim=-1)
-
-
-def detached(h_shard, weight_shard, bias):
+def cut_off(ids, w):
     with torch.no_grad():
-        return G.apply(h_shard @ weight_shard.T, None) + bias
+        return G.apply(no_sum(ids, w), None)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (no_sum, "That is this rank's partial sum"),
-    (bias_on_every_rank, "plus 3 extra copies of the bias: every rank added the bias before"),
-    (bias_on_rank_0_only, "It lacks the bias, on rank(s) 1, 2, 3"),
-    (bias_before_the_sum_on_rank_0, "only rank(s) 0 got the bias's gradient"),
-    (all_reduce_both_ways, "4 times too large: your sum runs an all_reduce in backward too"),
+    (global_ids_as_rows, "IndexError: index out of range in self. A rank looked up a row its "
+                         "shard does not have"),
+    (no_sum, "this rank's share only"),
+    (others_not_zeroed, "their ids replaced by row 0"),
+    (clamped, "their ids clamped into the shard"),
+    (modulo, "their ids taken modulo the shard's size"),
+    (concatenated, "an all_gather concatenates them"),
+    (first_id_left_out, "Only the tokens with ids 0 and 6 are wrong: the first id of a rank's range"),
+    (next_ranks_first_id_let_in, "let through an id of the next rank's range"),
+    (ids_changed_in_place, "wrote into the ids it was given (in place)"),
+    (all_reduce_both_ways, "2 times too large: your sum runs an all_reduce in backward too"),
     (plain_all_reduce, "autograd ran backward through dist.all_reduce itself"),
-    (sum_the_hidden_shards, "summing the ranks' h_shard tensors first"),
-    (gather_the_partial_outputs, "an all_gather concatenates them"),
-    (detached, "no gradient reached h_shard or weight_shard"),
+    (cut_off, "no gradient reached weight_shard"),
 ])
-def test_each_usual_mistake_gets_its_explanation(group, fn, words):
-    verdict = check_row_parallel(group, fn, tps=(4,))
+def test_each_likely_mistake_gets_its_explanation(group, fn, words):
+    verdict = check_vocab_parallel_embedding(group, fn)
     assert not verdict and words in verdict.message, verdict.message
-    assert "G.apply" not in verdict.message and "return" not in verdict.message
+    solution = [line.strip() for line in SOLUTION_PATH.read_text().splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+    assert not any(line in verdict.message for line in solution[1:])
+    assert "G.apply" not in verdict.message and "torch.where" not in verdict.message
 
 
-def test_the_bias_mistake_at_tp_2_counts_one_extra_copy(group):
-    verdict = check_row_parallel(group, bias_on_every_rank)
-    assert "At tp=2" in verdict.message and "1 extra copy of the bias" in verdict.message
+def test_at_tp_3_the_offsets_are_not_a_power_of_two(group):
+    """tp=3 catches a solution that works only when the shard's size divides nicely."""
+    ns = after_loading_the_solution()
+    assert check_vocab_parallel_embedding(group, ns["vocab_parallel_embedding"], tps=(3,))
+    verdict = check_vocab_parallel_embedding(group, first_id_left_out, tps=(3,))
+    assert "ids 0, 4 and 8 are wrong" in verdict.message
 
 
-def test_the_reference_is_nn_linear():
-    from reducelab.checks.tensor_parallel import layer_tensors
+def test_the_exercise_ids_cover_every_row_and_the_reference_is_nn_embedding():
     t, ref = layer_tensors(), reference()
-    layer = torch.nn.Linear(8, 4)
+    assert tuple(t["ids"].shape) == IDS_SHAPE and set(t["ids"].flatten().tolist()) == set(range(VOCAB))
+    emb = torch.nn.Embedding(VOCAB, DIM)
     with torch.no_grad():
-        layer.weight.copy_(t["weight"])
-        layer.bias.copy_(t["bias"])
-    assert torch.allclose(layer(t["h"]), ref["out"])
+        emb.weight.copy_(t["table"])
+    out = emb(t["ids"])
+    (out * t["upstream"]).sum().backward()
+    assert torch.allclose(out, ref["out"]) and torch.allclose(emb.weight.grad, ref["table_grad"])
+
+
+def torch_rowwise_embedding():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    t = layer_tensors()
+    emb = torch.nn.Embedding(VOCAB, DIM)
+    with torch.no_grad():
+        emb.weight.copy_(t["table"])
+    parallelize_module(emb, init_device_mesh("cpu", (dist.get_world_size(),)),
+                       RowwiseParallel(input_layouts=Replicate()))
+    with CommDebugMode() as comm:
+        out = emb(t["ids"])
+    return out.detach().clone(), emb.weight.placements, comm.get_total_counts()   # clone waits
+
+
+def test_torchs_rowwise_parallel_shards_an_embedding_by_rows_as_the_pass_message_says(group):
+    from torch.distributed.tensor import Shard
+    group.resize(3)
+    out = group.run(torch_rowwise_embedding)
+    for y, placements, collectives in out:
+        assert (y - reference()["out"]).abs().max() <= TOL
+        assert placements == (Shard(0),) and collectives == 1
 
 
 def test_the_check_cell_is_the_check_and_its_import_is_in_the_setup_cell():
-    code = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
-            if c["cell_type"] == "code"]
+    code = [src for src, c in cells() if c["cell_type"] == "code"]
     setup = next(c for c in code if "group = LocalGroup(" in c)
-    assert "from reducelab.checks.tensor_parallel import check_row_parallel" in setup
+    assert "from reducelab.checks.tensor_parallel import check_vocab_parallel_embedding" in setup
     after_stub = code[code.index(next(c for c in code if c.startswith(
-        "# %load solutions/09_row_parallel.py"))) + 1]
-    assert after_stub == "check_row_parallel(group, row_parallel_linear)"
+        "# %load solutions/09_vocab_parallel_embedding.py"))) + 1]
+    assert after_stub == "check_vocab_parallel_embedding(group, vocab_parallel_embedding)"
 
 
 # --- predictions stay unspoiled -----------------------------------------------------------
-def cells():
-    return [("".join(c["source"]), c) for c in json.loads(NOTEBOOK.read_text())["cells"]]
-
-
 def test_nothing_before_question_1_answers_it():
     all_cells = cells()
     q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_1 = None"))
     before = "\n".join(src for src, _ in all_cells[:q])
-    assert "only counts the paths through its own hidden units" not in before
     assert "needed no collective" not in before and "need no collective" not in before
     question = all_cells[q + 1][0]
     assert 'o[1]["x"]' not in question and "summed_x_grad" not in question
@@ -455,13 +656,36 @@ def test_nothing_before_question_1_answers_it():
     assert follow_up.startswith("summed_x_grad = sum(")
 
 
-def test_question_3_does_not_say_whether_it_raises():
+def test_nothing_before_question_3_names_the_parameters_that_go_wrong():
     all_cells = cells()
     q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_3 = None"))
+    before = "\n".join(src for src, _ in all_cells[:q])
+    assert "SEQUENCE_PARALLEL" not in before and "_allreduce_layernorm_grads" not in before
+    assert "Partial(sum)" not in "\n".join(src for src, c in all_cells[:q] if c["cell_type"] == "markdown")
+
+
+def test_question_4_does_not_say_whether_it_raises():
+    all_cells = cells()
+    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_4 = None"))
     question = all_cells[q + 1][0]
     code = [line for line in question.splitlines() if not line.startswith("group.resize(")]
     assert "#" not in code[0]
     assert "it runs" not in question.split("reveal(")[0]
+
+
+# --- on GPUs with NCCL: what the installed torch says ------------------------------------------
+def test_the_nccl_part_prints_torchs_own_words_and_says_what_was_not_run():
+    from datetime import timedelta
+    from torch.distributed import constants
+    text = shown("from torch.distributed import constants")
+    assert constants.default_pg_timeout == timedelta(minutes=30)
+    assert "default timeout, gloo and the other backends: 0:30:00" in text
+    assert ("init_process_group's docstring: Default value is 10 minutes for NCCL and 30 minutes "
+            "for other backends.") in text
+    assert "Letting the current stream block on the completion of the NCCL work." in \
+        " ".join(text.split())
+    prose = next(src for src, _ in cells() if src.startswith("Stuck?"))
+    assert "Nothing in this part was run here" in prose
 
 
 # --- myth vs reality ----------------------------------------------------------------------
@@ -474,15 +698,14 @@ def test_a_plain_all_reduce_in_forward_backprops_as_identity_with_a_deprecation_
 
 
 def test_the_warning_is_printed_whole_and_says_what_the_text_quotes(group):
-    import re
     import textwrap
     caught = group.run(NB["plain_all_reduce_in_forward"])[1][1]
     warning = next(c for c in caught if "an autograd kernel was not registered" in c)
     all_cells = cells()
     k = next(k for k, (src, _) in enumerate(all_cells)
              if src.startswith("def plain_all_reduce_in_forward():"))
-    shown = "".join("".join(o.get("text", "")) for o in all_cells[k][1]["outputs"])
-    assert "torch warned: " + textwrap.fill(warning, 100) in shown       # all of it
+    printed = "".join("".join(o.get("text", "")) for o in all_cells[k][1]["outputs"])
+    assert "torch warned: " + textwrap.fill(warning, 100) in printed       # all of it
     quotes = re.findall(r'"([^"]+)"', all_cells[k + 1][0].split("**Claim")[0])
     assert len(quotes) == 2
     for quote in quotes:

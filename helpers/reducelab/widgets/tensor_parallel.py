@@ -1,7 +1,9 @@
 """The tensor-parallel explorer of notebook 09: pick the tp degree, the split (column then
 row, as Megatron-LM does, or row then column) and the layer width; see what every rank
-holds at every stage of one forward pass, where the partial sums are, and which
-collectives ran in forward and in backward.
+holds at every stage of one forward pass of one token, top to bottom, with every value
+written in its cell at every width offered; where the partial sums are; and which
+collectives ran in forward and in backward (drawn by
+:func:`reducelab.plots.tensor_parallel.draw_diagram`).
 
 Every control change runs the notebook's rank function on real gloo ranks (the group is
 resized to ``tp`` ranks), then checks in the kernel that every rank's output and input
@@ -22,7 +24,7 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from ..plots.tensor_parallel import Block, Diagram, Operator, draw_diagram
+from ..plots.tensor_parallel import Diagram, Operator, Stage, draw_diagram
 from . import Explorer
 
 TP_DEGREES = (1, 2, 3, 4)
@@ -31,7 +33,8 @@ SPLITS = (("column → row", "column-row"), ("row → column", "row-column"))
 """``(label, value)`` of the two splits: Megatron-LM's column-parallel then row-parallel
 MLP, and the other way round."""
 WIDTHS = (4, 6, 8, 12)
-"""Layer widths offered: ``A`` and ``B`` are ``width x width``."""
+"""Layer widths offered: ``A`` and ``B`` are ``width x width``; up to
+:data:`~reducelab.plots.tensor_parallel.MAX_COLUMNS`, so every value fits its cell."""
 TOLERANCE = 1e-5
 """Largest difference from one process that still counts as equal (float32)."""
 
@@ -53,7 +56,8 @@ class TPResult:
 
     Attributes:
         tp, split, width: the settings (``split`` is ``"column-row"`` or ``"row-column"``).
-        held: ``held[rank][name]``, the float32 tensor that rank held at each stage:
+        held: ``held[rank][name]``, the float32 tensor that rank held at each stage,
+            ``(tokens, columns)`` for the activations:
             ``"x"`` (its input to layer 1), ``"A"``, ``"B"`` (its shards), ``"partial"``
             (its partial sum), ``"h"`` (the hidden activation as it held it), ``"y_r"``
             (its output columns, row-column only) and ``"y"`` (the full output).
@@ -163,46 +167,47 @@ class TensorParallelExplorer(Explorer):
     # --- figure and text ---------------------------------------------------------------
     def _operators(self, result: TPResult) -> dict[str, Operator]:
         """One :class:`Operator` per operator name, labelled with what it really ran."""
-        ops: dict[str, Operator] = {}
-        for p, op, coll, _ in result.calls[0]:
-            o = ops.setdefault(op, Operator(op))
-            if p == "forward":
-                o.forward = coll
-            else:
-                o.backward = coll
-        for name, fwd, bwd in (("f", "identity", ""), ("g", "", "identity"),
-                               ("gather", "", "slice")):
-            o = ops.setdefault(name, Operator(name))
-            o.forward = o.forward or fwd or "(not run)"
-            o.backward = o.backward or bwd or "(not run)"
-        return ops
+        ran: dict[str, dict[str, str]] = {}
+        for p, op, coll, shape in result.calls[0]:
+            ran.setdefault(op, {})[p] = f"{coll} of {'×'.join(map(str, shape))}"
+        quiet = {"f": ("identity", "(not run)"), "g": ("(not run)", "identity"),
+                 "gather": ("(not run)", "keeps this rank's columns")}
+        return {name: Operator(name, ran.get(name, {}).get("forward", fwd),
+                               ran.get(name, {}).get("backward", bwd))
+                for name, (fwd, bwd) in quiet.items()}
 
     def diagram(self, result: TPResult) -> Diagram:
         """The :class:`~reducelab.plots.tensor_parallel.Diagram` of ``result``."""
-        held, tp = result.held, result.tp
+        held, tp, w = result.held, result.tp, result.width
         ops = self._operators(result)
 
-        def block(name, key, partial=False):
+        def stage(name, key, kind="same"):
             values = [h[key].numpy() for h in held]
-            same = all(torch.equal(h[key], held[0][key]) for h in held)
-            return Block(name, values, partial=partial, same=same)
+            if kind == "same" and not all(torch.equal(h[key], held[0][key]) for h in held):
+                kind = "each"                  # drawn as it is: one line per rank
+            return Stage(name, values, kind)
         if result.split == "column-row":
-            items = [block("x", "x"), ops["f"], block("A[:, mine]", "A"),
-                     block("h[:, mine]", "h"), block("B[mine, :]", "B"),
-                     block("partial y", "partial", partial=True), ops["g"], block("y", "y")]
-            how = "A split by columns, B by rows"
+            items = [stage("x, the input", "x"), ops["f"],
+                     stage("h = relu(x @ A[:, mine])", "h", "sharded"),
+                     stage("partial y = h @ B[mine, :]", "partial", "partial"), ops["g"],
+                     stage("y, the output", "y")]
+            how = (f"A ({w}×{w}) split by columns: {w}×{w // tp} per rank; "
+                   f"B split by rows: {w // tp}×{w} per rank")
         else:
-            items = [ops["f"], block("x[:, mine]", "x"), block("A[mine, :]", "A"),
-                     block("partial h", "partial", partial=True), ops["g"], block("h", "h"),
-                     ops["f"], block("B[:, mine]", "B"), block("y[:, mine]", "y_r"), ops["gather"],
-                     block("y", "y")]
-            how = "A split by rows, B by columns"
+            items = [ops["f"], stage("x[:, mine]", "x", "sharded"),
+                     stage("partial h = x_r @ A[mine, :]", "partial", "partial"), ops["g"],
+                     stage("h = relu(the sum)", "h"), ops["f"],
+                     stage("y[:, mine] = h @ B[:, mine]", "y_r", "sharded"), ops["gather"],
+                     stage("y, the output", "y")]
+            how = (f"A ({w}×{w}) split by rows: {w // tp}×{w} per rank; "
+                   f"B split by columns: {w}×{w // tp} per rank")
         label = dict((v, k) for k, v in SPLITS)[result.split]
-        title = (f"{label}, tp={tp} ({tp} rank{'s' if tp > 1 else ''}), width {result.width} ({how}): "
-                 f"y = relu(x @ A) @ B")
-        note = ("hatched: partial sums, to be added over the ranks (DTensor's Partial()); "
-                "grey columns: where ranks may communicate")
-        return Diagram(title, items, note)
+        tokens = held[0]["x"].shape[0]
+        title = (f"{label}, tp={tp} ({tp} rank{'s' if tp > 1 else ''}), width {w}: "
+                 f"y = relu(x @ A) @ B, for {tokens} token{'s' if tokens > 1 else ''}")
+        note = ("hatched: partial sums, which the next all_reduce adds up; "
+                "grey bands: where the ranks communicate")
+        return Diagram(title, items, subtitle=how, note=note)
 
     def draw(self, result: TPResult) -> bytes:
         return draw_diagram(self.diagram(result))
