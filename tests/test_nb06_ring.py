@@ -115,8 +115,9 @@ def test_ring_and_all_reduce_differ_by_less_than_the_finfo_bound(group, world_si
 def test_the_prose_states_the_agreement_the_cell_prints():
     cell = _cells()[_index_of("def ring_vs_all_reduce")]
     printed = "".join(t for o in cell["outputs"] for t in o.get("text", []))
-    assert re.search(r"every element within eps x \(N - 1\) x sum of \|inputs\| "
-                     r"\(at most [0-9.e+-]+\): True", printed), printed
+    # the bound itself is rounding-sized and differs from CPU to CPU: only the verdict is shown
+    assert re.search(r"largest difference ≤ 1e-05; every element within eps x \(N - 1\) x "
+                     r"sum of \|inputs\|: True", printed), printed
     after = _src(_cells()[_index_of("def ring_vs_all_reduce") + 1])
     assert "about 1e-7" not in after and "torch.finfo(torch.float32).eps" in after
 
