@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import load_solution
+from conftest import SOLUTIONS, load_solution
 from reducelab.checks import reveal
-from reducelab.checks.all_reduce import check_mean_over_ranks, local_values
+from reducelab.checks.all_reduce import check_spread_over_ranks, local_values, reference_spread
 from reducelab.plots import message_png
 from reducelab.widgets.all_reduce import PATTERNS, AllReduceExplorer
 
@@ -173,41 +173,171 @@ def test_bad_initial_values_name_the_choices(group):
         AllReduceExplorer(group, demo, n=0)
 
 
-def test_solution_passes_and_the_stub_fails_with_an_explanation(group):
-    group.resize(4)
-    solution = load_solution("01_mean_over_ranks").mean_over_ranks
-    assert check_mean_over_ranks(group, solution)
+# --- the exercise: mean and spread over ranks, SUM only -----------------------------------------
+def stub(n):                                            # the notebook's stub
+    x = local_values(dist.get_rank(), n)
+    mean, std = x, torch.zeros_like(x)
+    return mean, std
+
+
+def with_avg(n):                                        # right numbers, the op the text forbids
+    x = local_values(dist.get_rank(), n)
+    mean = x.clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    squares = (x - mean) ** 2
+    dist.all_reduce(squares, op=dist.ReduceOp.AVG)
+    return mean, squares.sqrt()
+
+
+def with_avg_positional(n):                             # AVG passed without op=
+    x = local_values(dist.get_rank(), n)
+    mean = x.clone()
+    dist.all_reduce(mean, dist.ReduceOp.AVG)
+    squares = (x - mean) ** 2
+    dist.all_reduce(squares)
+    return mean, (squares / dist.get_world_size()).sqrt()
+
+
+def reduced_a_copy(n):
+    x = local_values(dist.get_rank(), n)
+    dist.all_reduce(x.clone())
+    return x, torch.zeros_like(x)
+
+
+def forgot_to_divide(n):
+    x = local_values(dist.get_rank(), n)
+    dist.all_reduce(x)
+    return x, torch.zeros_like(x)
+
+
+def never_reduced(n):
+    x = local_values(dist.get_rank(), n)
+    return x / 2, torch.zeros_like(x)
+
+
+def _mean_and_squares(n):
+    x = local_values(dist.get_rank(), n)
+    total = x.clone()
+    dist.all_reduce(total)
+    mean = total / dist.get_world_size()
+    squares = (x - mean) ** 2
+    dist.all_reduce(squares)
+    return mean, squares
+
+
+def variance(n):
+    mean, squares = _mean_and_squares(n)
+    return mean, squares / dist.get_world_size()
+
+
+def sample_std(n):
+    mean, squares = _mean_and_squares(n)
+    return mean, (squares / (dist.get_world_size() - 1)).sqrt()
+
+
+def root_mean_square(n):
+    x = local_values(dist.get_rank(), n)
+    total, squares = x.clone(), x ** 2
+    dist.all_reduce(total)
+    dist.all_reduce(squares)
+    return total / dist.get_world_size(), (squares / dist.get_world_size()).sqrt()
+
+
+def squared_after_in_place(n):                          # E[x²] - mean², x already the sum
+    x = local_values(dist.get_rank(), n)
+    dist.all_reduce(x)
+    mean = x / dist.get_world_size()
+    squares = x ** 2
+    dist.all_reduce(squares)
+    return mean, (squares / dist.get_world_size() - mean ** 2).clamp(min=0).sqrt()
+
+
+def local_std(n):
+    x = local_values(dist.get_rank(), n)
+    total = x.clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size(), x.std().expand(n)
+
+
+def one_tensor(n):
+    x = local_values(dist.get_rank(), n)
+    dist.all_reduce(x)
+    return x / dist.get_world_size()
+
+
+def raises(n):
+    raise ValueError("not written yet")
+
+
+def one_pass(n):                                        # E[x²] - mean², done right: passes too
+    x = local_values(dist.get_rank(), n)
+    sums = torch.stack([x, x ** 2])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    mean, mean_sq = sums / dist.get_world_size()
+    return mean, (mean_sq - mean ** 2).clamp(min=0).sqrt()
+
+
+def test_reference_is_the_one_process_mean_and_population_std():
+    mean, std = reference_spread(4, 4)
+    assert mean.tolist() == [2.5, 5.0, 7.5, 10.0]
+    assert std.tolist() == pytest.approx([math.sqrt(1.25) * (i + 1) for i in range(4)])
+
+
+@pytest.mark.parametrize("name", ["solution", "one_pass"])
+def test_right_answers_pass(group, name):
+    fn = load_solution("01_spread_over_ranks").spread_over_ranks if name == "solution" else one_pass
+    verdict = check_spread_over_ranks(group, fn)
+    assert verdict, verdict.message
+    assert group.world_size == 4                        # the check put the size back
+
+
+@pytest.mark.parametrize("fn, says", [
+    (stub, "never called dist.all_reduce"),
+    (with_avg, "called all_reduce with ReduceOp.AVG"),
+    (with_avg_positional, "called all_reduce with ReduceOp.AVG"),
+    (reduced_a_copy, "did you reduce a copy"),
+    (forgot_to_divide, "That is the SUM, 2 times too big"),
+    (never_reduced, "never called dist.all_reduce"),
+    (variance, "That is the variance over ranks"),
+    (sample_std, "divided by world_size - 1 = 1"),
+    (root_mean_square, "the mean itself was never taken off"),
+    (squared_after_in_place, "after all_reduce had overwritten it with the sum"),
+    (local_std, "the spread of this rank's own elements"),
+    (one_tensor, "expected a pair of tensors (mean, std)"),
+    (raises, "raised on the ranks"),
+])
+def test_each_likely_mistake_is_named(group, fn, says):
+    verdict = check_spread_over_ranks(group, fn)
+    assert not verdict
+    assert says in verdict.message, verdict.message
     assert group.world_size == 4
 
-    def stub(n):                                        # the notebook's stub
-        x = local_values(dist.get_rank(), n)
-        return x
-    verdict = check_mean_over_ranks(group, stub)
-    assert not verdict and "You returned the rank's own input: nothing was reduced into x" \
-        in verdict.message
-    assert "copy" not in verdict.message                # it never called all_reduce at all
 
-    def reduced_a_copy(n):
-        x = local_values(dist.get_rank(), n)
-        total = x.clone()
-        dist.all_reduce(total)
-        return x
-    verdict = check_mean_over_ranks(group, reduced_a_copy)
-    assert not verdict and "did you call all_reduce on a copy" in verdict.message
+def test_avg_is_refused_although_its_numbers_are_right(group):
+    """The exercise asks for SUM: AVG's numbers are right on gloo, and the check still
+    says no (the first review found that it passed)."""
+    group.resize(2)
+    mean, std = group.run(with_avg, 4)[0]
+    group.resize(4)
+    want_mean, want_std = reference_spread(2, 4)
+    assert torch.allclose(mean.double(), want_mean) and torch.allclose(std.double(), want_std)
+    assert not check_spread_over_ranks(group, with_avg)
 
-    def never_reduced(n):
-        return local_values(dist.get_rank(), n) / 2
-    verdict = check_mean_over_ranks(group, never_reduced)
-    assert not verdict and "never called dist.all_reduce" in verdict.message
+
+def test_the_check_leaves_all_reduce_as_it_was(group):
+    check_spread_over_ranks(group, stub)
     assert dist.all_reduce.__name__ == "all_reduce"     # the kernel's own is untouched
     assert group.run(lambda: dist.all_reduce.__name__) == ["all_reduce"] * 4   # and the ranks'
 
-    def forgot_to_divide(n):
-        x = local_values(dist.get_rank(), n)
-        dist.all_reduce(x)
-        return x
-    verdict = check_mean_over_ranks(group, forgot_to_divide)
-    assert not verdict and "2 times too big" in verdict.message
+
+def test_no_check_message_prints_the_solution(group):
+    code = [line.strip() for line in
+            (SOLUTIONS / "01_spread_over_ranks.py").read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", "def ", "import", "from"))]
+    for fn in (stub, with_avg, reduced_a_copy, forgot_to_divide, variance, sample_std,
+               root_mean_square, squared_after_in_place, local_std, one_tensor, raises):
+        message = check_spread_over_ranks(group, fn).message
+        assert not [line for line in code if line in message], fn.__name__
 
 
 def test_reveal_explains_with_and_without_a_prediction():
@@ -315,5 +445,6 @@ def test_the_notebook_gives_no_answer_before_its_question():
     assert "+ 0.0" not in before_q2 and "can cancel" not in before_q2
     assert "fraction of a second" not in "\n".join(cells)      # no time estimate in prose
     exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/01_"))
-    assert "local_values(rank, 4)" in cells[exercise - 1]       # the inputs, shown before
-    assert "(rank + 1) * (i + 1)" in cells[exercise - 2]
+    before = "\n".join(cells[:exercise])
+    assert "local_values({rank}, 4)" in before and "(rank + 1) * (i + 1)" in before   # the inputs
+    assert "ReduceOp.SUM` only" in cells[exercise - 1] and "correction=0" in cells[exercise - 1]

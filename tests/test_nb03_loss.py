@@ -490,6 +490,43 @@ def test_ddp_syncs_gradients_of_the_local_loss_and_leaves_the_losses_local(group
     assert len({round(loss, 6) for loss, _ in out}) == 4
 
 
+def backward_through_differentiable_all_reduce():
+    """The notebook's myth cell: backward through torch.distributed.nn.functional.all_reduce."""
+    import warnings
+
+    import torch.distributed.nn.functional as dist_fn
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    torch.manual_seed(rank)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        total = dist_fn.all_reduce(F.mse_loss(model(x), y))
+    (total / world_size).backward()
+    grad = model.weight.grad.clone()
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    return grad, model.weight.grad.clone(), [(w.category.__name__, str(w.message)) for w in caught]
+
+
+def test_a_differentiable_all_reduce_of_the_loss_leaves_each_rank_its_local_gradient(group):
+    """The myth "the aggregated loss is then used to backpropagate", with the all_reduce
+    autograd can differentiate: each rank gets exactly its own local gradient (different on
+    every rank), and torch 2.13 warns that the function is deprecated."""
+    out = group.run(backward_through_differentiable_all_reduce)
+    for grad, local, caught in out:
+        assert torch.allclose(grad, local, atol=1e-6)
+        assert ("FutureWarning", "torch.distributed.nn.functional.all_reduce is deprecated, use "
+                "torch.distributed._functional_collectives.all_reduce instead.") in caught
+    assert not all(torch.allclose(g, out[0][0]) for g, _, _ in out)
+    (src, cell), = [(s, c) for s, c in notebook_cells()
+                    if "dist_fn.all_reduce(F.mse_loss" in s and c["cell_type"] == "code"]
+    shown = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+    assert "FutureWarning: torch.distributed.nn.functional.all_reduce is deprecated" in shown
+    assert shown.count("= its local grad: True") == 4
+
+
 # --- the popular answer's launch on a CPU machine -------------------------------------------
 def _never_called(rank, marker):  # pragma: no cover - mp.spawn with nprocs=0 starts nothing
     pathlib.Path(marker).write_text("ran")
@@ -607,4 +644,5 @@ def test_the_spawn_cell_shows_what_spawn_started():
         assert "processes mp.spawn started: 0" in shown
     text = "\n".join(s for s, c in notebook_cells() if c["cell_type"] == "markdown")
     assert "returns `None` whether it started processes or not" in text
+    assert "mp.spawn(..., join=True) returned: None" in shown
     assert "Nothing was printed by `train`" not in text

@@ -23,7 +23,8 @@ from reducelab.checks.mesh import (check_mesh_sync, global_batch, live_process_g
                                    local_batch, local_grads, reference_grads, run_and_release,
                                    tiny_model)
 from reducelab.plots import MIN_FONT, PALETTE, RANK_COLOURS
-from reducelab.plots.mesh import GROUP_COLOURS, MeshGrid, group_index, sync_cost_figure
+from reducelab.plots.mesh import (GROUP_COLOURS, SYNC_STYLES, MeshGrid, group_index,
+                                  sync_cost_figure)
 from reducelab.widgets.mesh import MESH_SHAPES, MeshExplorer, expected_groups
 
 # Send this module's functions by value, as a notebook cell's are.
@@ -480,7 +481,8 @@ def notebook_function(name: str):
     are executed (not the calls), with the imports and ``MESH_3D`` they use."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    namespace = {"torch": torch, "dist": dist, "init_device_mesh": init_device_mesh,
+    import time
+    namespace = {"torch": torch, "dist": dist, "init_device_mesh": init_device_mesh, "time": time,
                  "DTensor": DTensor, "Replicate": Replicate, "Shard": Shard,
                  "distribute_tensor": distribute_tensor, "__name__": "nb05_cells"}
     for index, cell in enumerate(_cells()):
@@ -614,18 +616,64 @@ def test_mesh_grid_rejects_bad_input():
         grid.draw(coords, expected_groups(2, 2, "cp"), ["a"] * 4, "dp")
 
 
-def test_sync_cost_figure_and_its_errors():
-    seconds = {"blocking": {1: 0.01, 16: 0.05, 256: 0.4}, "async": {1: 0.01, 16: 0.03, 256: 0.2},
-               "bucket": {1: 0.011, 16: 0.011, 256: 0.012}}
+def test_sync_cost_figure_and_its_errors(drawn):
+    seconds = {"blocking": {1: [0.01, 0.012], 16: [0.05, 0.04], 256: [0.4, 0.5]},
+               "async": {1: [0.01, 0.011], 16: [0.03, 0.05], 256: [0.2, 0.3]},
+               "bucket": {1: [0.011, 0.02], 16: [0.011, 0.013], 256: [0.012, 0.014]},
+               "copies": {1: [0.001, 0.002], 16: [0.001, 0.001], 256: [0.003, 0.004]}}
     assert sync_cost_figure(seconds, 1_000_000, 2)[:8] == PNG
-    same_end = {way: {1: 0.01, 256: 0.1} for way in seconds}   # labels must not overlap
+    ax = drawn[-1].axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert texts and all(label in texts for *_, label in SYNC_STYLES.values())   # every line named
+    assert "median; bar: fastest to slowest of 2" in ax.get_ylabel()
+    ends = [line.get_ydata()[-1] for line in ax.lines if len(line.get_ydata()) == 3]
+    assert any(abs(y - 450) < 1e-6 for y in ends)       # blocking at 256: the median, 450 ms
+    same_end = {way: {1: 0.01, 256: 0.1} for way in seconds}   # single times; labels must not overlap
     assert sync_cost_figure(same_end, 1_000_000, 2)[:8] == PNG
     with pytest.raises(ValueError, match="seconds is empty"):
         sync_cost_figure({}, 10, 2)
     with pytest.raises(ValueError, match="unknown way"):
         sync_cost_figure({"ring": {1: 0.1}}, 10, 2)
     with pytest.raises(ValueError, match="> 0 seconds"):
-        sync_cost_figure({"bucket": {1: 0.0}}, 10, 2)
+        sync_cost_figure({"bucket": {1: [0.1, 0.0]}}, 10, 2)
+    with pytest.raises(ValueError, match="at least one time"):
+        sync_cost_figure({"bucket": {1: []}}, 10, 2)
+
+
+def test_the_notebooks_sync_cost_times_every_way_after_a_warm_up(group):
+    """The notebook's own sync_cost, at a small size: every way, one time per round."""
+    sync_cost = notebook_function("sync_cost")
+    group.resize(2)
+    out = group.run(sync_cost, 16, 1600, 1, 3)
+    assert all(set(o) == {"blocking", "async", "bucket", "copies"} for o in out)
+    assert all(len(times) == 3 and min(times) > 0 for o in out for times in o.values())
+
+
+def _timing_output() -> str:
+    cell = next(c for c in _cells() if "group.run(sync_cost" in _src(c))
+    assert any("image/png" in o.get("data", {}) for o in cell["outputs"])   # the figure is stored
+    return "".join(t for o in cell["outputs"] for t in o.get("text", []))
+
+
+def test_the_bucket_claims_hold_in_the_stored_run():
+    """The prose claims, with a margin, what the timing cell's stored output must show: at
+    256 tensors one call per tensor (blocking and async) takes at least 3 times as long as
+    one bucket, and at 1 tensor the bucket's copies take under a third of its time, each
+    as the median of round-by-round ratios. A re-run that contradicts the prose fails."""
+    printed = _timing_output()
+    assert "7 rounds after 2 warm-up rounds" in printed
+    for name in ("one all_reduce per tensor", "per tensor, async_op=True"):
+        m = re.search(rf"At 256 tensors, {re.escape(name)} / one bucket: median ([\d.]+)x "
+                      rf"\(lowest ([\d.]+)x, highest ([\d.]+)x\)", printed)
+        assert m, printed
+        assert float(m[2]) <= float(m[1]) <= float(m[3])
+        assert float(m[1]) >= 3, f"{name}: the prose says at least 3 times; the run shows {m[1]}"
+    m = re.search(r"At 1 tensor, the copies alone / one bucket: median ([\d.]+)", printed)
+    assert m and float(m[1]) < 1 / 3, printed
+    prose = "\n".join(_src(c) for c in _cells() if c["cell_type"] == "markdown")
+    assert "at 256 tensors, one call per tensor takes at least 3 times as long as one bucket" in prose
+    assert "at 1 tensor, the bucket's two copies take under a third of its time" in prose
+    assert "fastest of" not in prose and "4x slower" not in prose   # no single-sample claims
 
 
 # --- the notebook, where its rules are particular to it ------------------------------------------
@@ -652,7 +700,7 @@ def test_question_cells_set_their_own_world_size_and_never_touch_the_explorer():
 def test_timing_cells_are_tagged_and_no_prose_quotes_a_timing():
     cells = _cells()
     for c in cells:
-        if c["cell_type"] == "code" and re.search(r"group\.run\((overlap_step|sync_cost)", _src(c)):
+        if c["cell_type"] == "code" and re.search(r"group\.run\(sync_cost", _src(c)):
             assert "nbval-ignore-output" in c["metadata"].get("tags", []), _src(c)[:60]
         if c["cell_type"] == "markdown":
             assert not re.search(r"\d+(\.\d+)?\s?ms\b", _src(c)), _src(c)[:80]

@@ -115,7 +115,9 @@ def test_ring_and_all_reduce_differ_by_less_than_the_finfo_bound(group, world_si
 def test_the_prose_states_the_agreement_the_cell_prints():
     cell = _cells()[_index_of("def ring_vs_all_reduce")]
     printed = "".join(t for o in cell["outputs"] for t in o.get("text", []))
-    assert "every element within eps x (N - 1) x sum of |inputs|: True" in printed, printed
+    # the bound itself is rounding-sized and differs from CPU to CPU: only the verdict is shown
+    assert "largest difference ≤ 1e-05; every element within eps x (N - 1) x sum of |inputs|: True" \
+        in printed, printed
     assert "every element equal bit for bit: False" in printed, printed   # what the prose says
     after = _src(_cells()[_index_of("def ring_vs_all_reduce") + 1])
     assert "about 1e-7" not in after and "torch.finfo(torch.float32).eps" in after

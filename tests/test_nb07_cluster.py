@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import conftest
 from reducelab import LocalGroup
-from reducelab.checks.cluster import HEAD_NODE_COMMAND, check_node_command
+from reducelab.checks.cluster import (DEFAULT_PORT, HEAD_PORT, NNODES, NODE_RANK,
+                                      NPROC_PER_NODE, check_node_command)
 from reducelab.group import loopback_interface
 from reducelab.lessons import all_reduce_lesson, launcher_env, listening_sockets
 from reducelab.torchrun import (TorchrunError, function_spec, launcher_source, run_torchrun,
@@ -206,9 +207,9 @@ def test_gloo_on_loopback_but_tcpstore_on_all_interfaces_from_join_to_the_end(st
 
 def test_the_notebook_shows_the_code_that_measures_the_sockets():
     """Question 1's measurement is printed in the notebook, as it is in lessons.py."""
-    cell = notebook_code_cell("print(inspect.getsource(listening_sockets))")
+    cell = notebook_code_cell("print(inspect.getsource(listening_sockets)")
     source = inspect.getsource(listening_sockets)
-    assert printed(cell) == source + "\n"
+    assert printed(cell) == source
     assert "dist.barrier()" in source and "dist.all_reduce(total)" in source
     assert source.index("dist.barrier()") < source.index("dist.all_reduce(total)") \
         < source.index("end = {")
@@ -336,51 +337,69 @@ def test_launcher_source_is_valid_python_using_env_init():
 
 
 # --- the exercise check ----------------------------------------------------------------
+RIGHT = ("torchrun --nnodes 3 --node-rank 2 --nproc-per-node 8 --master-addr 10.0.0.5 "
+         "--master-port 29400 train.py")
+RANKS = list(range(16, 24))
+
+
 def test_solution_passes():
-    verdict = check_node_command(_solution("07_node1_command").node1_command)
+    solution = _solution("07_node2_command")
+    verdict = check_node_command(solution.node2_command, solution.node2_ranks)
     assert verdict, verdict.message
-    assert "RANK 4 to 7" in verdict.message and "WORLD_SIZE 8" in verdict.message
+    assert "RANK 16 to 23" in verdict.message and "WORLD_SIZE 24" in verdict.message
 
 
-def test_the_python_m_form_and_a_list_pass():
-    cmd = ("python -m torch.distributed.run --nnodes=2 --node-rank=1 --nproc-per-node=4 "
-           "--master-addr=10.0.0.1 train.py")
-    assert check_node_command(cmd)
-    assert check_node_command(cmd.split())
+def test_other_right_forms_pass():
+    cmd = ("python -m torch.distributed.run --nnodes=3 --node-rank=2 --nproc-per-node=8 "
+           "--master-addr=10.0.0.5 --master-port=29400 train.py")
+    assert check_node_command(cmd, range(16, 24))
+    assert check_node_command(cmd.split(), tuple(reversed(RANKS)))      # any order
+    assert check_node_command(RIGHT, [float(r) for r in RANKS])
 
 
-NODE_RANK_0 = ("Two nodes would both claim RANK 0 to 3. Which option tells torchrun which node "
-               "this is?")
+def test_the_job_is_not_the_one_the_notebook_showed():
+    """The exercise applies the numbering to a job the notebook did not run: 3 nodes, not
+    2; 8 processes a node, not 2 or 4; a node rank of 2; a port that is not the default."""
+    assert (NNODES, NPROC_PER_NODE, NODE_RANK, HEAD_PORT) == (3, 8, 2, 29400)
+    assert HEAD_PORT != DEFAULT_PORT
+    text = markdown()
+    assert "--node-rank 1" not in text and "29400" in text and "10.0.0.5" in text
+
 
 WRONG_ANSWERS = [
-    (None, "No command yet"),
-    ("", "No command yet"),
-    (HEAD_NODE_COMMAND, NODE_RANK_0),
-    ("torchrun --nnodes 2 --nproc-per-node 4 --master-addr 10.0.0.1 train.py", NODE_RANK_0),
-    ("torchrun --nnodes 2 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py",
-     NODE_RANK_0),
-    ("torchrun --nnodes 2 --node-rank 2 --nproc-per-node 4 --master-addr 10.0.0.1 train.py",
-     "node ranks of a 2-node job run from 0 to 1, and 0 is the head node's"),
-    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 train.py", "where no TCPStore"),
-    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 train.py",
-     "WORLD_SIZE = nnodes * nproc_per_node"),
-    ("torchrun --nnodes 1 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 train.py",
-     "the job has 2 nodes"),
-    ("torchrun --standalone --nnodes 2 --nproc-per-node 4 train.py", "is for one node"),
-    ("torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
-     "train.py", "static rendezvous"),
-    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 "
-     "--master-port 29501 train.py", "listens on 29500"),
-    ("torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 eval.py",
-     "train.py"),
-    ("torchrun --node 1 train.py", "parser refuses"),
-    ("mpirun -n 4 train.py", "start it with `torchrun`"),
+    ((None, None), "No command yet"),
+    (("", []), "No command yet"),
+    ((RIGHT.replace("--node-rank 2", "--node-rank 3"), RANKS), "node ranks count from 0"),
+    ((RIGHT.replace("--node-rank 2", "--node-rank 0"), RANKS), "two nodes would both claim RANK 0 to 7"),
+    ((RIGHT.replace("--node-rank 2 ", ""), RANKS), "also the default when it is left out"),
+    ((RIGHT.replace("--node-rank 2", "--node-rank 1"), RANKS), "not the node this command is for"),
+    ((RIGHT.replace(" --master-port 29400", ""), RANKS), "--master-port is left out"),
+    ((RIGHT.replace("29400", "29500"), RANKS), "belongs to the other job"),
+    ((RIGHT.replace("29400", "29401"), RANKS), "not the port this job's store uses"),
+    ((RIGHT.replace(" --master-addr 10.0.0.5", ""), RANKS), "where no TCPStore"),
+    ((RIGHT.replace("10.0.0.5", "10.0.0.7"), RANKS), "TCPStore of the head node"),
+    ((RIGHT.replace("--nproc-per-node 8", "--nproc-per-node 4"), RANKS), "WORLD_SIZE = nnodes * nproc_per_node"),
+    ((RIGHT.replace("--nnodes 3", "--nnodes 2"), RANKS), "the job has 3 nodes"),
+    (("torchrun --standalone --nnodes 3 --nproc-per-node 8 train.py", RANKS), "is for one node"),
+    (("torchrun --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.5:29400 "
+      "--rdzv-id job1 train.py", RANKS), "hands out node ranks itself"),
+    ((RIGHT.replace("train.py", "eval.py"), RANKS), "train.py"),
+    (("torchrun --node 2 train.py", RANKS), "parser refuses"),
+    (("mpirun -n 8 train.py", RANKS), "start it with `torchrun`"),
+    ((RIGHT, None), "The command is right. Now node2_ranks"),
+    ((RIGHT, []), "holds 0 numbers"),
+    ((RIGHT, list(range(8))), "Those are LOCAL_RANKs"),
+    ((RIGHT, list(range(8, 16))), "Those are node 1's"),
+    ((RIGHT, list(range(24, 32))), "Those would be node 3's"),
+    ((RIGHT, list(range(17, 25))), "RANK counts from 0"),
+    ((RIGHT, [16] * 8), "each RANK belongs to one process only"),
+    ((RIGHT, "16-23"), "as a list of whole numbers"),
 ]
 
 
 @pytest.mark.parametrize("answer, expected", WRONG_ANSWERS)
 def test_wrong_answers_are_explained(answer, expected):
-    verdict = check_node_command(answer)
+    verdict = check_node_command(*answer)
     assert not verdict
     assert expected in verdict.message, verdict.message
 
@@ -388,22 +407,19 @@ def test_wrong_answers_are_explained(answer, expected):
 @pytest.mark.parametrize("answer", [a for a, _ in WRONG_ANSWERS])
 def test_no_message_gives_the_solution(answer):
     """A check message points at what is off; it never says what to write."""
-    message = check_node_command(answer).message
-    solution = _solution("07_node1_command").node1_command
-    assert solution not in message
-    assert "--node-rank 1" not in message and "--node-rank=1" not in message
-    assert "RANK 4 to 7" not in message      # node 1's ranks: what the passing check says
+    message = check_node_command(*answer).message
+    assert RIGHT not in message
+    assert "--node-rank 2" not in message and "--node-rank=2" not in message
+    assert "--master-port 29400" not in message
+    assert "16 to 23" not in message and "[16," not in message   # what the passing check says
 
 
-def test_the_notebooks_stub_leaves_the_whole_command_to_the_learner():
+def test_the_notebooks_stub_leaves_everything_to_the_learner():
     ns = {}
-    exec(notebook_cell("# %load solutions/07_node1_command.py"), ns)
-    assert ns["node1_command"] == ""
-    verdict = check_node_command(ns["node1_command"])
+    exec(notebook_cell("# %load solutions/07_node2_command.py"), ns)
+    assert ns["node2_command"] == "" and ns["node2_ranks"] == []
+    verdict = check_node_command(ns["node2_command"], ns["node2_ranks"])
     assert not verdict and "No command yet" in verdict.message
-    assert HEAD_NODE_COMMAND in verdict.message     # node 0's, to start from
-    shown = printed(notebook_code_cell('print("node 0 runs:", HEAD_NODE_COMMAND)'))
-    assert shown == f"node 0 runs: {HEAD_NODE_COMMAND}\n"
 
 
 def test_check_rejects_a_non_command():

@@ -12,10 +12,9 @@ from ..errors import RankError
 from ..group import LocalGroup
 from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
-
-def _reference_mean(world_size: int, n: int) -> torch.Tensor:
-    # what each rank's local_values(rank, n) holds, averaged over ranks, in one process
-    return torch.stack([local_values(r, n) for r in range(world_size)]).mean(dim=0)
+ATOL = 1e-5
+"""Tolerance of the exercise's check, absolute and relative (float32 rounding of sums of
+a few small whole numbers, and of a square root)."""
 
 
 def local_values(rank: int, n: int = 4) -> torch.Tensor:
@@ -26,32 +25,94 @@ def local_values(rank: int, n: int = 4) -> torch.Tensor:
     return (rank + 1.0) * torch.arange(1, n + 1, dtype=torch.float32)
 
 
-def _run_counting_all_reduce(fn, n: int):
-    # Runs on every rank: the learner's fn(n), with dist.all_reduce counted, so that a
-    # check can tell "never reduced" from "reduced a copy". Returns (result, calls).
+def reference_spread(world_size: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """What every rank must return in the exercise, computed in one process in float64:
+    ``(mean, std)`` over ranks of ``local_values(rank, n)``, element-wise, both shape
+    ``(n,)``. ``std`` is the population standard deviation (divided by ``world_size``,
+    ``torch.std(..., correction=0)``)."""
+    xs = torch.stack([local_values(r, n) for r in range(world_size)]).double()
+    return xs.mean(0), xs.std(0, correction=0)
+
+
+def _likely_mistakes(world_size: int, n: int, rank: int) -> dict[str, tuple[str, torch.Tensor]]:
+    # What the common wrong recipes return for the std, computed in one process, with
+    # what to say about each: the check compares the learner's std with every one.
+    xs = torch.stack([local_values(r, n) for r in range(world_size)]).double()
+    mean, total = xs.mean(0), xs.sum(0)
+    var = xs.var(0, correction=0)
+    mine = xs[rank]
+    return {
+        "variance": (
+            "That is the variance over ranks, the square of the standard deviation: take "
+            "its square root.", var),
+        "sample": (
+            f"That is the sample standard deviation, divided by world_size - 1 = "
+            f"{world_size - 1}: the exercise asks for the population one, divided by "
+            f"world_size = {world_size}, as torch.std(..., correction=0) computes it.",
+            xs.std(0, correction=1)),
+        "rms": (
+            "That is the root of the mean of the squares, sqrt(mean(x**2)): the mean itself "
+            "was never taken off, so this measures how large the values are, not how far "
+            "apart the ranks are.", (xs ** 2).mean(0).sqrt()),
+        "in place": (
+            "That comes from squaring x after all_reduce had overwritten it with the sum: "
+            "all_reduce works in place, so x no longer holds this rank's own values. Keep "
+            "them (reduce a clone, or square before you reduce).",
+            (total ** 2 - (total / world_size) ** 2).clamp(min=0).sqrt()),
+        "local": (
+            "That is the spread of this rank's own elements (torch.std over the tensor), "
+            "not the spread of element i across the ranks: each element needs the values "
+            "of every rank, which only a collective brings.",
+            mine.std(correction=0).expand(n)),
+        "local sample": (
+            "That is the spread of this rank's own elements (torch.std over the tensor), "
+            "not the spread of element i across the ranks: each element needs the values "
+            "of every rank, which only a collective brings.",
+            mine.std(correction=1).expand(n)),
+    }
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and torch.allclose(got.double(), want.double(),
+                                                      atol=ATOL, rtol=ATOL)
+
+
+def _run_recording_all_reduce(fn, n: int):
+    # Runs on every rank: the learner's fn(n), with the op of each dist.all_reduce call
+    # recorded, so that a check can tell "never reduced" from "reduced a copy" and see
+    # an op other than SUM. Returns (result, ops), ops as names ("SUM", "AVG", ...).
     import torch.distributed as dist
-    original, calls = dist.all_reduce, []
+    original, ops = dist.all_reduce, []
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    def recorded(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        ops.append(next((name for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND",
+                                           "BOR", "BXOR") if op == getattr(dist.ReduceOp, name)),
+                        "another op"))
+        return original(tensor, op, *args, **kwargs)
 
-    dist.all_reduce = counted
+    dist.all_reduce = recorded
     try:
         result = fn(n)
     finally:
         dist.all_reduce = original
-    return result, len(calls)
+    return result, ops
 
 
-def check_mean_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4)) -> Verdict:
-    """Exercise 1 of notebook 01: ``fn(n)`` must return the element-wise mean over ranks
-    of ``local_values(rank, n)``, on every rank, using only ``ReduceOp.SUM``.
+def check_spread_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4), n: int = 4) -> Verdict:
+    """The exercise of notebook 01: ``fn(n)`` runs on every rank, starts from
+    ``local_values(rank, n)``, and must return ``(mean, std)``: the element-wise mean and
+    population standard deviation over ranks, both float tensors of shape ``(n,)``, on
+    every rank, using ``dist.all_reduce`` with ``ReduceOp.SUM`` only.
 
     Runs ``fn`` on real ranks at each world size in ``world_sizes`` (the group is resized,
-    then restored), and compares with a single-process reference (tolerance 1e-6). Calls
-    of ``dist.all_reduce`` made through the ``torch.distributed`` module are counted on
-    each rank, so that a wrong answer says whether anything was reduced at all.
+    then restored) and compares with :func:`reference_spread` (tolerance :data:`ATOL`).
+    The op of every ``dist.all_reduce`` call made through the ``torch.distributed``
+    module is recorded on each rank, so a wrong answer can say what went wrong: an op
+    other than ``SUM`` (``AVG`` does the division the exercise asks the learner to
+    write), no all_reduce at all, a reduced copy, the SUM left undivided, and for the
+    spread the variance, the sample standard deviation, the root mean square, squares of
+    a tensor that all_reduce had already overwritten, and the spread of one rank's own
+    elements. No message prints a line of the solution.
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that explains a wrong answer.
@@ -60,31 +121,60 @@ def check_mean_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4)) -> Verdi
         for ws in world_sizes:
             group.resize(ws)
             try:
-                out = group.run(_run_counting_all_reduce, fn, 4)
+                out = group.run(_run_recording_all_reduce, fn, n)
             except RankError as e:
                 return raised_on_ranks(f"With world_size={ws}", e)
-            want = _reference_mean(ws, 4)
-            for r, (got, calls) in enumerate(out):
-                if not isinstance(got, torch.Tensor):
-                    return failed(f"With world_size={ws}, rank {r} returned {got!r}; "
-                                  f"expected a tensor like {want}.")
-                if got.shape != want.shape or not torch.allclose(got.float(), want, atol=1e-6):
-                    hint = ""
-                    if got.shape == want.shape and torch.allclose(got.float(), want * ws, atol=1e-5):
-                        hint = (f" That is the SUM, {ws} times too big: all_reduce(SUM) adds "
-                                f"the ranks' tensors, so divide by dist.get_world_size().")
-                    elif got.shape == want.shape and torch.allclose(
-                            got.float(), local_values(r, 4), atol=1e-6):
-                        hint = (" You returned the rank's own input: nothing was reduced "
-                                "into x, since your function never called dist.all_reduce."
-                                if calls == 0 else
-                                " That is the rank's own input: did you call all_reduce on "
-                                "a copy and return the original? all_reduce works in place.")
-                    elif calls == 0:
-                        hint = (" Your function never called dist.all_reduce, so no rank "
-                                "saw the other ranks' values.")
-                    return failed(f"With world_size={ws}, rank {r} returned {got}, expected "
-                                  f"{want}.{hint}")
-        return passed(f"Every rank returned the mean over ranks at world sizes "
-                      f"{', '.join(map(str, world_sizes))}: all_reduce(SUM) then / world_size "
-                      f"is what ReduceOp.AVG computes, and what DDP does to gradients.")
+            want_mean, want_std = reference_spread(ws, n)
+            at = f"With world_size={ws}, rank"
+            for r, (got, ops) in enumerate(out):
+                other = sorted({op for op in ops if op != "SUM"})
+                if other:
+                    return failed(
+                        f"{at} {r} called all_reduce with "
+                        f"{'an op other than SUM' if other[0] == 'another op' else 'ReduceOp.' + other[0]}. The exercise "
+                        f"asks for ReduceOp.SUM only: you write the division yourself, as "
+                        f"you must where AVG does not exist (integer tensors on gloo, "
+                        f"older torch, some backends).")
+                if not (isinstance(got, (tuple, list)) and len(got) == 2
+                        and all(isinstance(t, torch.Tensor) for t in got)):
+                    return failed(f"{at} {r} returned {_short(got)}; expected a pair of "
+                                  f"tensors (mean, std), each of shape ({n},).")
+                mean, std = got
+                if not _close(mean, want_mean):
+                    return failed(f"{at} {r} returned the mean {mean}, expected "
+                                  f"{want_mean.float()}.{_mean_hint(mean, ws, n, r, ops)}")
+                if not _close(std, want_std):
+                    hint = next((say for say, value in _likely_mistakes(ws, n, r).values()
+                                 if _close(std, value)), "")
+                    if not hint and not ops:
+                        hint = ("Your function never called dist.all_reduce, so no rank saw "
+                                "the other ranks' values.")
+                    return failed(f"The mean is right. {at} {r} returned the std {std}, "
+                                  f"expected {want_std.float()}. {hint}".rstrip())
+        return passed(
+            f"Every rank returned the mean and the standard deviation over ranks at world "
+            f"sizes {', '.join(map(str, world_sizes))}, with ReduceOp.SUM only. "
+            f"A SUM divided by world_size is "
+            f"a mean; a SUM of squared distances from that mean, divided by world_size, "
+            f"is a variance.")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _mean_hint(mean: torch.Tensor, ws: int, n: int, rank: int, ops: list[str]) -> str:
+    want, _ = reference_spread(ws, n)
+    if _close(mean, want * ws):
+        return (f" That is the SUM, {ws} times too big: all_reduce(SUM) adds the ranks' "
+                f"tensors; the mean is that sum divided by dist.get_world_size().")
+    if _close(mean, local_values(rank, n)):
+        if not ops:
+            return (" That is the rank's own input: nothing was reduced into it, since "
+                    "your function never called dist.all_reduce.")
+        return (" That is the rank's own input: did you reduce a copy and return the "
+                "original? all_reduce works in place, on the tensor you pass it.")
+    if not ops:
+        return " Your function never called dist.all_reduce, so no rank saw the others' values."
+    return ""

@@ -1,11 +1,16 @@
 """Checks for notebook 07 (from notebook to cluster).
 
-The exercise: write the torchrun command line for node 1 of a 2-node job, given the
-command the head node (node 0) runs. The check parses the answer with torchrun's own
-argument parser (``torch.distributed.run.get_args_parser``), so what it accepts is what
-torchrun accepts, then compares the options that must agree across nodes.
+The exercise: a job on 3 nodes with 8 GPUs each, launched with torchrun's static
+rendezvous; the head node is 10.0.0.5, where another job already holds torchrun's
+default port, so this job's store is on port 29400. The learner writes the command
+typed on node 2 and lists the global RANKs of node 2's processes. The notebook showed
+a 2-node job of 2 processes per node at 127.0.0.1; nothing here can be copied from it.
+The check parses the command with torchrun's own argument parser
+(``torch.distributed.run.get_args_parser``), so what it accepts is what torchrun
+accepts, then compares the options every node must agree on.
 
-Source: torchrun, https://pytorch.org/docs/stable/elastic/run.html
+Source: torchrun, https://pytorch.org/docs/stable/elastic/run.html ; the rank numbering in
+``SimpleElasticAgent._assign_worker_ranks`` (``torch/distributed/elastic/agent/server/api.py``).
 """
 from __future__ import annotations
 
@@ -15,17 +20,22 @@ import shlex
 
 from . import Verdict, failed, passed
 
-HEAD_ADDR = "10.0.0.1"
+HEAD_ADDR = "10.0.0.5"
 """Address of the head node (node 0) in the exercise."""
-HEAD_PORT = 29500
-"""Port of the head node's TCPStore in the exercise (torchrun's static default)."""
-NNODES = 2
-NPROC_PER_NODE = 4
+HEAD_PORT = 29400
+"""Port of the head node's TCPStore in the exercise: not torchrun's default, 29500, which
+another job on the head node already holds."""
+DEFAULT_PORT = 29500
+"""torchrun's ``--master-port`` when none is given."""
+NNODES = 3
+NPROC_PER_NODE = 8
+NODE_RANK = 2
+"""The node the learner writes the command for."""
 SCRIPT = "train.py"
-
-HEAD_NODE_COMMAND = (f"torchrun --nnodes {NNODES} --node-rank 0 --nproc-per-node {NPROC_PER_NODE} "
-                     f"--master-addr {HEAD_ADDR} --master-port {HEAD_PORT} {SCRIPT}")
-"""What node 0 runs in the exercise: a static rendezvous at 10.0.0.1:29500, 4 ranks a node."""
+JOB = (f"{NNODES} nodes with {NPROC_PER_NODE} GPUs each, static rendezvous, head node (node 0) "
+       f"{HEAD_ADDR}, store on port {HEAD_PORT} ({DEFAULT_PORT} is taken there), script "
+       f"{SCRIPT}")
+"""The exercise's job, in one line."""
 
 _PREFIXES = (["torchrun"], ["python", "-m", "torch.distributed.run"],
              ["python3", "-m", "torch.distributed.run"])
@@ -49,27 +59,31 @@ def _nodes(nnodes: str) -> tuple[int, int] | None:
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
-def check_node_command(command) -> Verdict:
-    """Exercise of notebook 07: the torchrun command for node 1 of 2.
+def check_node_command(command, ranks=None) -> Verdict:
+    """Exercise of notebook 07: the torchrun command for node 2 of the job :data:`JOB`,
+    and the global RANKs of node 2's processes.
 
-    Node 0 runs :data:`HEAD_NODE_COMMAND`. A right answer starts with ``torchrun`` (or
-    ``python -m torch.distributed.run``), uses the same static rendezvous (``--nnodes 2``,
-    ``--master-addr 10.0.0.1``, port 29500, given or default), ``--nproc-per-node 4``,
-    ``--node-rank 1`` and runs ``train.py``.
+    A right command starts with ``torchrun`` (or ``python -m torch.distributed.run``),
+    joins the static rendezvous (``--nnodes 3``, ``--master-addr 10.0.0.5``,
+    ``--master-port 29400``), starts ``--nproc-per-node 8``, says ``--node-rank 2`` and
+    runs ``train.py``. The right ranks are 16 to 23 (``RANK = node_rank *
+    nproc_per_node + LOCAL_RANK``), in any order, as a list, tuple or range of ints.
 
     Args:
-        command: ``str`` (split like a shell would) or ``list`` of ``str``; ``None`` means
-            not answered yet.
+        command: ``str`` (split like a shell would) or ``list`` of ``str``; ``None`` or
+            ``""`` means not answered yet.
+        ranks: the global RANKs of node 2's processes; ``None`` means not answered yet.
 
     Returns:
-        A :class:`~reducelab.checks.Verdict` that says which option is off and why.
+        A :class:`~reducelab.checks.Verdict` that says which option or rank is off and
+        why, and never what to write.
 
     Raises:
         TypeError: ``command`` is neither a ``str`` nor a list of ``str``.
     """
     if command is None or command == "" or command == []:
-        return failed("No command yet. Start from node 0's command, "
-                      f"`{HEAD_NODE_COMMAND}`, and change what differs on node 1.")
+        return failed(f"No command yet. The job: {JOB}. Write the whole torchrun command "
+                      f"typed on node {NODE_RANK}, as one string.")
     argv = _split(command)
     prefix = next((p for p in _PREFIXES if argv[:len(p)] == p), None)
     if prefix is None:
@@ -90,49 +104,88 @@ def check_node_command(command) -> Verdict:
     if args.standalone:
         return failed("`--standalone` is for one node: it replaces the rendezvous options "
                       "with a private rendezvous on a free port of this node (--rdzv-endpoint "
-                      "localhost:0 and a fresh --rdzv-id), so node 1 would never meet node 0. "
-                      "Drop it on a multi-node job.")
+                      f"localhost:0 and a fresh --rdzv-id), so node {NODE_RANK} would never "
+                      f"meet the others. Drop it on a multi-node job.")
     if args.rdzv_backend != "static" or args.rdzv_endpoint:
-        return failed(f"Node 0 uses the static rendezvous (--master-addr/--master-port, "
-                      f"--node-rank); node 1 must join the same one, but this uses "
-                      f"--rdzv-backend {args.rdzv_backend!r}"
+        return failed(f"This uses --rdzv-backend {args.rdzv_backend!r}"
                       f"{' with --rdzv-endpoint ' + args.rdzv_endpoint if args.rdzv_endpoint else ''}. "
-                      f"Both nodes must give the same rendezvous options.")
+                      f"The job uses the static rendezvous, in which each node says which node "
+                      f"it is; with c10d the rendezvous hands out node ranks itself, so which "
+                      f"RANKs a node gets is not known before the job starts.")
     nodes = _nodes(args.nnodes)
     if nodes != (NNODES, NNODES):
         return failed(f"--nnodes is {args.nnodes!r}; the job has {NNODES} nodes and every node "
                       f"must say so, or the rendezvous waits for nodes that never come (or "
                       f"starts without one).")
     if args.nproc_per_node != str(NPROC_PER_NODE):
-        return failed(f"--nproc-per-node is {args.nproc_per_node!r}; node 1 has "
-                      f"{NPROC_PER_NODE} GPUs, one rank each, like node 0. With a static "
-                      f"rendezvous WORLD_SIZE = nnodes * nproc_per_node = "
-                      f"{NNODES * NPROC_PER_NODE}, and every node must agree on it.")
-    if args.node_rank != 1:
-        if args.node_rank == 0:
-            return failed("Two nodes would both claim RANK 0 to "
-                          f"{NPROC_PER_NODE - 1}. Which option tells torchrun which node "
-                          "this is?")
-        return failed(f"--node-rank is {args.node_rank}, but the node ranks of a "
-                      f"{NNODES}-node job run from 0 to {NNODES - 1}, and 0 is the head "
-                      f"node's.")
+        return failed(f"--nproc-per-node is {args.nproc_per_node!r}; each node has "
+                      f"{NPROC_PER_NODE} GPUs, one rank each. With a static rendezvous "
+                      f"WORLD_SIZE = nnodes * nproc_per_node, and every node must agree on it.")
+    if args.node_rank != NODE_RANK:
+        if args.node_rank == NODE_RANK + 1:
+            why = (f"--node-rank is {args.node_rank}: node ranks count from 0, like RANK and "
+                   f"LOCAL_RANK, so a {NNODES}-node job has node ranks 0 to {NNODES - 1}")
+        elif args.node_rank == 0:
+            why = ("--node-rank is 0, the head node's (also the default when it is left out): "
+                   f"two nodes would both claim RANK 0 to {NPROC_PER_NODE - 1}")
+        else:
+            why = f"--node-rank is {args.node_rank}, not the node this command is for"
+        return failed(f"{why}. Which node is this command for?")
     if args.master_addr != HEAD_ADDR:
         if args.master_addr in ("127.0.0.1", "localhost", "::1", "[::1]"):
             why = (f"--master-addr is {args.master_addr!r}"
                    f"{' (the default when it is left out)' if args.master_addr == '127.0.0.1' else ''}"
-                   f": on node 1 that is node 1 itself, where no TCPStore is listening")
+                   f": on node {NODE_RANK} that is node {NODE_RANK} itself, where no TCPStore "
+                   f"is listening")
         else:
             why = f"--master-addr is {args.master_addr!r}"
-        return failed(f"{why}. Every node connects to the head node's TCPStore, at "
-                      f"{HEAD_ADDR}.")
-    if args.master_port not in (None, HEAD_PORT):
-        return failed(f"--master-port is {args.master_port}; node 0's TCPStore listens on "
-                      f"{HEAD_PORT}, so node 1 must use that port (or leave it out: the "
-                      f"default is {HEAD_PORT}).")
+        return failed(f"{why}. Every node connects to the TCPStore of the head node, node 0.")
+    if args.master_port != HEAD_PORT:
+        if args.master_port is None or args.master_port == DEFAULT_PORT:
+            why = (f"{'--master-port is left out, so torchrun uses its default, ' if args.master_port is None else '--master-port is '}"
+                   f"{DEFAULT_PORT}: on the head node that port belongs to the other job, whose "
+                   f"store would answer instead of this job's")
+        else:
+            why = f"--master-port is {args.master_port}, not the port this job's store uses"
+        return failed(f"{why}. Every node must give the port of this job's store.")
     if args.training_script != SCRIPT:
         return failed(f"The script is {args.training_script!r}; every node runs the same "
                       f"training script, {SCRIPT}.")
-    return passed(f"Node 1 joins node 0's static rendezvous at {HEAD_ADDR}:{HEAD_PORT}. Its "
-                  f"{NPROC_PER_NODE} ranks get LOCAL_RANK 0 to {NPROC_PER_NODE - 1}, RANK "
-                  f"{NPROC_PER_NODE} to {2 * NPROC_PER_NODE - 1} (= node_rank * nproc_per_node "
-                  f"+ LOCAL_RANK), GROUP_RANK 1 and WORLD_SIZE {NNODES * NPROC_PER_NODE}.")
+    return _check_ranks(ranks)
+
+
+def _check_ranks(ranks) -> Verdict:
+    first = NODE_RANK * NPROC_PER_NODE
+    want = list(range(first, first + NPROC_PER_NODE))
+    if ranks is None:
+        return failed(f"The command is right. Now node{NODE_RANK}_ranks: the global RANKs "
+                      f"of node {NODE_RANK}'s {NPROC_PER_NODE} processes, as a list.")
+    try:
+        got = sorted(int(r) for r in ranks)
+    except (TypeError, ValueError):
+        return failed(f"The command is right. node{NODE_RANK}_ranks is {ranks!r}; give the "
+                      f"RANKs as a list of whole numbers.")
+    if got == want:
+        return passed(f"Node {NODE_RANK} joins the static rendezvous at {HEAD_ADDR}:{HEAD_PORT}. "
+                      f"Its {NPROC_PER_NODE} ranks get LOCAL_RANK 0 to {NPROC_PER_NODE - 1}, "
+                      f"RANK {want[0]} to {want[-1]} (= node_rank * nproc_per_node + "
+                      f"LOCAL_RANK), GROUP_RANK {NODE_RANK} and WORLD_SIZE "
+                      f"{NNODES * NPROC_PER_NODE}; pick each GPU with LOCAL_RANK.")
+    if len(got) != NPROC_PER_NODE or len(set(got)) != len(got):
+        why = (f"one RANK per process, {NPROC_PER_NODE} processes on the node"
+               if len(set(got)) == len(got) else "each RANK belongs to one process only")
+        return failed(f"The command is right. node{NODE_RANK}_ranks holds {len(got)} "
+                      f"numbers; {why}.")
+    if got == list(range(NPROC_PER_NODE)):
+        why = ("Those are LOCAL_RANKs, which every node numbers from 0; RANK is global, "
+               "counted over the whole job")
+    elif got == [r + 1 for r in want]:
+        why = "RANK counts from 0, as the node ranks do: node 0 holds RANK 0"
+    elif got[0] == first - NPROC_PER_NODE:
+        why = f"Those are node {NODE_RANK - 1}'s: node ranks count from 0"
+    elif got[0] == first + NPROC_PER_NODE:
+        why = f"Those would be node {NODE_RANK + 1}'s: node ranks count from 0"
+    else:
+        why = "torchrun numbers ranks node by node, every node holding nproc_per_node of them"
+    return failed(f"The command is right, but node {NODE_RANK}'s processes do not get RANKs "
+                  f"{got[0]} to {got[-1]}. {why}.")

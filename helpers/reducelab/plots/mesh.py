@@ -6,7 +6,8 @@ dimension, and the cost of syncing the same gradients with more or fewer all_red
   grouping reads without colour.
 * :func:`sync_cost_figure`: wall time of syncing one fixed number of gradient elements
   against the number of tensors they are split into, for a per-tensor loop, the same
-  loop with ``async_op=True``, and one flat bucket.
+  loop with ``async_op=True``, one flat bucket, and the bucket's copies alone: medians
+  with the spread of the repeats.
 
 Source: ``torch.distributed.device_mesh.init_device_mesh``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh ;
@@ -160,52 +161,66 @@ SYNC_STYLES = {
     "blocking": (PALETTE["vermillion"], MARKERS[0], "-", "one all_reduce per tensor"),
     "async": (PALETTE["orange"], MARKERS[1], "--", "per tensor, async_op=True"),
     "bucket": (PALETTE["blue"], MARKERS[2], "-", "one flat bucket"),
+    "copies": (PALETTE["green"], MARKERS[3], ":", "the bucket's copies alone"),
 }
-"""Colour, marker, line style and label of each way to sync in :func:`sync_cost_figure`."""
+"""Colour, marker, line style and label of each way to sync in :func:`sync_cost_figure`
+(``"copies"``: the bucket's copy in and copy out, timed without the all_reduce)."""
 
 
-def sync_cost_figure(seconds: dict[str, dict[int, float]], numel: int, world_size: int,
-                     title: str = "") -> bytes:
+def sync_cost_figure(seconds: dict[str, dict[int, "float | list[float]"]], numel: int,
+                     world_size: int, title: str = "") -> bytes:
     """Wall time to sync ``numel`` gradient elements against the number of tensors they
     are split into, one line per way to sync, log-log; return PNG bytes.
 
     Args:
         seconds: ``{way: {n_tensors: seconds}}``; ``way`` is a key of
-            :data:`SYNC_STYLES` (``"blocking"``, ``"async"``, ``"bucket"``), seconds are
-            the measured wall time of one sync (for example the slowest rank's fastest run).
+            :data:`SYNC_STYLES` (``"blocking"``, ``"async"``, ``"bucket"``,
+            ``"copies"``), and ``seconds`` is one time or a list of repeats (for
+            example the slowest rank of each repeat). The line joins the medians; a bar
+            spans the fastest to the slowest repeat.
         numel: total gradient elements (float32) synced each time, for the axis label.
         world_size: ranks that took part, for the title.
-        title: optional figure title; a default names ``numel`` and ``world_size``.
+        title: optional figure title; a default names ``world_size``.
 
     Each line is labelled at its right end (no legend to match colours against), and
     each way has its own marker and line style.
 
     Raises:
-        ValueError: ``seconds`` is empty, names an unknown way, or holds a time <= 0.
+        ValueError: ``seconds`` is empty, names an unknown way, or holds a time <= 0 or
+            an empty list of repeats.
     """
     if not seconds:
         raise ValueError("seconds is empty; pass at least one way to sync")
     unknown = set(seconds) - set(SYNC_STYLES)
     if unknown:
         raise ValueError(f"unknown way(s) {sorted(unknown)}; use {', '.join(SYNC_STYLES)}")
-    if any(t <= 0 for times in seconds.values() for t in times.values()):
+    runs = {way: {n: np.atleast_1d(np.asarray(t, dtype=float)) for n, t in times.items()}
+            for way, times in seconds.items()}
+    if any(r.size == 0 for times in runs.values() for r in times.values()):
+        raise ValueError("every entry needs at least one time (a list of repeats may not be empty)")
+    if any((r <= 0).any() for times in runs.values() for r in times.values()):
         raise ValueError("every time must be > 0 seconds (the axes are logarithmic)")
-    fig = new_figure(8.0, 3.6)
+    repeats = max(r.size for times in runs.values() for r in times.values())
+    fig = new_figure(8.6, 3.9)
     ax = fig.subplots()
-    counts = sorted({n for times in seconds.values() for n in times})
+    counts = sorted({n for times in runs.values() for n in times})
     ax.set_xscale("log")
     ax.set_yscale("log")
     ends = []
-    for way, times in seconds.items():
+    for way, times in runs.items():
         colour, marker, style, label = SYNC_STYLES[way]
         xs = sorted(times)
-        ys = [times[n] * 1000 for n in xs]
-        ax.plot(xs, ys, color=colour, marker=marker, linestyle=style, linewidth=2, markersize=7)
-        ends.append([np.log10(ys[-1]), xs[-1], label])
+        ms = [times[n] * 1000 for n in xs]
+        mid = np.array([np.median(m) for m in ms])
+        low = mid - np.array([m.min() for m in ms])
+        high = np.array([m.max() for m in ms]) - mid
+        ax.errorbar(xs, mid, yerr=[low, high], color=colour, marker=marker, linestyle=style,
+                    linewidth=2, markersize=7, capsize=4, elinewidth=1.5)
+        ends.append([np.log10(mid[-1]), xs[-1], label])
     # label each line at its right end; nudge labels apart (in log10 units) so none overlap
     ends.sort()
     lo, hi = np.log10(ax.get_ylim())
-    gap = 0.08 * (hi - lo)          # a 10 pt line of text on an axes about 2.6 in tall
+    gap = 0.08 * (hi - lo)          # a 10 pt line of text on an axes about 2.9 in tall
     for a, b in zip(ends, ends[1:]):
         b[0] = max(b[0], a[0] + gap)
     for y, x, label in ends:
@@ -215,7 +230,8 @@ def sync_cost_figure(seconds: dict[str, dict[int, float]], numel: int, world_siz
     ax.minorticks_off()
     ax.set_xlim(counts[0] / 1.4, counts[-1] * 1.4)
     ax.set_xlabel(f"number of gradient tensors holding the same {numel:,} float32 elements")
-    ax.set_ylabel("ms per sync (slowest rank)")
+    spread = f"; bar: fastest to slowest of {repeats}" if repeats > 1 else ""
+    ax.set_ylabel(f"ms per sync, slowest rank\n(marker: median{spread})")
     ax.grid(True, which="major", color=PANEL_GREY)
     fig.suptitle(title or f"{world_size} ranks: the same gradients, synced in more or fewer calls")
     return png(fig)
