@@ -168,12 +168,6 @@ def _candidates(world_size: int, dataset_size: int, epoch: int) -> dict[str, obj
     if len(shares[0]) > 1:
         kept = torch.cat([s[:-1] for s in shares])
         out["last dropped everywhere"] = kept.mean().item()
-    p = layout["padding"]
-    if p:
-        first = {i for i in range(p)}              # the padding of shuffle=False
-        kept = [losses[i] for ix in layout["indices"] for k, i in enumerate(ix)
-                if not (i in first and k == len(ix) - 1)]
-        out["unshuffled padding removed"] = torch.stack(kept).mean().item()
     return out
 
 
@@ -186,9 +180,8 @@ def check_exact_mean_loss(group, fn, cases=EXERCISE_CASES) -> Verdict:
     Runs ``fn`` on real ranks for every ``(world_size, dataset_size, epoch)`` in ``cases``
     (the group is resized, then restored) and compares with the exact mean of
     :func:`exercise_losses` within :data:`TOLERANCE`. A wrong answer says which usual
-    mistake it matches (the sampler's repeats counted, one index dropped on every rank,
-    the padding looked for where ``shuffle=False`` puts it, a rank's own mean), never the
-    code of a solution.
+    mistake it matches (the sampler's repeats counted in the sum or in the count, one
+    index dropped on every rank, a rank's own mean), never the code of a solution.
 
     Returns:
         A :class:`~reducelab.checks.Verdict`.
@@ -247,10 +240,6 @@ def _diagnose(world_size, dataset_size, epoch, values, want, calls) -> str:
         return (f"{head} That leaves out the last index of every rank, {world_size} samples, "
                 f"but only {p} of them are padding here: which ranks' last indices are "
                 f"padding depends on where their positions fall in the padded list.")
-    if "unshuffled padding removed" in wrong and close(v, wrong["unshuffled padding removed"]):
-        return (f"{head} That removes the samples numbered 0 to {p - 1}, the repeats of "
-                f"shuffle=False. With shuffle=True the padding repeats the first {p} "
-                f"indices of the shuffled order, which are other samples each epoch.")
     if p == 0 and abs(v - want) > TOLERANCE:
         return (f"{head} Here nothing is padded ({dataset_size} divides by {world_size}), so "
                 f"the plain sum over all shares divided by {dataset_size} is the answer: "

@@ -47,8 +47,14 @@ DROPPED_STYLE = dict(facecolor=NEUTRAL, hatch="xx", edgecolor=TEXT_GREY)
 """A cell holding a sample that no rank evaluates (``drop_last=True``)."""
 WRONG_COLOUR = PALETTE["vermillion"]
 """Text colour of a wrong prediction, always beside a ✗."""
-MIN_CELL_PX = 22
-"""Narrowest cell that gets its sample number written in it, in pixels."""
+MIN_CELL_PX = 20
+"""Narrowest cell that gets its sample number written in it, in pixels (two digits at
+``MIN_FONT`` points)."""
+MIN_CROSS_PX = 36
+"""Narrowest cell whose number of a wrong prediction gets a ✗ after it, in pixels."""
+WRONG_FRAME = dict(facecolor="none", edgecolor=PALETTE["vermillion"], lw=2.5)
+"""The frame of a cell whose sample is predicted wrongly, at any cell width: a line
+thicker than any other cell's, not only a colour."""
 
 
 class SamplerFigure:
@@ -63,13 +69,14 @@ class SamplerFigure:
     Attributes:
         fig: the figure (``None`` before the first draw).
         write_numbers: whether the last draw wrote the sample numbers in the cells (they
-            are left out when a cell is narrower than :data:`MIN_CELL_PX`; a ✗ still
-            marks a wrong prediction).
+            are left out when a cell is narrower than :data:`MIN_CELL_PX`).
+        write_crosses: whether a wrong prediction's number got a ✗ (cells of
+            :data:`MIN_CROSS_PX` or more); its thick frame is drawn at any width.
     """
 
     def __init__(self):
         self.fig = None
-        self.write_numbers = True
+        self.write_numbers = self.write_crosses = True
         self._rows = None
         self._cells = []
 
@@ -89,8 +96,8 @@ class SamplerFigure:
                    Patch(lw=0.8, **DROPPED_STYLE, label="dropped: no rank")]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncols=3,
                   frameon=False, fontsize=MIN_FONT, handlelength=1.6, borderaxespad=0.2)
-        ax.set_title("each rank's sample numbers, in order; thick bars end a batch; "
-                     "✗ wrong prediction", fontsize=MIN_FONT, loc="left")
+        ax.set_title("each rank's sample numbers, in order; black bars end a batch; "
+                     "thick frame, ✗: wrong prediction", fontsize=MIN_FONT, loc="left")
         self.bars, self.bar_texts = [], []
         for bar_ax, name in zip(self.bar_axes, ("accuracy (%)", "mean loss")):
             ys = np.arange(len(METHODS))
@@ -167,20 +174,26 @@ class SamplerFigure:
         ax.set_xlim(0, columns)
         labels = [f"rank {r}" for r in range(len(batches))] + (["no rank"] if dropped else [])
         ax.set_yticks([r + 0.5 for r in range(rows)], labels)
-        self.write_numbers = ax.get_window_extent().width / columns >= MIN_CELL_PX
+        cell_px = ax.get_window_extent().width / columns
+        self.write_numbers, self.write_crosses = cell_px >= MIN_CELL_PX, cell_px >= MIN_CROSS_PX
         styles = {"once": [], "repeat": [], "dropped": []}
+        frames = []
         separators = []
         for r, (rank_batches, rank_repeats) in enumerate(zip(batches, repeats)):
             k = 0
             for b, batch in enumerate(rank_batches):
                 for i in batch:
                     styles["repeat" if rank_repeats[k] else "once"].append((k, r))
+                    if i in wrong:
+                        frames.append((k, r))
                     self._number(k + 0.5, r + 0.5, i, i in wrong)
                     k += 1
                 if b < len(rank_batches) - 1:   # a batch ends here
                     separators.append([(k, r + 0.02), (k, r + 0.98)])
         for k, i in enumerate(dropped):
             styles["dropped"].append((k, rows - 1))
+            if i in wrong:
+                frames.append((k, rows - 1))
             self._number(k + 0.5, rows - 0.5, i, i in wrong)
         for name, style in (("once", ONCE_STYLE), ("repeat", REPEAT_STYLE),
                             ("dropped", DROPPED_STYLE)):
@@ -188,21 +201,26 @@ class SamplerFigure:
                 cells = PatchCollection([Rectangle((k + 0.04, r + 0.1), 0.92, 0.8)
                                          for k, r in styles[name]], lw=0.8, zorder=1, **style)
                 self._cells.append(ax.add_collection(cells))
+        if frames:
+            self._cells.append(ax.add_collection(PatchCollection(
+                [Rectangle((k + 0.04, r + 0.1), 0.92, 0.8) for k, r in frames], zorder=2.5,
+                **WRONG_FRAME)))
         if separators:
             self._cells.append(ax.add_collection(LineCollection(
                 separators, colors=PALETTE["black"], linewidths=2.5, zorder=2)))
 
     def _number(self, x, y, i, is_wrong) -> None:
-        """The sample number (with a ✗ when predicted wrongly) on a white label, readable
-        on every cell style; only the ✗ when the cells are too narrow for numbers."""
-        text = (f"{i}✗" if is_wrong else str(i)) if self.write_numbers else ("✗" if is_wrong else "")
-        if text:
-            self._cells.append(self.grid_ax.text(
-                x, y, text, ha="center", va="center", fontsize=MIN_FONT, zorder=3,
-                color=WRONG_COLOUR if is_wrong else PALETTE["black"],
-                fontweight="bold" if is_wrong else "normal",
-                bbox=dict(boxstyle="round,pad=0.12", facecolor="white", edgecolor="none")
-                if self.write_numbers else None))
+        """The sample number on a white label, readable on every cell style, with a ✗ when
+        predicted wrongly and the cell wide enough (:data:`MIN_CROSS_PX`). Whatever the
+        width, a wrong prediction's cell also gets a thick frame (see :meth:`_grid`)."""
+        if not self.write_numbers:
+            return
+        cross = is_wrong and self.write_crosses
+        self._cells.append(self.grid_ax.text(
+            x, y, f"{i}✗" if cross else str(i), ha="center", va="center",
+            fontsize=MIN_FONT, zorder=3, color=WRONG_COLOUR if is_wrong else PALETTE["black"],
+            fontweight="bold" if is_wrong else "normal",
+            bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none")))
 
 
 def cost_figure(times: Mapping[str, Mapping[int, Sequence[float]]], title: str = "") -> bytes:
