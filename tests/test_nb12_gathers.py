@@ -1,0 +1,630 @@
+"""Tests of notebook 12 (uneven gathers and exact metrics): the facts the notebook states,
+each run on real gloo ranks with the notebook's own rank functions (read from its code
+cells); the claims its text makes about timings, re-derived from its stored outputs; the
+sampler explorer driven headlessly by setting its controls; the exercise check on the
+stub, the solution and each usual mistake; and the figures."""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+import types
+
+import cloudpickle
+import matplotlib.colors as mcolors
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+import conftest
+from reducelab import LocalGroup, RankError
+from reducelab.checks.gathers import (EXERCISE_CASES, TRAIN_SIZE, check_exact_mean_loss,
+                                      exercise_inputs, exercise_losses, exercise_run,
+                                      sampler_layout, stderr_to)
+from reducelab.data import load_digits_tensors
+from reducelab.plots import MAX_WIDTH, MIN_FONT
+from reducelab.plots.gathers import (DROPPED_STYLE, METHODS, MIN_CELL_PX, REPEAT_STYLE,
+                                     SamplerFigure, cost_figure)
+from reducelab.widgets.gathers import SamplerExplorer
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "12_uneven_gathers_and_exact_metrics.ipynb"
+CELLS = json.loads(NOTEBOOK.read_text())["cells"]
+
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
+
+
+def notebook_functions() -> types.SimpleNamespace:
+    """The notebook's imports and ``def``s (nothing else of its cells runs), in a module of
+    their own that the ranks cannot import, so that its functions travel by value as a
+    notebook cell's do; with the data and the ``centroids`` the notebook computes."""
+    module = types.ModuleType("nb12_cells")
+    sys.modules.pop("nb12_cells", None)
+    for cell in (c for c in CELLS if c["cell_type"] == "code"):
+        tree = ast.parse("".join(cell["source"]))
+        keep = [node for node in tree.body
+                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef))]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb12", "exec"), module.__dict__)
+    X, y = load_digits_tensors()
+    X = X.double()
+    module.X_train, module.y_train = X[:TRAIN_SIZE], y[:TRAIN_SIZE]
+    module.X_val, module.y_val = X[TRAIN_SIZE:], y[TRAIN_SIZE:]
+    module.centroids = torch.stack([module.X_train[module.y_train == c].mean(0) for c in range(10)])
+    return module
+
+
+NB = notebook_functions()
+X_val, y_val = NB.X_val, NB.y_val
+
+
+def cell_with(text: str, kind: str | None = None) -> dict:
+    """The one cell of the notebook whose source contains ``text``."""
+    hits = [c for c in CELLS if text in "".join(c["source"]) and kind in (None, c["cell_type"])]
+    assert len(hits) == 1, f"{len(hits)} cells contain {text!r}"
+    return hits[0]
+
+
+def source(text: str, kind: str | None = None) -> str:
+    return "".join(cell_with(text, kind)["source"])
+
+
+def stored_text(text: str) -> str:
+    """Everything the code cell containing ``text`` printed when the notebook was saved."""
+    out = []
+    for o in cell_with(text, "code")["outputs"]:
+        if o["output_type"] == "stream":
+            out.append("".join(o["text"]))
+        elif "text/html" in o.get("data", {}):
+            out.append("".join(o["data"]["text/html"]))
+    return "".join(out)
+
+
+def markdown() -> str:
+    return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
+
+
+# --- setup: the data and the model ----------------------------------------------------------
+def test_the_setup_cell_splits_the_digits_and_the_model_cell_fits_class_means():
+    setup = source("group = LocalGroup(world_size=3, timeout=20)")
+    assert "X_train, y_train = X[:TRAIN_SIZE], y[:TRAIN_SIZE]" in setup and "X = X.double()" in setup
+    assert TRAIN_SIZE == 1500 and len(X_val) == 297
+    assert "centroids = torch.stack([X_train[y_train == c].mean(0) for c in range(10)])" in \
+        source("def model(x):")
+    logits = NB.model(X_val)
+    top2 = logits.topk(2, dim=1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-6      # no prediction sits on a tie: the same on any CPU
+    assert "accuracy 0.8519, mean loss 0.6216" in stored_text("def model(x):")
+
+
+# --- step 1: all_gather with different sizes -------------------------------------------------
+def test_the_docstring_promises_uneven_sizes():
+    assert "Complex and uneven sized tensors are supported." in " ".join(dist.all_gather.__doc__.split())
+    assert "Complex and uneven sized tensors are supported." in stored_text('doc.index("Complex")')
+
+
+def test_gloo_refuses_slots_sized_for_each_rank_on_every_rank(group):
+    group.resize(3)
+    with pytest.raises(RankError) as info:
+        group.run(NB.all_gather_real_sizes)
+    summaries = {r.rank: r.summary for r in info.value.reports}
+    assert summaries == {
+        0: "RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 1 (expected (1), got (2))",
+        1: "RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (2), got (1))",
+        2: "RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (3), got (1))"}
+    assert all(line in stored_text("def all_gather_real_sizes():")
+               for line in (f"rank {r}: {s}" for r, s in summaries.items()))
+
+
+@pytest.mark.parametrize("world_size, received", [(2, 4), (3, 6), (4, 8)])
+def test_slots_sized_like_the_own_tensor_abort_rank_0(group, tmp_path, world_size, received):
+    """Question 1: rank 0 is killed by SIGABRT; gloo's ring sends each piece in two halves,
+    so rank 0 gets half of the last rank's 4 * world_size bytes into room for 2."""
+    group.resize(world_size)
+    with pytest.raises(RankError) as info:
+        group.run(NB.all_gather_own_size, str(tmp_path))
+    died = [r for r in info.value.reports if r.state == "died"]
+    assert [(r.rank, r.summary) for r in died] == [(0, "died: killed by SIGABRT")]
+    said = (tmp_path / "rank0.txt").read_text()
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in said
+    assert f"op.preamble.length <= op.nbytes. {received} vs 2. Received data size doesn't match " \
+           f"expected size. Is there a distributed collective mismatch in your code?" in said
+    if world_size == 3:
+        why = source("def all_gather_own_size(log_dir):")
+        assert "half of its own 4 bytes, 2, and rank 2 sent half of its 12 bytes, 6" in why
+        assert "6 vs 2" in stored_text("def all_gather_own_size(log_dir):")
+
+
+def test_stderr_to_keeps_what_is_written_to_descriptor_2_and_restores_it(tmp_path):
+    before = os.fstat(2)
+    with stderr_to(str(tmp_path / "err.txt")):
+        os.write(2, b"from C code\n")
+    assert (tmp_path / "err.txt").read_text() == "from C code\n"
+    assert os.fstat(2).st_ino == before.st_ino
+    assert oct((tmp_path / "err.txt").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(ZeroDivisionError), stderr_to(str(tmp_path / "err2.txt")):
+        1 / 0
+    assert os.fstat(2).st_ino == before.st_ino
+
+
+# --- step 2: pad, all_gather, trim; all_gather_object ---------------------------------------
+def gather_shapes(case):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    if case == "2-d, one rank empty":
+        x = torch.randn(0 if rank == 1 else rank + 2, 3, generator=g)
+    elif case == "all empty":
+        x = torch.empty(0)
+    else:
+        x = torch.randint(0, 100, (2 * rank + 1,), generator=g)      # int64
+    mine = NB.all_gather_uneven(x)
+    return x, mine
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_all_gather_uneven_gathers_any_sizes(group, world_size):
+    group.resize(world_size)
+    for case in ("1-d int64", "2-d, one rank empty", "all empty"):
+        out = group.run(gather_shapes, case)
+        inputs = [x for x, _ in out]
+        for _, gathered in out:
+            assert len(gathered) == world_size
+            for want, got in zip(inputs, gathered):
+                assert got.dtype == want.dtype and torch.equal(got, want), case
+
+
+def test_all_gather_object_gives_the_same_lists(group):
+    group.resize(3)
+    padded = group.run(NB.gather_my_predictions)
+    objects = group.run(NB.gather_my_predictions_as_objects)
+    for a, b in zip(padded, objects):
+        assert [t.tolist() for t in a] == [t.tolist() for t in b] == [[0.0], [10.0, 11.0], [20.0, 21.0, 22.0]]
+
+
+def test_all_gather_object_is_pad_all_gather_trim_on_pickled_bytes(group):
+    group.resize(3)
+    for rank, (calls, pickled) in enumerate(group.run(NB.what_all_gather_object_runs)):
+        assert [name for name, _ in calls] == ["gloo:all_gather", "aten::resize_", "gloo:all_gather"]
+        assert calls[0][1] == [[1]] and calls[1][1] == [[pickled[rank]]] and calls[2][1] == [[max(pickled)]]
+        assert pickled[0] < pickled[1] < pickled[2]
+    text = stored_text("def what_all_gather_object_runs():")
+    assert text.count(": True") == 2 and "about 0.4 kB" in text
+
+
+def test_bytes_received_at_300000_numbers(group):
+    group.resize(3)
+    out = group.run(NB.gather_costs, 300_000, 1)
+    held = [n for _, _, n in out]
+    assert held == [100_000, 200_000, 300_000]
+    for (_, pickled, n) in out:
+        assert 0 < pickled["tensor"] - 4 * n < 600            # the raw bytes, and a pickle around them
+        assert 9 * n < pickled["list"] < 9.01 * n              # 9 bytes per float, and pickle's framing
+    text = stored_text("held = [numel for _, _, numel in out]")
+    for line in ("the numbers themselves, unpadded                2.40",
+                 "pad, all_gather, trim (tensor)                  3.60",
+                 "all_gather_object (tensor)                      3.60",
+                 "all_gather_object (list of floats)              8.10"):
+        assert line in text
+    prose = markdown()
+    assert "here each rank's outputs hold 3.6 MB for 2.4 MB of numbers" in prose
+    assert "9 bytes per float (an opcode and 8 bytes of float64), so 2.25 times the bytes" in prose
+
+
+def stored_timings() -> dict[str, dict[int, tuple[float, float, float]]]:
+    """The timing table as the notebook was saved: {way: {n: (median, fastest, slowest)}} in ms."""
+    text = stored_text("def gather_costs(n, repeat=5):")
+    rows = {}
+    for way in ("pad, all_gather, trim (tensor)", "all_gather_object (tensor)",
+                "all_gather_object (list of floats)"):
+        line = next(line for line in text.splitlines() if line.startswith(way))
+        cells = re.findall(r"([\d.]+) \(([\d.]+) to ([\d.]+)\)", line[len(way):])
+        rows[way] = dict(zip((3_000, 30_000, 300_000), [tuple(map(float, c)) for c in cells]))
+    return rows
+
+
+def test_timing_claims_hold_in_the_stored_run():
+    """The text claims what the saved run shows, and the claims cell printed True for both."""
+    t = stored_timings()
+    pad, obj, lst = (t[w] for w in ("pad, all_gather, trim (tensor)", "all_gather_object (tensor)",
+                                    "all_gather_object (list of floats)"))
+    assert lst[300_000][0] > 4 * pad[300_000][0]
+    assert all(0.25 < obj[n][0] / pad[n][0] < 4 for n in (30_000, 300_000))
+    for row in t.values():
+        for median, fastest, slowest in row.values():
+            assert fastest <= median <= slowest
+    claims = stored_text("ratio = median[")
+    assert claims.count(": True") == 2 and ": False" not in claims
+    prose = markdown()
+    assert "A tensor through `all_gather_object` costs within a factor of 4 of pad, all_gather, trim here" in prose
+    assert "more than 4 times as long" in prose
+
+
+def test_the_timing_cell_alone_is_ignored_by_nbval():
+    tagged = [c for c in CELLS if "nbval-ignore-output" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1 and "def gather_costs(" in "".join(tagged[0]["source"])
+
+
+# --- step 3: DistributedSampler ----------------------------------------------------------------
+@pytest.mark.parametrize("dataset_size, world_size, shuffle, epoch, drop_last", [
+    (10, 3, False, 0, False), (10, 3, True, 2, False), (10, 3, False, 0, True),
+    (11, 4, True, 1, False), (2, 3, True, 0, False), (2, 3, False, 0, True), (297, 4, False, 0, False)])
+def test_sampler_layout_is_what_the_ranks_get(group, dataset_size, world_size, shuffle, epoch, drop_last):
+    group.resize(world_size)
+    got = group.run(NB.sampler_indices, dataset_size, shuffle, drop_last, epoch)
+    layout = sampler_layout(dataset_size, world_size, shuffle, epoch, drop_last)
+    assert got == layout["indices"]
+    held = [i for ix in got for i in ix]
+    assert len(held) == dataset_size + layout["padding"] - len(layout["dropped"])
+    if not drop_last:                          # the repeats are exactly the extra indices
+        kept = [i for ix, rep in zip(got, layout["repeats"]) for i, r in zip(ix, rep) if not r]
+        assert sorted(kept) == list(range(dataset_size))
+        assert layout["padding"] <= world_size - 1
+
+
+def test_question_2_and_the_docstring(group):
+    group.resize(3)
+    assert group.run(NB.sampler_indices, 10) == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
+    assert "The real run gives [2, 5, 8, 1]." in stored_text("reveal(answer_2, indices[2],")
+    doc = " ".join(DistributedSampler.__doc__.split())
+    said = "If ``False``, the sampler will add extra indices to make the data evenly divisible across the replicas."
+    assert said in doc and said in stored_text('doc.index("drop_last (bool")')
+
+
+def test_three_evaluations_of_the_first_10(group):
+    group.resize(3)
+    X, y = X_val[:10], y_val[:10]
+    padded = group.run(NB.evaluate_with_sampler, X, y)[0]
+    dropped = group.run(NB.evaluate_with_sampler, X, y, True)[0]
+    once = group.run(NB.evaluate_each_once, X, y)[0]
+    assert (padded[0], padded[2]) == (0.75, 12) and (dropped[0], dropped[2]) == (7 / 9, 9)
+    assert (once[0], once[2]) == (0.8, 10)
+    logits = NB.model(X)
+    assert once[1] == pytest.approx(F.cross_entropy(logits, y).item(), abs=1e-12)
+    assert (logits.argmax(1) != y).nonzero().flatten().tolist() == [0, 8]
+    text = stored_text("first_10 = metrics_table(X_val[:10], y_val[:10])")
+    assert "padded (drop_last=False)                12    0.7500" in text
+    assert "drop_last=True                           9    0.7778" in text
+    assert "each sample once                        10    0.8000" in text
+    prose = markdown()
+    for said in ("8 of 10 right, 80 %", "9 of 12, 75 %", "7 of 9, 77.8 %", "samples 0 and 8 wrong"):
+        assert said in prose
+
+
+def test_the_padded_metric_stays_within_its_bound_and_moves_with_the_world_size(group):
+    """Question 3, and the table after it."""
+    exact = NB.evaluate_each_once
+    accuracy = {}
+    for world_size in (1, 2, 3, 4, 5, 8):
+        group.resize(world_size)
+        acc, loss, count = group.run(NB.evaluate_with_sampler, X_val, y_val)[0]
+        once = group.run(exact, X_val, y_val)[0]
+        p = count - len(X_val)
+        assert once[0] == pytest.approx(0.8519, abs=5e-5) and p <= world_size - 1
+        assert abs(acc - once[0]) <= p / count + 1e-12
+        accuracy[world_size] = acc
+    assert accuracy[3] == accuracy[1] != accuracy[4]          # 297 = 3 * 99
+    assert "The real run gives False." in stored_text("actual_3 = padded[3][0] == padded[4][0]")
+    table = stored_text("lines = [f\"{'world size'")
+    assert "         4          300           0.8500      -0.0019         0.0100" in table
+
+
+def test_wrong_samples_gathered_uneven_equal_one_process(group):
+    group.resize(4)
+    found = group.run(NB.wrong_samples, X_val, y_val)
+    want = (NB.model(X_val).argmax(1) != y_val).nonzero().flatten()
+    assert all(torch.equal(f, want) for f in found) and len(want) == 44
+    assert "44 wrong samples, the same list on every rank: True; equal to one process's: True" in \
+        stored_text("found = group.run(wrong_samples, X_val, y_val)")
+
+
+# --- step 4: the explorer -----------------------------------------------------------------------
+@pytest.fixture()
+def explorer(group):
+    group.resize(3)
+    return SamplerExplorer(group, NB.evaluate_in_batches, X_val, y_val, dataset_size=10, batch_size=3)
+
+
+def test_explorer_starts_as_the_notebook_shows_it(explorer):
+    r = explorer.result
+    assert r.held == 12 and r.repeated == [0, 1] and r.dropped == [] and r.wrong == {0, 8}
+    assert [len(b) for b in r.batches[0]] == [3, 1]
+    assert r.metrics["each sample once"][0] == 0.8
+    assert r.metrics["with the sampler's indices"][0] == 0.75
+    # batches of 3 and 1 on each rank: rank means (2/3 + 1) / 2, (1 + 0) / 2, (2/3 + 1) / 2
+    assert r.metrics["mean of batch means"][0] == pytest.approx(13 / 18)
+    assert bytes(explorer.image.value[:8]) == PNG
+    saved = "".join(cell_with("explorer = SamplerExplorer(")["outputs"][0]["data"]["text/plain"])
+    assert saved == explorer.text()
+
+
+def test_things_to_try_hold(explorer, group):
+    """Each line of "Things to try" under the explorer, on real ranks."""
+    text = source("Things to try:")
+    c = explorer.controls
+    c["drop_last"].value = True
+    r = explorer.result
+    assert r.dropped == [9] and r.repeated == [] and round(100 * r.metrics["with the sampler's indices"][0], 1) == 77.8
+    assert "The sampler's accuracy goes from 75.0 % to 77.8 %, still below the 80.0 %" in text
+    c["drop_last"].value = False
+    c["batch_size"].value = 4
+    r = explorer.result
+    assert r.metrics["mean of batch means"][0] == r.metrics["with the sampler's indices"][0] == 0.75
+    c["batch_size"].value = 3
+    assert round(100 * explorer.result.metrics["mean of batch means"][0], 1) == 72.2
+    assert "equals the sums over the sampler's indices (75.0 %)" in text and "it gives 72.2 %" in text
+    c["dataset_size"].value = 12
+    for world_size in (3, 4):
+        c["world_size"].value = world_size
+        r = explorer.result
+        assert r.repeated == [] and r.dropped == []
+    c["batch_size"].value = 1
+    assert len({round(v[0], 12) for v in explorer.result.metrics.values()}) == 1   # every batch full: all agree
+    c["world_size"].value = 5
+    assert explorer.result.held == 15
+    c["dataset_size"].value = 2
+    c["world_size"].value = 3
+    c["drop_last"].value = True
+    r = explorer.result
+    assert r.held == 0 and r.dropped == [0, 1]
+    assert math.isnan(r.metrics["with the sampler's indices"][0]) and math.isnan(r.metrics["mean of batch means"][0])
+    assert not math.isnan(r.metrics["each sample once"][0]) and "no sample" in explorer.message.value
+    c["dataset_size"].value = 60
+    c["batch_size"].value = 3
+    c["world_size"].value = 8
+    r = explorer.result
+    assert len(r.dropped) == 4 and round(100 * r.metrics["mean of batch means"][0], 1) == 76.4
+    assert round(100 * r.metrics["each sample once"][0], 1) == 81.7
+    assert "60 samples on 8 ranks, `drop_last`: 4 samples dropped" in text and "(76.4 % against 81.7 %)" in text
+    assert group.world_size == 8
+
+
+def test_explorer_handles_more_ranks_than_samples(explorer):
+    explorer.controls["dataset_size"].value = 2
+    explorer.controls["world_size"].value = 8
+    r = explorer.result
+    assert explorer.error is None and r.held == 8 and r.repeated == [0, 1, 0, 1, 0, 1]
+    assert r.metrics["each sample once"][0] == 0.5
+
+
+def test_explorer_rejects_bad_initial_values(group):
+    with pytest.raises(ValueError, match="from 1 to 60"):
+        SamplerExplorer(group, NB.evaluate_in_batches, X_val, y_val, dataset_size=61)
+    with pytest.raises(ValueError, match="world_size must be an int from 1 to 8"):
+        SamplerExplorer(group, NB.evaluate_in_batches, X_val, y_val, world_size=9)
+    with pytest.raises(ValueError, match="batch_size must be an int from 1 to 8"):
+        SamplerExplorer(group, NB.evaluate_in_batches, X_val, y_val, batch_size=0)
+    with pytest.raises(ValueError, match="drop_last must be False or True"):
+        SamplerExplorer(group, NB.evaluate_in_batches, X_val, y_val, drop_last="yes")
+
+
+def test_explorer_follows_the_newest_open_group_when_its_own_is_closed(group):
+    g = LocalGroup(world_size=2)
+    ex = SamplerExplorer(g, NB.evaluate_in_batches, X_val, y_val)
+    g.close()
+    ex.controls["batch_size"].value = 4
+    assert ex.group is group and ex.error is None and ex.result.world_size == 2
+
+
+def test_explorer_refusal_is_a_sentence(group):
+    def broken(*args):
+        raise RuntimeError("boom")
+    ex = SamplerExplorer(group, broken, X_val, y_val)
+    assert ex.result is None and "refused 10 samples at world_size=4" in ex.message.value
+    assert "boom" in ex.message.value
+
+
+# --- step 5: set_epoch ---------------------------------------------------------------------------
+def test_without_set_epoch_every_epoch_is_epoch_0(group):
+    group.resize(3)
+    without = group.run(NB.three_epochs, 10, False)
+    with_it = group.run(NB.three_epochs, 10, True)
+    for rank in range(3):
+        assert without[rank][0] == without[rank][1] == without[rank][2] == with_it[rank][0]
+        assert len({tuple(e) for e in with_it[rank]}) == 3
+    for epoch in range(3):
+        assert sorted({i for rank in with_it for i in rank[epoch]}) == list(range(10))
+    assert "epoch 1: rank 0 [4, 5, 0, 2]   rank 1 [1, 3, 8, 4]   rank 2 [7, 9, 6, 1]" in \
+        stored_text("def three_epochs(")
+
+
+def test_question_4_set_epoch_on_rank_0_only_loses_a_sample(group):
+    group.resize(3)
+    shares = group.run(NB.set_epoch_on_rank_0_only, 10, 1)
+    assert sorted(set(range(10)) - {i for s in shares for i in s}) == [0]
+    assert "never seen in epoch 1: [0]" in stored_text("def set_epoch_on_rank_0_only(")
+
+
+# --- the exercise ------------------------------------------------------------------------------
+def sum_with_repeats(losses, indices, dataset_size):
+    t = torch.stack([losses.sum(), torch.tensor(float(len(losses)), dtype=torch.float64)])
+    dist.all_reduce(t)
+    return t[0] / t[1]
+
+
+def right_count_wrong_sum(losses, indices, dataset_size):
+    t = losses.sum()
+    dist.all_reduce(t)
+    return t / dataset_size
+
+
+def drop_last_everywhere(losses, indices, dataset_size):
+    t = torch.stack([losses[:-1].sum(), torch.tensor(float(len(losses) - 1), dtype=torch.float64)])
+    dist.all_reduce(t)
+    return t[0] / t[1]
+
+
+def gather_and_dedupe(losses, indices, dataset_size):     # another right answer
+    pairs = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, list(zip(indices, losses.tolist())))
+    unique = dict(p for rank in pairs for p in rank)
+    return sum(unique.values()) / len(unique)
+
+
+def many_numbers(losses, indices, dataset_size):
+    return losses
+
+
+def crashes(losses, indices, dataset_size):
+    raise ValueError("nope")
+
+
+def solution():
+    return conftest.load_solution("12_exact_mean_loss").exact_mean_loss
+
+
+def solution_lines() -> list[str]:
+    path = ROOT / "notebooks" / "solutions" / "12_exact_mean_loss.py"
+    return [line.strip() for line in path.read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+
+
+def test_the_solution_passes_and_the_world_size_is_restored(group):
+    for fn in (solution(), gather_and_dedupe):
+        verdict = check_exact_mean_loss(group, fn)
+        assert verdict, verdict.message
+        assert group.world_size == 4
+    assert "in all 5 cases" in verdict.message
+
+
+def test_the_notebook_stub_fails_and_says_what_is_missing(group):
+    verdict = check_exact_mean_loss(group, NB.exact_mean_loss)
+    assert not verdict and "Each rank returned the mean of its own share only" in verdict.message
+    assert "(your function called none)" in verdict.message
+    assert verdict.message in stored_text("check_exact_mean_loss(group, exact_mean_loss)").replace("&#x27;", "'")
+
+
+@pytest.mark.parametrize("mistake, explanation", [
+    (sum_with_repeats, "the sampler's 1 repeat(s) are counted twice"),
+    (right_count_wrong_sum, "The count is right, but the sum still holds the 1 repeated sample(s)"),
+    (drop_last_everywhere, "That leaves out the last index of every rank, 2 samples, but only 1 of them"),
+    (many_numbers, "expected one number"),
+    (crashes, "your function raised on the ranks"),
+])
+def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
+    verdict = check_exact_mean_loss(group, mistake)
+    assert not verdict
+    assert explanation in verdict.message, verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]   # never the solution's code
+    assert group.world_size == 4
+
+
+def test_the_exercise_data_match_the_docstrings(group):
+    assert [-c[1] % c[0] for c in EXERCISE_CASES] == [1, 2, 1, 1, 0]      # the padding of each case
+    assert {c[0] for c in EXERCISE_CASES} == {2, 3, 4} and any(c[1] < c[0] for c in EXERCISE_CASES)
+    group.resize(3)
+    shares = group.run(exercise_inputs, 10, 1)
+    losses = exercise_losses(10)
+    assert [ix for _, ix in shares] == sampler_layout(10, 3, shuffle=True, epoch=1)["indices"]
+    for l, ix in shares:
+        assert torch.equal(l, losses[ix]) and l.dtype == torch.float64
+    value, calls = group.run(exercise_run, solution(), 10, 1)[0]
+    assert value == pytest.approx(losses.mean().item(), abs=1e-12) and calls == 1
+    text = source("## Exercise: the exact mean loss")
+    assert "world sizes 2, 3 and 4" in text and "once with fewer samples than ranks" in text
+    stub = source("# %load solutions/12_exact_mean_loss.py")
+    assert "all_reduce" not in stub and "world_size" not in stub
+
+
+# --- myth vs reality --------------------------------------------------------------------------------
+def test_the_sampler_is_not_exclusive():
+    doc = " ".join(DistributedSampler.__doc__.split())
+    assert "load a subset of the original dataset that is exclusive to it." in doc
+    twice = {}
+    for world_size in (2, 3, 4, 5, 8):
+        layout = sampler_layout(10, world_size)
+        twice[world_size] = sorted(i for ix, rep in zip(layout["indices"], layout["repeats"])
+                                   for i, r in zip(ix, rep) if r)
+    assert twice == {2: [], 3: [0, 1], 4: [0, 1], 5: [], 8: [0, 1, 2, 3, 4, 5]}
+    assert "10 samples on 8 ranks: 16 indices; on two ranks: [0, 1, 2, 3, 4, 5]" in \
+        stored_text("layout = sampler_layout(10, world_size)")
+
+
+def test_dataloader_refuses_shuffle_with_a_sampler():
+    with pytest.raises(ValueError, match="^sampler option is mutually exclusive with shuffle$"):
+        DataLoader(range(10), sampler=DistributedSampler(range(10), num_replicas=3, rank=0), shuffle=True)
+    assert "ValueError: sampler option is mutually exclusive with shuffle" in stored_text("shuffle=True)\nexcept ValueError")
+
+
+def test_cited_sources_are_named_with_title_and_date():
+    text = markdown()
+    for cited in ('pytorch/pytorch#84593, "Uneven and/or Dynamically sized collectives", 2022-09-06',
+                  'pytorch/pytorch#23299, "Add gatherv/allgatherv primitives to support non-equal contribution", 2019-07-24',
+                  "pytorch/pytorch#156627 (\"`distributed.all_gather()` support for uneven tensors does not apply to all backends\", 2025-06-23)",
+                  'huggingface/accelerate#575, "`gather_for_metrics` wrongly computes metrics in distributed setup", 2022-07-27',
+                  'huggingface/accelerate#226, "About the use of gather to compute metrics", 2022-01-10'):
+        assert cited in text, cited
+
+
+# --- figures ------------------------------------------------------------------------------------
+def test_sampler_figure_marks_repeats_dropped_and_wrong(drawn):
+    figure = SamplerFigure()
+    metrics = {m: (0.8, 0.5) for m in METHODS}
+    batches = [[[0, 3], [6]], [[1, 4], [7]], [[2, 5], [8]]]
+    assert figure.draw(batches, [[False] * 3, [False] * 3, [False, False, False]], [9], {0, 8},
+                       metrics, "t").startswith(PNG)
+    fig = drawn[-1]
+    texts = [t.get_text() for t in figure.grid_ax.texts]
+    assert "0✗" in texts and "8✗" in texts and "9" in texts and figure.write_numbers
+    faces = {mcolors.to_hex(c.get_facecolor()[0]) for c in figure.grid_ax.collections if c.get_hatch()}
+    assert mcolors.to_hex(DROPPED_STYLE["facecolor"]) in faces
+    assert [t.get_text() for t in figure.grid_ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2", "no rank"]
+    assert fig.get_figwidth() <= MAX_WIDTH
+    # the same figure object, redrawn with repeats and no dropped row: rebuilt for 3 rows
+    figure.draw([[[0, 3]], [[1, 0]]], [[False, False], [False, True]], [], set(),
+                {**metrics, "mean of batch means": (float("nan"), float("nan"))})
+    faces = {mcolors.to_hex(c.get_facecolor()[0]) for c in figure.grid_ax.collections if c.get_hatch()}
+    assert faces == {mcolors.to_hex(REPEAT_STYLE["facecolor"])}
+    assert " no sample" in [t.get_text() for t in figure.bar_texts[0]]
+
+
+def test_sampler_figure_numbers_fit_their_cells(drawn):
+    figure = SamplerFigure()
+    metrics = {m: (0.8, 0.5) for m in METHODS}
+    for columns, numbers, crosses in ((4, True, True), (11, True, True), (20, True, False),
+                                      (30, False, False), (60, False, False)):
+        held = list(range(100 - columns, 100))           # two-digit sample numbers
+        figure.draw([[held]], [[False] * columns], [], {held[3]}, metrics)
+        fig = drawn[-1]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        width = figure.grid_ax.get_window_extent().width / columns
+        assert (figure.write_numbers, figure.write_crosses) == (numbers, crosses), columns
+        assert figure.write_numbers == (width >= MIN_CELL_PX)
+        for t in figure.grid_ax.texts:
+            assert t.get_window_extent(renderer).width < width
+            assert t.get_fontsize() >= MIN_FONT
+        assert len(figure.grid_ax.texts) == (columns if numbers else 0)
+        frames = [c for c in figure.grid_ax.collections if c.get_linewidth()[0] == 2.5]
+        assert len(frames) == 1 and len(frames[0].get_paths()) == 1    # the wrong one, at any width
+        assert (f"{held[3]}✗" in [t.get_text() for t in figure.grid_ax.texts]) == crosses
+
+
+def test_sampler_figure_errors():
+    figure = SamplerFigure()
+    metrics = {m: (0.8, 0.5) for m in METHODS}
+    with pytest.raises(ValueError, match="one entry per rank"):
+        figure.draw([], [], [], set(), metrics)
+    with pytest.raises(ValueError, match="one bool per index"):
+        figure.draw([[[0, 1]]], [[False]], [], set(), metrics)
+    with pytest.raises(ValueError, match="missing mean of batch means"):
+        figure.draw([[[0]]], [[False]], [], set(), {m: (1, 1) for m in METHODS[:2]})
+
+
+def test_cost_figure_and_its_errors(drawn):
+    times = {"a": {3_000: [1e-3, 2e-3], 30_000: [2e-3, 3e-3]}, "b": {3_000: [1e-3], 30_000: [4e-3]}}
+    assert cost_figure(times).startswith(PNG)
+    ax = drawn[-1].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["3,000", "30,000"]
+    assert len(ax.get_legend().get_texts()) == 2
+    with pytest.raises(ValueError, match="at least one way"):
+        cost_figure({})
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        cost_figure({"a": {3_000: [0.0]}})
