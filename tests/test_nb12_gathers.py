@@ -247,9 +247,13 @@ def test_timing_claims_hold_in_the_stored_run():
     assert "more than 4 times as long" in prose
 
 
-def test_the_timing_cell_alone_is_ignored_by_nbval():
-    tagged = [c for c in CELLS if "nbval-ignore-output" in c.get("metadata", {}).get("tags", [])]
-    assert len(tagged) == 1 and "def gather_costs(" in "".join(tagged[0]["source"])
+def test_only_the_timings_and_the_claims_drawn_from_them_are_ignored_by_nbval():
+    # Timing targets live in benchmarks, not in tests: nbval must not compare a boolean
+    # that a slower machine flips. test_timing_claims_hold_in_the_stored_run reads them.
+    tagged = ["".join(c["source"]) for c in CELLS
+              if "nbval-ignore-output" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 2 and "def gather_costs(" in tagged[0] and "ratio = median[" in tagged[1]
+    assert "nbval-ignore-output" not in str(cell_with("print(f\"numbers held, by rank"))
 
 
 # --- step 3: DistributedSampler ----------------------------------------------------------------
