@@ -313,9 +313,9 @@ def _ranks(ranks: list[int]) -> str:
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
 
 
-def lesson(failure: str, debug: str, run: RecordedRun, hit: int) -> str:
-    """One or two sentences on what ``run`` shows, for ``failure`` on rank ``hit`` at
-    ``debug``; only what the run itself showed is said."""
+def lesson(failure: str, run: RecordedRun) -> str:
+    """One or two sentences on what ``run`` shows for ``failure``; only what the run
+    itself showed is said."""
     raised = run.ranks_in("raised")
     messages = {r: full_message(run.report(r)) for r in raised}
     refused = [r for r in raised if fingerprint(messages[r])]
@@ -519,7 +519,7 @@ class DisagreeExplorer(Explorer):
                 parts.append(f"{_ranks(others)} raised RuntimeError")
         text = "; ".join(parts) + "."
         text = text[0].upper() + text[1:]
-        extra = lesson(result.failure, result.debug, run, result.rank)
+        extra = lesson(result.failure, run)
         text = f"{text} {extra}".strip()
         if raised:  # torch's own words, as a cluster log would show them, beside ours
             text += f' In torch\'s words: "{quoted_words(run)}"'
