@@ -174,6 +174,8 @@ class Fingerprint:
             shape = f" [{self.shapes[k]}]" if self.shapes[k] else ""
             dtype = f" {self.dtypes[k]}" if self.dtypes[k] else ""
             return f"rank {self.ranks[k]} {self.ops[k]}{shape}{dtype}"
+        if "sequence number" in self.differ:  # the sequence numbers are what differs
+            return f"{one(0)} vs {one(1)} ({self.differ})"
         differ = f"{self.differ}; " if self.differ else ""
         return f"{one(0)} vs {one(1)} ({differ}sequence number {self.sequence})"
 
@@ -194,6 +196,7 @@ def fingerprint(text: str) -> Fingerprint | None:
         for p in parts:
             p = re.sub(r"^Tensor Tensor ", "tensor ", p)
             p = re.sub(r"^Op type", "collective", p)
+            p = re.sub(r"^Sequence number", "sequence number", p)
             p = re.sub(r"(\S)vs ", r"\1 vs ", p)
             if "TensorOptions" in p:  # device options: identical on CPU, long
                 continue
@@ -217,11 +220,13 @@ def clean_summary(text: str) -> str:
 
 
 def full_message(report) -> str:
-    """The whole error message of a :class:`~reducelab.RankReport` that raised: the last
-    line of its traceback (a summary is cut at 500 characters), else its summary."""
-    lines = [ln for ln in (report.traceback or "").strip().splitlines() if ln.strip()]
-    if report.state == "raised" and lines and ":" in lines[-1]:
-        return lines[-1]
+    """The whole error message of a :class:`~reducelab.RankReport` that raised, on one
+    line: the exception at the end of its traceback, its lines joined by spaces (a
+    summary is cut at 500 characters); else its summary. :func:`torch_words` keeps the
+    lines as torch wrote them."""
+    words = torch_words(report) if report.state == "raised" else ""
+    if words:
+        return " ".join(line.strip() for line in words.splitlines() if line.strip())
     return report.summary
 
 
@@ -249,3 +254,24 @@ def report_lines(err, width: int = 160) -> list[str]:
                    f"raised or were still waiting once rank {gone} was gone (which one "
                    f"depends on timing)")
     return out
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Warning)\b[^\n]*$")
+
+
+def torch_words(report) -> str:
+    """What torch itself raised on one rank, word for word: the exception at the end of a
+    :class:`~reducelab.RankReport`'s traceback, every line of it (gloo's messages can span
+    several), as a learner finds it in a cluster log. Only the loopback port numbers are
+    masked (``[127.0.0.1]:PORT``), since they change from run to run. ``""`` when the rank
+    raised nothing (it returned, was stuck, or died).
+
+    Source: the exception texts are torch's own, from ``ProcessGroupGloo.cpp``,
+    ``ProcessGroupWrapper.cpp`` and gloo's ``transport/tcp`` (torch 2.13)."""
+    if report is None or report.state != "raised":
+        return ""
+    lines = (report.traceback or "").rstrip().splitlines()
+    start = next((i for i in range(len(lines) - 1, -1, -1)
+                  if _EXCEPTION_LINE.match(lines[i])), None)
+    text = "\n".join(lines[start:]) if start is not None else report.summary
+    return _PORT.sub(r"[\1]:PORT", text)

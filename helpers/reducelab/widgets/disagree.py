@@ -13,7 +13,9 @@ explicitly, and ``"0"`` turns it off.
 :class:`DisagreeExplorer` injects one failure into a short training step (none, a
 skipped collective, a shape mismatch, an op mismatch, a dead rank, uneven batches) on
 one rank, with ``TORCH_DISTRIBUTED_DEBUG`` ``OFF`` or ``DETAIL``, and draws each rank's
-collectives and where it stopped (:func:`reducelab.plots.disagree.timeline_figure`).
+collectives and where it stopped (:func:`reducelab.plots.disagree.timeline_figure`). The
+step runs on a process group with a short timeout (1 s in notebook 11), so that each
+failure ends as it would on a cluster, with torch's own error, which the message quotes.
 
 Sources: the flight recorder, https://pytorch.org/tutorials/prototype/flight_recorder_tutorial.html
 (``TORCH_FR_BUFFER_SIZE``; dump format version ``"2.10"`` in torch 2.13);
@@ -37,7 +39,7 @@ from ..errors import RankError
 from ..group import LocalGroup, current_group
 from ..plots import fmt_value
 from ..plots.disagree import (TimelineEntry, TimelineRow, clean_summary, fingerprint,
-                              full_message, timeline_figure)
+                              full_message, timeline_figure, torch_words)
 from . import Explorer
 
 FAILURES = ("none", "skipped collective", "shape mismatch", "op mismatch", "dead rank",
@@ -120,17 +122,21 @@ class RecordedRun:
         return [r for r in range(self.world_size) if self.state(r) == state]
 
 
-def run_recorded(group: LocalGroup, fn, *args, every: float = 0.1) -> RecordedRun:
+def run_recorded(group: LocalGroup, fn, *args, every: float = 0.1,
+                 pg_timeout: float | None = None) -> RecordedRun:
     """Run ``fn(*args)`` on every rank of ``group`` while each rank keeps its flight
     record on disk (:func:`record_on_rank`); never raises :class:`~reducelab.RankError`:
     a failure is in the result.
+
+    With ``pg_timeout`` (seconds), each rank first makes a process group with that
+    timeout and calls ``fn(*args, pg)`` (see :func:`record_on_rank`).
 
     Returns a :class:`RecordedRun` within the group's timeout plus
     :data:`reducelab.group.MARGIN` seconds. The files live in a private temporary
     directory, removed before returning.
     """
     folder = tempfile.mkdtemp(prefix="reducelab-record-")
-    call = functools.partial(record_on_rank, fn, folder, every)
+    call = functools.partial(record_on_rank, fn, folder, every, pg_timeout=pg_timeout)
     call.__name__ = getattr(fn, "__name__", "fn")  # headlines name fn, not the wrapper
     try:
         try:
@@ -159,24 +165,53 @@ def _where(summary: str) -> str:
     return m.group(1) if m else ""
 
 
+def _collective_in(traceback: str) -> str | None:
+    """The public ``torch.distributed`` call a raised rank's traceback went through."""
+    m = re.search(r'distributed_c10d\.py", line \d+, in (\w+)', traceback or "")
+    return m.group(1) if m else None
+
+
+def short_words(message: str) -> str:
+    """A few words for a figure row, from torch's message (the full text is in the
+    explorer's message line): who DETAIL's monitored barrier names, a timeout, a lost
+    connection; else the message's first clause, cut to 44 characters."""
+    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", message)
+    if m:
+        ranks = m.group(1).strip()
+        return f"rank{'s' if ',' in ranks else ''} {ranks} missed the barrier"
+    if "successfully reached monitoredBarrier" in message:
+        return "says: check rank 0 logs"
+    m = re.search(r"Timed out waiting (\d+)ms for (\w+)", message)
+    if m:
+        return f"timed out ({m.group(1)} ms, {m.group(2)})"
+    if re.search(r"Connection (closed|reset)", message):
+        return "lost the connection to a peer"
+    return _short(clean_summary(message).partition(": ")[2])
+
+
 def timeline_rows(run: RecordedRun, expected=None) -> list[TimelineRow]:
     """One :class:`~reducelab.plots.disagree.TimelineRow` per rank of ``run``: the
     collectives it entered (from its flight record) and how it ended (from the
     :class:`~reducelab.RankError`'s report, which is authoritative: a rank that
     returned finished every collective it entered, even if its record had not yet
     marked the last one retired). A returned value other than ``expected`` (what every
-    rank returns with no failure) gets :data:`WRONG_VALUE` instead of ``✓ returned``."""
+    rank returns with no failure) gets :data:`WRONG_VALUE` instead of ``✓ returned``.
+    A rank that raised in DETAIL's checks (the monitored barrier or the fingerprint
+    comparison, which run before the collective is recorded) gets a box for the
+    collective it was entering."""
     rows = []
     for rank in range(run.world_size):
         rec, state, report = run.records[rank], run.state(rank), run.report(rank)
         row = TimelineRow(rank)
+        message = full_message(report) if state == "raised" else ""
         in_collective = state == "raised" and "distributed_c10d" in (report.traceback or "")
+        in_barrier = "monitoredBarrier" in message
         for k, e in enumerate(rec.entries if rec else []):
             last = k == len(rec.entries) - 1
             status = "done"
             if state != "returned" and not e["retired"]:
                 status = "waiting" if state == "stuck" else "failed"
-            elif in_collective and last and not fingerprint(full_message(report)):
+            elif in_collective and last and not fingerprint(message) and not in_barrier:
                 status = "failed"  # it raised inside this one (gloo retires failed work too)
             row.entries.append(TimelineEntry(e["name"], _shape(e["sizes"]), status))
         if state == "returned":
@@ -201,7 +236,6 @@ def timeline_rows(run: RecordedRun, expected=None) -> list[TimelineRow]:
             if rec is None:
                 row.note = "no flight record: the rank died before it wrote one"
         else:  # raised
-            message = full_message(report)
             fp = fingerprint(message)
             if fp is not None:
                 row.entries.append(TimelineEntry(_NAMES.get(fp.ops[0], fp.ops[0].lower()),
@@ -210,8 +244,11 @@ def timeline_rows(run: RecordedRun, expected=None) -> list[TimelineRow]:
                 row.outcome = "⚠ refused by DETAIL"
                 row.detail = fp.differ
             else:
+                if in_barrier and _collective_in(report.traceback):
+                    row.entries.append(TimelineEntry(_collective_in(report.traceback), "",
+                                                     "failed"))
                 row.outcome = f"⚠ raised {message.split(':')[0]}"
-                row.detail = _short(clean_summary(message).partition(": ")[2])
+                row.detail = short_words(message)
         if rec is None and not row.note and state != "returned":
             row.note = "no flight record"
         rows.append(row)
@@ -276,32 +313,65 @@ def _ranks(ranks: list[int]) -> str:
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
 
 
-def lesson(failure: str, debug: str, run: RecordedRun) -> str:
-    """One or two sentences on what ``run`` shows, for ``failure`` at ``debug``; only
-    what the run itself showed is said."""
-    stuck, raised = run.ranks_in("stuck"), run.ranks_in("raised")
-    refused = [r for r in raised if fingerprint(full_message(run.report(r)) or "")]
+def lesson(failure: str, run: RecordedRun) -> str:
+    """One or two sentences on what ``run`` shows for ``failure``; only what the run
+    itself showed is said."""
+    raised = run.ranks_in("raised")
+    messages = {r: full_message(run.report(r)) for r in raised}
+    refused = [r for r in raised if fingerprint(messages[r])]
+    named = [r for r in raised if "failed to pass monitoredBarrier" in messages[r]]
+    blame_0 = [r for r in raised if "successfully reached monitoredBarrier" in messages[r]]
+    timed_out = [r for r in raised if "Timed out waiting" in messages[r]]
     if failure == "none":
         return "Every rank entered the same collectives in the same order."
     if failure == "op mismatch":
         return ("No error and no hang: the ReduceOp is not in the flight record, nor in "
                 "DETAIL's fingerprint, so nothing flags the mismatch; only the values are wrong.")
-    if failure == "dead rank":
-        return ("No hang: gloo saw the lost connection, the ranks that talked to the dead "
-                "rank raised at once, and LocalGroup stopped the rest; the dead rank left "
-                "no record of its own.")
+    if failure == "dead rank" and run.ranks_in("died"):
+        return ("The dead rank left no error and no flight record of its own; the others "
+                "raised when gloo saw the connection close or their wait time out.")
     if refused:
         return ("DETAIL compared every rank's fingerprint (collective, shapes, dtypes) "
                 "before running the collective and refused it on every rank.")
-    if failure == "skipped collective" and stuck:
-        tail = (" DETAIL cannot help: the skipping rank calls no later collective to compare."
-                if debug == "DETAIL" else
-                " DETAIL would not help either: there is no second collective to compare.")
-        return "The others wait for a rank that will never come." + tail
-    if stuck:
-        return ("Plain gloo only sees bytes: with a mismatch some ranks may return "
-                "(with wrong values) while the others wait. Try DETAIL.")
+    if named:
+        return ("DETAIL's monitored barrier runs before each collective: rank 0 waited the "
+                "process group's timeout for every rank, then named the ones that never came.")
+    if blame_0:
+        return ("Rank 0 runs DETAIL's monitored barrier, and rank 0 is the one that skipped: "
+                "the others can only point at rank 0's logs.")
+    if timed_out:
+        return ("Plain gloo only says that a wait timed out, not which rank is missing; "
+                "some ranks may even return, with wrong values. Try DETAIL.")
     return ""
+
+
+_PRIORITY = (("failed to pass monitoredBarrier", "Detected mismatch"),
+             ("successfully reached monitoredBarrier",), ("Timed out waiting",))
+"""Which error text to quote first: one that names ranks or a mismatch, then one that
+points at rank 0, then a timeout; a lost connection (what a rank says once another rank
+has given up, which rank sees it depends on timing) comes last."""
+
+
+def _priority(words: str) -> int:
+    return next((k for k, keys in enumerate(_PRIORITY) if any(w in words for w in keys)),
+                len(_PRIORITY))
+
+
+def quoted_words(run: RecordedRun) -> str:
+    """The error text to quote for ``run``, word for word on one line (see
+    :func:`~reducelab.plots.disagree.torch_words`): of the ranks that raised, the most
+    telling message (:data:`_PRIORITY`), then the one most of them share, then the
+    lowest rank's. ``""`` when no rank raised."""
+    texts = {}
+    for r in run.ranks_in("raised"):
+        words = " ".join(line.strip() for line in torch_words(run.report(r)).splitlines()
+                         if line.strip())
+        texts.setdefault(re.sub(r"\bRank \d+\b", "Rank N", words), []).append((r, words))
+    if not texts:
+        return ""
+    best = min(texts.values(), key=lambda ranks: (_priority(ranks[0][1]), -len(ranks),
+                                                  ranks[0][0]))
+    return best[0][1]
 
 
 class DisagreeExplorer(Explorer):
@@ -312,23 +382,32 @@ class DisagreeExplorer(Explorer):
             default; notebook 11 passes ``env={"TORCH_FR_BUFFER_SIZE": "2000"}``) and
             ``TORCH_DISTRIBUTED_DEBUG`` unset: the ``OFF`` level. Its ``timeout`` (seconds) is how long a hang takes
             to report; notebook 11 uses 2.
-        fn: the notebook's rank function, called on every rank as ``fn(failure, hit)``
-            with ``failure`` from :data:`FAILURES` and ``hit`` the rank it hits; it
-            returns a number (the same on every rank when nothing fails).
+        fn: the notebook's rank function, called on every rank as
+            ``fn(failure, hit, pg)`` with ``failure`` from :data:`FAILURES`, ``hit`` the
+            rank it hits and ``pg`` a process group made for the call with a timeout of
+            ``pg_timeout``; it runs its collectives on ``pg`` and returns a number (the
+            same on every rank when nothing fails).
         detail_group: the same with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` in its ``env``:
             the ``DETAIL`` level.
         failure, rank, debug: initial control values.
+        pg_timeout: seconds (``float``) after which a collective on ``pg`` raises torch's
+            own timeout error (and, under DETAIL, the monitored barrier names the ranks
+            that did not arrive); below both groups' ``timeout``, so torch speaks before
+            LocalGroup stops the ranks. Notebook 11 uses 1.
 
     Raises:
-        ValueError: an initial value outside the choices, or ``detail_group`` not started
-            with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+        ValueError: an initial value outside the choices, ``detail_group`` not started
+            with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or ``pg_timeout`` not below the
+            groups' timeout.
 
-    Every control change runs ``fn`` on real ranks. A failure that hangs takes the
-    group's timeout to report, then the ranks restart at the next refresh.
+    Every control change runs ``fn`` on real ranks. A failure that waits takes
+    ``pg_timeout`` to report, then the ranks restart at the next refresh. The message
+    line quotes torch's own error text of one rank beside the explorer's summary.
     """
 
     def __init__(self, group: LocalGroup, fn, detail_group: LocalGroup,
-                 failure: str = "uneven batches", rank: int = 2, debug: str = "OFF"):
+                 failure: str = "uneven batches", rank: int = 2, debug: str = "OFF",
+                 pg_timeout: float = 1.0):
         if failure not in FAILURES:
             raise ValueError(f"failure must be one of {', '.join(FAILURES)}; got {failure!r}")
         if debug not in DEBUG_LEVELS:
@@ -336,6 +415,13 @@ class DisagreeExplorer(Explorer):
         if _debug_of(detail_group) != "DETAIL":
             raise ValueError("detail_group must be a LocalGroup started with "
                              "env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL', ...}")
+        slowest = min(group.timeout, detail_group.timeout)
+        if isinstance(pg_timeout, bool) or not isinstance(pg_timeout, (int, float)) \
+                or not 0 < pg_timeout < slowest:
+            raise ValueError(f"pg_timeout must be a number of seconds above 0 and below the "
+                             f"groups' timeout ({slowest:g} s), so that torch's own timeout "
+                             f"fires before LocalGroup stops the ranks; got {pg_timeout!r}")
+        self.pg_timeout = float(pg_timeout)
         self.world_size = group.world_size
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int from 0 to {self.world_size - 1}; got {rank!r}")
@@ -354,9 +440,10 @@ class DisagreeExplorer(Explorer):
                                             "button_width": "70px"}),
         })
         self.note = W.HTML(
-            f"<small>Each change runs the step on {self.world_size} real ranks. A failure "
-            f"that hangs takes the group's timeout, {group.timeout:g} s, to report: the "
-            f"ranks really wait.</small>")
+            f"<small>Each change runs the step on {self.world_size} real ranks, on a process "
+            f"group whose timeout is {self.pg_timeout:g} s (<code>pg</code>): a rank that "
+            f"waits in vain raises torch's own timeout error after {self.pg_timeout:g} s, as "
+            f"on a cluster after 30 minutes.</small>")
         self.box = W.VBox([self.box.children[0], self.note, *self.box.children[1:]])
         self.refresh()
 
@@ -375,18 +462,22 @@ class DisagreeExplorer(Explorer):
     def compute(self, failure, rank, debug) -> DisagreeResult:
         g = self.group_for(debug)
         g.resize(self.world_size)  # a no-op unless someone resized it
+        if g.state != "idle":
+            # ranks stopped by the last failure restart here, not inside the call below,
+            # whose whole time is left for torch's pg_timeout to fire
+            g.run(int)
         if self.expected is None and failure != "none":
-            clean = run_recorded(g, self.fn, "none", rank)
+            clean = run_recorded(g, self.fn, "none", rank, pg_timeout=self.pg_timeout)
             if clean.values is not None:
                 self.expected = clean.values[0]
-        run = run_recorded(g, self.fn, failure, rank)
+        run = run_recorded(g, self.fn, failure, rank, pg_timeout=self.pg_timeout)
         if failure == "none" and run.values is not None:
             self.expected = run.values[0]
         return DisagreeResult(failure, rank, debug, run, self.expected)
 
     def draw(self, result: DisagreeResult) -> bytes:
         title = (f"{result.failure} on rank {result.rank} · TORCH_DISTRIBUTED_DEBUG="
-                 f"{result.debug} · timeout {result.run.timeout:g} s"
+                 f"{result.debug} · timeout {self.pg_timeout:g} s"
                  if result.failure != "none" else
                  f"no failure (rank {result.rank} would be hit) · "
                  f"TORCH_DISTRIBUTED_DEBUG={result.debug}")
@@ -428,8 +519,11 @@ class DisagreeExplorer(Explorer):
                 parts.append(f"{_ranks(others)} raised RuntimeError")
         text = "; ".join(parts) + "."
         text = text[0].upper() + text[1:]
-        extra = lesson(result.failure, result.debug, run)
-        return f"{text} {extra}".strip()
+        extra = lesson(result.failure, run)
+        text = f"{text} {extra}".strip()
+        if raised:  # torch's own words, as a cluster log would show them, beside ours
+            text += f' In torch\'s words: "{quoted_words(run)}"'
+        return text
 
     def explain_error(self, values: dict, err: RankError) -> str:  # pragma: no cover
         return f"The ranks failed outside the injected failure: {err.headline}"
