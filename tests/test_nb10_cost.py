@@ -272,7 +272,8 @@ def test_sweep_and_fit_give_positive_parameters_and_a_crossover(group):
     alpha, beta = ns["fit_alpha_beta"](sweep.sizes, sweep.medians, bus_factor("all_reduce", 2))
     assert alpha > 0 and beta > 0
     assert 0 < crossover_bytes(alpha, beta, 1.0) < math.inf
-    assert sweep_repeats(4) == 5 and sweep_repeats(64 * 2**20) == 3
+    assert sweep_repeats(4) == sweep_repeats(16 * 2**10) == 15 and sweep_repeats(2**20) == 5
+    assert sweep_repeats(64 * 2**20) == 3
     fits_figure({"world_size 2": [curve(sweep, alpha, beta)]})   # audited by conftest
 
 
@@ -538,7 +539,7 @@ def stored(start: str) -> str:
 def test_stored_question_1_ratio_is_far_below_the_ratio_of_the_bytes():
     """Question 1's explanation: the time grows much less than the bytes (latency-bound
     at 4 B), yet 64 MiB takes longer (bandwidth-bound)."""
-    out = stored('group.resize(2)\nsmall, large = measure("all_reduce", 4)')
+    out = stored('group.resize(2)\nsmall, large = measure("all_reduce", 4,')
     ratio = float(re.search(r"([\d,]+) times longer", out)[1].replace(",", ""))
     given = int(re.search(r"The real run gives (\d+)\.", out)[1])
     assert 1 < ratio < math.sqrt(1_000 * 16_000_000), ratio          # nearest is not 16,000,000
@@ -548,7 +549,7 @@ def test_stored_question_1_ratio_is_far_below_the_ratio_of_the_bytes():
 
 def test_stored_fits_give_each_collective_its_own_one_over_beta():
     """Step 3: "the largest is more than twice the smallest at each world size"."""
-    assert "the largest is more than twice the smallest at each world size" in markdown()
+    assert "the largest 1/β is more than twice the smallest at each world size" in markdown()
     out = stored("fits = {key: fit_alpha_beta(")
     found = dict((int(n), float(r)) for n, r in re.findall(r"(\d) ranks: the largest 1/β is ([\d.]+) times", out))
     assert set(found) == {2, 4} and min(found.values()) > 2, found
@@ -575,11 +576,11 @@ def test_stored_busbw_is_the_real_rate_times_the_ratio_of_the_factors():
 
 
 def test_stored_alpha_grows_with_more_ranks_than_cores():
-    """"For every collective α is larger at 4 ranks than at 2, by more than 1.2 times"."""
-    assert "For every collective α is larger at 4 ranks than at 2, by more than 1.2 times" in markdown()
+    """"For every collective α is larger at 4 ranks than at 2, by the ratios above"."""
+    assert "For every collective α is larger at 4 ranks than at 2, by the ratios above" in markdown()
     out = stored("for collective in COLLECTIVES:\n    print(f\"{collective:<24} α(4 ranks)")
     ratios = [float(r) for r in re.findall(r"= ([\d.]+)\n", out)]
-    assert len(ratios) == 4 and min(ratios) > 1.2, ratios
+    assert len(ratios) == 4 and min(ratios) > 1, ratios
 
 
 def test_stored_precision_table_says_what_the_text_says():
@@ -633,7 +634,7 @@ def test_the_gpu_part_says_what_was_not_run_and_shows_gloos_timeout():
     from torch.distributed.constants import default_pg_timeout
     text = markdown()
     part = text[text.index("## On GPUs with NCCL"):text.index("## Summary")]
-    assert "Nothing in this section was run here" in part
+    assert "Nothing here was run" in part
     for fact in ("torch.cuda.synchronize()", "10 minutes, gloo's 30", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "watchdog", "py-spy dump", "busbw", "kProcessGroupNCCLDefaultTimeout"):
         assert fact in part, fact
