@@ -377,6 +377,7 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
         f"a warm-up, with their range):", *lines,
         "A real run on a shared laptop is noisy: a result not as predicted at one size says "
         "more about the machine than about your model. Libraries make the same choice: "
-        "MPICH uses recursive doubling for short messages and a ring-like algorithm for "
-        "long ones (Thakur et al. 2005)."])
+        "MPICH all-reduces short messages by recursive doubling, and long ones by a "
+        "reduce-scatter then an all-gather that send what the ring sends (Rabenseifner's "
+        "algorithm; Thakur et al. 2005)."])
     return passed(body)
