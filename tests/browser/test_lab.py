@@ -68,10 +68,11 @@ PLANS = {
     "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", "answer_1 = False")),
     "08_sharded_data_parallel.ipynb": Plan(("answer_1 = None", "answer_1 = [4.0, 5.0]")),
     "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
-    "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 1")),
+    "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 3")),
     "11_when_ranks_disagree.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
     "12_uneven_gathers_and_exact_metrics.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
     "15_fsdp2.ipynb": Plan(("answer_1 = None", "answer_1 = 2")),
+    "16_ddp_buckets_and_hooks.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
 }
 """One entry per notebook; a notebook without an entry fails the test."""
 

@@ -1,30 +1,27 @@
-"""Figures of notebook 10: what a collective costs, how DDP hides it, how precise a sum is.
+"""Figures of notebook 10: what a collective costs, and how exact a sum over ranks is.
 
 * :func:`fits_figure`: measured time against message size, log-log, one panel per world
   size, with the fitted α-β model drawn through the points and each crossover marked.
 * :func:`explorer_figure`: the explorer's picture: one collective's sweep with its fit,
   the latency-bound and bandwidth-bound regimes and the crossover (left), and the spread
   of the measurement at the chosen size, rank by rank and for the slowest rank (right).
-* :func:`timeline_figure`: when each gradient became ready during ``backward()`` and when
-  each DDP bucket's all_reduce was launched and done.
 * :func:`precision_figure`: the relative error of a low-precision sum against the number
   of ranks.
 
 Sources: the α-β model, Thakur, Rabenseifner & Gropp (2005), Int. J. High Performance
-Computing Applications 19(1); busbw, NVIDIA/nccl-tests ``doc/PERFORMANCE.md``; DDP's
-buckets, Li et al. (2020), "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", PVLDB 13(12).
+Computing Applications 19(1); busbw, NVIDIA/nccl-tests ``doc/PERFORMANCE.md``; the error
+of a floating-point sum, N. J. Higham (1993), "The accuracy of floating point summation",
+SIAM J. Sci. Comput. 14(4).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ..checks.cost import crossover_bytes, gloo_factor, model_seconds, seconds_label, size_label
-from . import HATCHES, MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, TEXT_GREY, new_figure, png
+from . import MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, TEXT_GREY, new_figure, png
 
 HEIGHT = 4.2
 """Height of the explorer's figure, inches: controls and figure fit on one screen."""
@@ -58,6 +55,8 @@ class Curve:
         factor: bytes the busiest rank sends per byte of ``S`` on gloo
             (:func:`~reducelab.checks.cost.gloo_factor`), so the model is
             ``alpha + beta * factor * S``.
+        lows, highs: the spread of each point, seconds, shape ``(k,)``: the fastest and
+            the slowest repeat of the slowest rank (``None``: no spread drawn).
     """
 
     label: str
@@ -66,12 +65,16 @@ class Curve:
     alpha: float
     beta: float
     factor: float
+    lows: np.ndarray | None = None
+    highs: np.ndarray | None = None
 
 
 def curve(sweep, alpha: float, beta: float, label: str | None = None) -> Curve:
-    """A :class:`Curve` from a :class:`~reducelab.widgets.cost.Sweep` and its fit."""
+    """A :class:`Curve` from a :class:`~reducelab.widgets.cost.Sweep` and its fit, with the
+    sweep's spread over repeats."""
+    lows, highs = sweep.spread
     return Curve(label or sweep.label, sweep.sizes, sweep.medians, alpha, beta,
-                 gloo_factor(sweep.collective, sweep.world_size))
+                 gloo_factor(sweep.collective, sweep.world_size), lows, highs)
 
 
 def fits_figure(panels: dict[str, list[Curve]], title: str = "") -> bytes:
@@ -83,20 +86,28 @@ def fits_figure(panels: dict[str, list[Curve]], title: str = "") -> bytes:
         title: the figure title.
 
     Returns:
-        PNG bytes. Each fitted line is drawn over the measured range; the crossover
-        ``S* = α / (β · factor)`` of each curve is a small vertical tick on its line.
+        PNG bytes. Each point is a median with a bar from the fastest to the slowest
+        repeat (when the curve has a spread); each fitted line is drawn over the measured
+        range; the crossover ``S* = α / (β · factor)`` of each curve is a small vertical
+        tick on its line.
     """
     fig = new_figure(9.6, 4.5)
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     all_sizes = np.concatenate([c.sizes for cs in panels.values() for c in cs])
-    all_times = np.concatenate([c.medians for cs in panels.values() for c in cs])
+    all_times = np.concatenate([c.medians for cs in panels.values() for c in cs] +
+                               [c.highs for cs in panels.values() for c in cs if c.highs is not None] +
+                               [c.lows for cs in panels.values() for c in cs if c.lows is not None])
     for ax, (name, curves) in zip(axes, panels.items()):
         for k, c in enumerate(curves):
             colour, marker = RANK_COLOURS[k % 8], MARKERS[k % 8]
             xs = np.geomspace(c.sizes.min(), c.sizes.max(), 60)
             ax.plot(xs, model_seconds(c.alpha, c.beta, c.factor, xs), color=colour, lw=1.6,
                     ls=["-", "--", "-.", ":"][k % 4])
-            ax.plot(c.sizes, c.medians, ls="none", marker=marker, color=colour, ms=6,
+            dodge = c.sizes * 1.15 ** (k - (len(curves) - 1) / 2)   # side by side, not on top
+            if c.lows is not None and c.highs is not None:
+                ax.errorbar(dodge, c.medians, yerr=[c.medians - c.lows, c.highs - c.medians],
+                            ls="none", color=colour, capsize=3, lw=1.2)
+            ax.plot(dodge, c.medians, ls="none", marker=marker, color=colour, ms=6,
                     mfc="white", mew=1.5, label=c.label)
             star = crossover_bytes(c.alpha, c.beta, c.factor)
             if c.sizes.min() <= star <= c.sizes.max():
@@ -114,7 +125,7 @@ def fits_figure(panels: dict[str, list[Curve]], title: str = "") -> bytes:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", fontsize=MIN_FONT,
                ncols=min(len(labels), 4), frameon=False,
-               title="points: measured · lines: fitted α + β·f·S · |: crossover S*",
+               title="points: median, bars: fastest to slowest repeat · lines: fitted α + β·f·S · |: crossover S*",
                title_fontsize=MIN_FONT)
     if title:
         fig.suptitle(title)
@@ -197,63 +208,6 @@ def explorer_figure(view) -> bytes:
     bx.set_title(f"S = {size_label(spot.size_bytes)}: {spot.seconds.shape[1]} repeats\n"
                  f"bar: median · dashed: model", fontsize=MIN_FONT + 1)
     bx.grid(alpha=0.3, axis="y", which="major")
-    return png(fig)
-
-
-def timeline_figure(runs: list[dict], title: str = "") -> bytes:
-    """When each gradient was ready during ``backward()`` and when each DDP bucket's
-    all_reduce ran, one panel per run (at most 2 side by side).
-
-    Args:
-        runs: dicts with keys ``title`` (str), ``ready`` (list of ``(ms, name)``: when
-            ``name``'s gradient was accumulated, milliseconds since ``backward()``
-            started), ``buckets`` (list of ``(launched_ms, done_ms, index, names, ...)``:
-            the comm hook's call, its all_reduce's completion, the bucket's index and its
-            parameters' names; further items are ignored) and ``end_ms`` (when ``backward()`` returned).
-        title: the figure title.
-
-    Returns:
-        PNG bytes: one row per parameter, in the order the gradients became ready; a
-        marker where each became ready; a hatched box per bucket spanning its parameters'
-        rows, from the launch of its all_reduce to its completion, labelled.
-    """
-    fig = new_figure(9.6, 4.4)
-    axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
-    for ax, run in zip(axes, runs):
-        order = [name for _, name in run["ready"]]
-        row = {name: i for i, name in enumerate(order)}
-        bucket_of = {name: k for k, (_, _, _, names, *_) in enumerate(run["buckets"])
-                     for name in names}
-        for t, name in run["ready"]:
-            k = bucket_of.get(name, 0)
-            ax.plot([t], [row[name]], ls="none", marker=MARKERS[k % 8], ms=6,
-                    color=RANK_COLOURS[k % 8])
-        for k, (start, done, index, names, *_) in enumerate(run["buckets"]):
-            rows = [row[n] for n in names if n in row]
-            if not rows:
-                continue
-            y0, y1 = min(rows) - 0.4, max(rows) + 0.4
-            ax.add_patch(Rectangle((start, y0), max(done - start, 1e-3), y1 - y0,
-                                   facecolor=RANK_COLOURS[k % 8], alpha=0.25,
-                                   edgecolor=RANK_COLOURS[k % 8], hatch=HATCHES[(k + 1) % 8],
-                                   lw=1.2))
-            ax.text(done, (y0 + y1) / 2, f" bucket {index}", fontsize=MIN_FONT, va="center",
-                    ha="left")
-        ax.axvline(run["end_ms"], color=PALETTE["black"], ls="--", lw=1.2)
-        ax.text(run["end_ms"], -0.5, " backward() returns", fontsize=MIN_FONT,
-                ha="left", va="top")
-        right = max([run["end_ms"]] + [b[1] for b in run["buckets"]])
-        ax.set_xlim(0, right * 1.5)
-        ax.set_xlabel("ms since backward() started")
-        ax.set_title(run["title"])
-        ax.grid(alpha=0.3, axis="x")
-    first = runs[0]
-    names = [name for _, name in first["ready"]]
-    axes[0].set_yticks(range(len(names)), names)
-    axes[0].set_ylim(len(names) - 0.4, -0.6)
-    axes[0].set_ylabel("gradient (in the order it became ready)")
-    if title:
-        fig.suptitle(title)
     return png(fig)
 
 
