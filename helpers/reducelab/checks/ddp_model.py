@@ -14,8 +14,8 @@ on the ranks:
 
 Sources: DDP's construction broadcast and its reducer
 (``torch/nn/parallel/distributed.py``, torch 2.13; https://pytorch.org/docs/stable/notes/ddp.html);
-two random-number streams for tensor parallelism, one shared by a tensor-parallel group
-and one of each rank's own (Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter
+two random-number streams for tensor parallelism, one the same on every rank of a
+tensor-parallel group and one different on each of them (Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter
 Language Models Using Model Parallelism", 2019, arXiv:1909.08053;
 ``model_parallel_cuda_manual_seed`` in ``megatron/core/tensor_parallel/random.py``).
 """
