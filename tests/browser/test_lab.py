@@ -70,6 +70,7 @@ PLANS = {
     "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
     "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 1")),
     "11_when_ranks_disagree.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
+    "13_what_ddp_expects_of_a_model.ipynb": Plan(("answer_1 = None", "answer_1 = (True, False, False)")),
 }
 """One entry per notebook; a notebook without an entry fails the test."""
 
