@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from . import CMAP, HATCHES, MIN_FONT, NEUTRAL, PALETTE, new_figure, png
+from . import CMAP, HATCHES, MIN_FONT, NEUTRAL, PALETTE, freeze_layout, new_figure, png
 from .sharded import scale_text, scaled_labels
 
 NO_VALUE = NEUTRAL
@@ -67,43 +67,63 @@ def _group_ticks(ax, groups) -> None:
     ax.tick_params(axis="x", length=0)
 
 
-def _heat(ax, values: np.ndarray, title: str, groups, marks: bool = True,
-          row_labels=None) -> None:
-    """One heatmap panel: rows are ranks, cells show their values in one unit; a NaN
-    cell is grey, hatched and says "none"; the right side says whether each row equals
-    rank 0's."""
-    world_size, n = values.shape
-    ax.set_facecolor(NO_VALUE)
-    finite = values[np.isfinite(values)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    if lo == hi:
-        lo, hi = lo - 1, hi + 1
-    ax.imshow(np.ma.masked_invalid(values), cmap=CMAP, vmin=lo, vmax=hi, aspect="auto")
-    e, labels = scaled_labels(values)
-    mid = (lo + hi) / 2
-    for (i, j), v in np.ndenumerate(values):
-        if np.isfinite(v):
-            ax.text(j, i, labels[i, j], ha="center", va="center", fontsize=MIN_FONT,
-                    color="black" if v > mid else "white")
-        else:
-            ax.add_patch(_hatched_cell(j, i))
-            ax.text(j, i, "none", ha="center", va="center", fontsize=MIN_FONT, color="black",
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
-    ax.set_yticks(range(world_size), row_labels or [f"rank {r}" for r in range(world_size)])
-    _group_ticks(ax, groups)
-    unit = scale_text(e)
-    ax.set_title(title + (f"  ({unit})" if unit else ""), fontsize=MIN_FONT + 1)
-    if marks:
-        right = ax.secondary_yaxis("right")
-        right.set_yticks(range(world_size),
-                         ["rank 0" if r == 0 else ("same" if s else "differs")
-                          for r, s in enumerate(same_as_rank0(values))])
-        right.tick_params(length=0)
-
-
 def _hatched_cell(x: float, y: float) -> Rectangle:
     return Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=NO_VALUE, edgecolor="black",
                      hatch=NO_VALUE_HATCH, lw=0)
+
+
+class _HeatPanel:
+    """One heatmap panel, built once and updated: rows are ranks, each cell shows its
+    value in the panel's unit; a NaN cell is grey, hatched and says "none"; the right
+    side says whether each row equals rank 0's."""
+
+    def __init__(self, ax, world_size: int, groups, title: str):
+        n = sum(int(k) for _, k in groups)
+        self.ax, self.title, self.world_size = ax, title, world_size
+        ax.set_facecolor(NO_VALUE)
+        self.image = ax.imshow(np.zeros((world_size, n)), cmap=CMAP, aspect="auto")
+        self.cells = []
+        for i in range(world_size):
+            row = []
+            for j in range(n):
+                patch = ax.add_patch(_hatched_cell(j, i))
+                patch.set_visible(False)
+                row.append((patch, ax.text(j, i, "", ha="center", va="center",
+                                           fontsize=MIN_FONT)))
+            self.cells.append(row)
+        ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
+        _group_ticks(ax, groups)
+        self.right = ax.secondary_yaxis("right")
+        self.right.set_yticks(range(world_size), ["differs"] * world_size)   # the widest label
+        self.right.tick_params(length=0)
+        ax.set_title(f"{title}  (×10⁻²)", fontsize=MIN_FONT + 1)          # room for a unit
+
+    def update(self, values: np.ndarray) -> None:
+        finite = values[np.isfinite(values)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        if lo == hi:
+            lo, hi = lo - 1, hi + 1
+        self.image.set_data(np.ma.masked_invalid(values))
+        self.image.set_clim(lo, hi)
+        e, labels = scaled_labels(values)
+        mid = (lo + hi) / 2
+        for (i, j), v in np.ndenumerate(values):
+            patch, text = self.cells[i][j]
+            if np.isfinite(v):
+                patch.set_visible(False)
+                text.set_text(labels[i, j])
+                text.set_color("black" if v > mid else "white")
+                text.set_bbox(None)
+            else:
+                patch.set_visible(True)
+                text.set_text("none")
+                text.set_color("black")
+                text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+        self.right.set_yticks(range(self.world_size),
+                              ["rank 0" if r == 0 else ("same" if s else "differs")
+                               for r, s in enumerate(same_as_rank0(values))])
+        unit = scale_text(e)
+        self.ax.set_title(self.title + (f"  ({unit})" if unit else ""), fontsize=MIN_FONT + 1)
 
 
 def construction_figure(built, wrapped, groups, title: str = "") -> bytes:
@@ -126,8 +146,8 @@ def construction_figure(built, wrapped, groups, title: str = "") -> bytes:
     _check_groups(groups, b.shape[1])
     fig = new_figure(9.6, 1.5 + 0.45 * b.shape[0])
     axes = fig.subplots(1, 2)
-    _heat(axes[0], b, "as each rank built it", groups)
-    _heat(axes[1], w, "after DDP(model)", groups)
+    for ax, values, name in ((axes[0], b, "as each rank built it"), (axes[1], w, "after DDP(model)")):
+        _HeatPanel(ax, b.shape[0], groups, name).update(values)
     fig.suptitle(title, fontsize=MIN_FONT + 1)
     return png(fig)
 
@@ -173,32 +193,40 @@ def buffers_figure(synced, unsynced, global_mean: float, title: str = "") -> byt
     return png(fig)
 
 
-def _mask_panel(ax, dropped: np.ndarray, title: str, row_labels=None) -> None:
-    """One mask panel; ``row_labels=None`` leaves the left axis without labels (a panel
-    to the right of one that has them)."""
-    ranks, units = dropped.shape
-    for (i, j), d in np.ndenumerate(dropped):
-        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1,
-                               facecolor=DROPPED if d else "white", edgecolor=NEUTRAL,
-                               hatch="xx" if d else None, lw=0.6))
-        if not d:
-            ax.text(j, i, "·", ha="center", va="center", fontsize=MIN_FONT, color="black")
-    ax.set_xlim(-0.5, units - 0.5)
-    ax.set_ylim(ranks - 0.5, -0.5)
-    ax.set_yticks(range(ranks), row_labels if row_labels is not None else [""] * ranks)
-    ax.set_xticks(range(0, units, 4 if units > 8 else 1))
-    ax.set_xlabel("hidden unit")
-    ax.set_title(title, fontsize=MIN_FONT + 1)
-    right = ax.secondary_yaxis("right")
-    right.set_yticks(range(ranks), ["rank 0's" if r == 0 else
-                                    ("same" if np.array_equal(dropped[r], dropped[0]) else "differs")
-                                    for r in range(ranks)])
-    right.tick_params(length=0)
+class _MaskPanel:
+    """One panel of dropout masks, built once and updated: a row per rank, black and
+    cross-hatched for a dropped unit, white for a kept one; the right side says whether
+    the row is rank 0's mask."""
+
+    def __init__(self, ax, ranks: int, units: int, title: str, row_labels=None):
+        self.ax, self.ranks = ax, ranks
+        self.cells = [[ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white",
+                                              edgecolor=NEUTRAL, lw=0.6))
+                       for j in range(units)] for i in range(ranks)]
+        ax.set_xlim(-0.5, units - 0.5)
+        ax.set_ylim(ranks - 0.5, -0.5)
+        ax.set_yticks(range(ranks), row_labels if row_labels is not None else [""] * ranks)
+        ax.set_xticks(range(0, units, 4 if units > 8 else 1))
+        ax.set_xlabel("hidden unit")
+        ax.set_title(title, fontsize=MIN_FONT + 1)
+        self.right = ax.secondary_yaxis("right")
+        self.right.set_yticks(range(ranks), ["rank 0's"] * ranks)             # the widest label
+        self.right.tick_params(length=0)
+
+    def update(self, dropped: np.ndarray) -> None:
+        for (i, j), d in np.ndenumerate(dropped):
+            rect = self.cells[i][j]
+            rect.set_facecolor(DROPPED if d else "white")
+            rect.set_hatch("xx" if d else None)
+        self.right.set_yticks(range(self.ranks),
+                              ["rank 0's" if r == 0 else
+                               ("same" if np.array_equal(dropped[r], dropped[0]) else "differs")
+                               for r in range(self.ranks)])
 
 
 def mask_figure(panels: dict, row_labels=None, title: str = "") -> bytes:
     """One panel per seeding pattern, 9.6 in wide: each row is a rank's dropout mask
-    (black, cross-hatched: dropped; white with a dot: kept), and the right side says
+    (black, cross-hatched: dropped; white: kept), and the right side says
     whether the row is the same mask as rank 0's.
 
     Args:
@@ -223,7 +251,7 @@ def mask_figure(panels: dict, row_labels=None, title: str = "") -> bytes:
     fig = new_figure(9.6, 1.6 + 0.4 * ranks)
     axes = fig.subplots(1, len(arrays), squeeze=False)[0]
     for k, (ax, (name, a)) in enumerate(zip(axes, arrays.items())):
-        _mask_panel(ax, a, name, labels if k == 0 else None)
+        _MaskPanel(ax, ranks, a.shape[1], name, labels if k == 0 else None).update(a)
     fig.suptitle(title, fontsize=MIN_FONT + 1)
     return png(fig)
 
@@ -235,7 +263,42 @@ class StepFigure:
     and each rank's dropout mask in the step. Bottom: the gradient after ``backward()``
     ("none" where a parameter received none) and the parameters after one SGD step.
     Every panel marks each rank's row "same" as rank 0's or "differs".
+
+    The figure is built once per world size, number of columns and of hidden units, its
+    layout computed once and kept; a :meth:`draw` only updates it (a widget redraws on
+    every control change).
     """
+
+    def __init__(self):
+        self.fig = None
+        self._shape = None
+
+    def _build(self, world_size: int, groups, units: int) -> None:
+        fig = new_figure(9.6, 2.6 + 0.7 * world_size)
+        grid = fig.add_gridspec(2, 3, width_ratios=[1.5, 1.5, 0.8])
+        names = [(grid[0, 0], "built, own generator"), (grid[0, 1], "after DDP(model)"),
+                 (grid[1, 0], "gradient after backward"), (grid[1, 1], "after one SGD step")]
+        self.panels = [_HeatPanel(fig.add_subplot(spec), world_size, groups, name)
+                       for spec, name in names]
+        self.mask = _MaskPanel(fig.add_subplot(grid[0, 2]), world_size, units,
+                               "dropout mask in the step", [f"rank {r}" for r in range(world_size)])
+        key = fig.add_subplot(grid[1, 2])
+        key.axis("off")
+        key.add_patch(Rectangle((0.02, 0.68), 0.16, 0.2, facecolor=NO_VALUE, edgecolor="black",
+                                hatch=NO_VALUE_HATCH, lw=0, transform=key.transAxes))
+        key.text(0.24, 0.78, "none: no gradient", va="center", fontsize=MIN_FONT,
+                 transform=key.transAxes)
+        key.add_patch(Rectangle((0.02, 0.40), 0.16, 0.2, facecolor=DROPPED, edgecolor=NEUTRAL,
+                                hatch="xx", lw=0.6, transform=key.transAxes))
+        key.text(0.24, 0.50, "a dropped unit", va="center", fontsize=MIN_FONT,
+                 transform=key.transAxes)
+        key.text(0.02, 0.18, "same / differs: this rank's row\nagainst rank 0's",
+                 va="center", fontsize=MIN_FONT, transform=key.transAxes)
+        self.title = fig.suptitle("aux used on rank 0 only, find_unused_parameters, seed + rank, "
+                                  "4 ranks", fontsize=MIN_FONT + 1)     # room for the longest title
+        freeze_layout(fig)
+        self.fig = fig
+        self._shape = (world_size, tuple(groups), units)
 
     def draw(self, built, wrapped, dropped, grad, after, groups, title: str = "") -> bytes:
         """Draw and return PNG bytes.
@@ -259,29 +322,15 @@ class StepFigure:
         d = np.asarray(dropped).astype(bool)
         if d.ndim != 2 or d.shape[0] != ws:
             raise ValueError(f"dropped must have one row per rank ({ws}), got shape {d.shape}")
+        groups = [(str(name), int(k)) for name, k in groups]
         _check_groups(groups, b.shape[1])
-        fig = new_figure(9.6, 2.6 + 0.7 * ws)
-        grid = fig.add_gridspec(2, 3, width_ratios=[1.5, 1.5, 0.8])
-        panels = [(grid[0, 0], b, "built, own generator"), (grid[0, 1], w, "after DDP(model)"),
-                  (grid[1, 0], g, "gradient after backward"), (grid[1, 1], a, "after one SGD step")]
-        for spec, values, name in panels:
-            _heat(fig.add_subplot(spec), values, name, groups)
-        _mask_panel(fig.add_subplot(grid[0, 2]), d, "dropout mask in the step",
-                    [f"rank {r}" for r in range(ws)])
-        key = fig.add_subplot(grid[1, 2])
-        key.axis("off")
-        key.add_patch(Rectangle((0.02, 0.68), 0.16, 0.2, facecolor=NO_VALUE, edgecolor="black",
-                                hatch=NO_VALUE_HATCH, lw=0, transform=key.transAxes))
-        key.text(0.24, 0.78, "none: no gradient", va="center", fontsize=MIN_FONT,
-                 transform=key.transAxes)
-        key.add_patch(Rectangle((0.02, 0.40), 0.16, 0.2, facecolor=DROPPED, edgecolor=NEUTRAL,
-                                hatch="xx", lw=0.6, transform=key.transAxes))
-        key.text(0.24, 0.50, "a dropped unit", va="center", fontsize=MIN_FONT,
-                 transform=key.transAxes)
-        key.text(0.02, 0.18, "same / differs: this rank's row\nagainst rank 0's",
-                 va="center", fontsize=MIN_FONT, transform=key.transAxes)
-        fig.suptitle(title, fontsize=MIN_FONT + 1)
-        return png(fig)
+        if self._shape != (ws, tuple(groups), d.shape[1]):
+            self._build(ws, groups, d.shape[1])
+        for panel, values in zip(self.panels, (b, w, g, a)):
+            panel.update(values)
+        self.mask.update(d)
+        self.title.set_text(title)        # its text only: the frozen layout placed it
+        return png(self.fig)
 
 
 __all__ = ["NO_VALUE", "StepFigure", "buffers_figure", "construction_figure",
