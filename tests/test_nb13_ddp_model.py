@@ -448,6 +448,11 @@ def global_rank_replicated(base, mesh):
     return base + dist.get_rank(), base + 100 + dist.get_rank()
 
 
+def one_replicated_seed(base, mesh):
+    import torch.distributed as dist
+    return base, base + 100 + dist.get_rank()
+
+
 def random_seeds(base, mesh):
     import random
     return random.randrange(2 ** 40), random.randrange(2 ** 40)
@@ -467,6 +472,7 @@ def not_a_pair(base, mesh):
     (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101"),
     (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100"),
     (global_rank_replicated, "are in the same tensor-parallel group but get the replicated seeds 0 and 1"),
+    (one_replicated_seed, "the data-parallel groups dp 0 and dp 1 get the same replicated seed 0"),
     (random_seeds, "Derive the seeds from base_seed and the mesh only"),
     (ignores_base, "the seeds must change with base_seed"),
     (not_a_pair, "return two ints from 0 to 2**63 - 1"),
