@@ -8,7 +8,9 @@ import tomllib
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONDA_NAMES = {"torch": "pytorch-cpu"}  # pip name -> conda-forge name, where they differ
+# pip name -> conda-forge name, where they differ (conda-forge's `playwright` is the Node
+# command line; `playwright-python` is the Python module the browser test imports)
+CONDA_NAMES = {"torch": "pytorch-cpu", "playwright": "playwright-python"}
 
 
 def _split(req: str) -> tuple[str, str]:
