@@ -21,7 +21,7 @@ const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit"
 function flagOf(learner, stuckAfter) {
   const last = learner.last;
   if (!last) return null;
-  if (last.outcome === "timeout") return "⏱ timeout " + minutes(now() - last.at) + " min ago";
+  if (last.outcome === "timeout") return "⚠ group call timed out " + minutes(now() - last.at) + " min ago";
   if (last.outcome === "failed" && last.kind === "exercise" && now() - last.at >= stuckAfter * 60)
     return "⚠ stuck " + minutes(now() - last.at) + " min";
   return null;
@@ -38,7 +38,7 @@ function visibleNotebooks() {
 
 function unlockButton(item) {
   const open = snapshot.unlocked.includes(item.solution);
-  const b = el("button", "unlock", open ? "🔓 open: close" : "🔒 open solution");
+  const b = el("button", "unlock", open ? "✓ solution open · close it" : "open the solution");
   b.dataset.open = String(open);
   b.dataset.solution = item.solution;
   b.title = (open ? "Learners can load " : "Let learners load ") + item.solution;
@@ -60,7 +60,7 @@ function render() {
     for (const [nb, stem] of Object.entries(snapshot.catalog.notebooks))
       select.append(new Option(stem, nb));
   }
-  const stuckAfter = Number($("stuck-minutes").value) || 5;
+  const typed = parseFloat($("stuck-minutes").value), stuckAfter = typed >= 0 ? typed : 5;
   const nbs = new Set(visibleNotebooks());
   const items = snapshot.catalog.items.filter((i) => nbs.has(i.notebook));
   const thead = $("board").tHead, tbody = $("board").tBodies[0];
