@@ -461,3 +461,30 @@ def test_lab_in_workshop_mode_copies_the_notebooks_without_solutions(tmp_path):
                            env={k: v for k, v in __import__("os").environ.items()
                                 if k != "REDUCELAB_WORKSHOP"})
     assert plain.returncode == 0 and (tmp_path / "c3" / "solutions").is_dir()
+
+
+def test_the_kind_of_mistake_travels_with_the_verdict():
+    from reducelab import RankError, RankReport
+    hung = RankError("f did not finish within 1 s on rank 1", [RankReport(1, "stuck", "in barrier")])
+    raised = RankError("rank 0 raised ValueError in f", [RankReport(0, "raised", "ValueError: x")])
+    assert checks.raised_on_ranks("With world_size=2", hung).mistake == "hung past the timeout"
+    assert checks.raised_on_ranks("With world_size=2", raised).mistake == "raised on the ranks"
+    assert checks.failed("off by a factor of 4", mistake="divided twice").mistake == "divided twice"
+    assert checks.failed("plain").mistake is None          # reported as "wrong"
+
+
+def test_reporting_never_breaks_a_check(monkeypatch):
+    """An observer that fails inside (here: finding a verdict's origin raises) changes
+    nothing a learner sees."""
+    client = wclient.Client("http://127.0.0.1:9/join/ABCD2345", "Robust Rae")
+    checks._observer = wclient.Observer(client)
+    try:
+        monkeypatch.setattr(wclient, "origin", lambda v: 1 / 0)
+        from reducelab.checks.cluster import check_node_command
+        verdict = check_node_command("torchrun --nnodes=3 train.py")
+        assert not verdict and repr(verdict).startswith("❌ Not yet.")
+        monkeypatch.setattr(client, "submit", lambda *a, **k: 1 / 0)
+        verdict._workshop_origin = {"item": "check_node_command"}
+        assert "Not yet" in verdict._repr_html_()
+    finally:
+        checks._observer = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import getpass
+import http.client
 import json
 import os
 import pathlib
@@ -187,7 +188,7 @@ class Client:
                 status, raw, kind = r.status, r.read(), r.headers.get_content_type()
         except urllib.error.HTTPError as e:
             status, raw, kind = e.code, e.read(), e.headers.get_content_type()
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        except (OSError, http.client.HTTPException) as e:  # no answer, or a garbled one
             raise OSError(str(getattr(e, "reason", e))) from None
         if kind == "application/json":
             try:
@@ -331,18 +332,25 @@ class Observer:
     def __init__(self, client: Client):
         self.client = client
 
+    # Each method swallows its own errors: reporting never breaks a check or its display.
     def created(self, verdict) -> None:
-        verdict._workshop_origin = origin(verdict)
+        try:
+            verdict._workshop_origin = origin(verdict)
+        except Exception:  # noqa: BLE001
+            pass
 
     def shown(self, verdict) -> None:
-        where = getattr(verdict, "_workshop_origin", None)
-        if where is None or getattr(verdict, "_workshop_reported", False):
-            return
-        verdict._workshop_reported = True
-        outcome = ("unanswered" if not verdict.answered else
-                   "passed" if verdict.passed else "failed")
-        mistake = None if outcome != "failed" else (verdict.mistake or "wrong")
-        self.client.submit(notebook_number(), where["item"], outcome, mistake)
+        try:
+            where = getattr(verdict, "_workshop_origin", None)
+            if where is None or getattr(verdict, "_workshop_reported", False):
+                return
+            verdict._workshop_reported = True
+            outcome = ("unanswered" if not verdict.answered else
+                       "passed" if verdict.passed else "failed")
+            mistake = None if outcome != "failed" else (verdict.mistake or "wrong")
+            self.client.submit(notebook_number(), where["item"], outcome, mistake)
+        except Exception:  # noqa: BLE001
+            pass
 
     def event(self, kind: str, **fields) -> None:
         if kind == "timeout":
