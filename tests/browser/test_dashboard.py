@@ -105,6 +105,15 @@ def test_the_dashboard_shows_a_new_report_without_a_reload(server, page):
     page.fill("#stuck-minutes", "0")
     expect(ada_row).to_have_class(re.compile(r"\bflagged\b"))
     assert "⚠ stuck 0 min" in ada_row.inner_text()
+    # answering a question does not clear it; passing the exercise does
+    call("POST", server.base + "/api/report", report("answer_2", "failed"), token=ada["secret"])
+    expect(cell(page, ada["learner"], "05:answer_2")).to_have_text(re.compile("^✗ 1"))
+    assert "⚠ stuck" in ada_row.inner_text()
+    call("POST", server.base + "/api/report", report("check_mesh_sync", "passed"),
+         token=ada["secret"])
+    expect(failing).to_have_text("✓")
+    assert "stuck" not in ada_row.inner_text()
+    assert "flagged" not in (ada_row.get_attribute("class") or "")
     page.fill("#stuck-minutes", "5")
     assert page.evaluate("window.__same_page") is True
 

@@ -124,12 +124,13 @@ class Learner:
     joined: float
     cells: dict[str, Cell] = field(default_factory=dict)
     last: dict | None = None         # the latest report: at, notebook, item, outcome
+    last_check: dict | None = None   # the latest exercise check's report, the same keys
     timeouts: int = 0
     reports: int = 0
 
     def as_json(self) -> dict:
         return {"id": self.id, "name": self.name, "joined": self.joined, "last": self.last,
-                "timeouts": self.timeouts, "reports": self.reports,
+                "last_check": self.last_check, "timeouts": self.timeouts, "reports": self.reports,
                 "cells": {k: c.as_json() for k, c in self.cells.items()}}
 
 
@@ -241,6 +242,8 @@ class Store:
             return
         learner.last["kind"] = found.kind
         learner.last["notebook"] = found.notebook
+        if found.kind == "exercise":
+            learner.last_check = dict(learner.last)
         cell = learner.cells.setdefault(f"{found.notebook}:{found.key}", Cell())
         cell.last = at
         if outcome == "passed":
@@ -522,7 +525,7 @@ def create_app(data: pathlib.Path, notebooks: pathlib.Path | None = None):
                 if store.version != sent:
                     sent = store.version
                     yield f"event: progress\ndata: {json.dumps(store.snapshot())}\n\n"
-                    await asyncio.sleep(0.2)  # a burst of reports becomes one update
+                    await asyncio.sleep(0.5)  # a burst of reports becomes one update
                     continue
                 event = changed["event"]
                 event.clear()

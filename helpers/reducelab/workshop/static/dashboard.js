@@ -18,12 +18,16 @@ const now = () => Date.now() / 1000 + skew;
 const minutes = (s) => Math.max(0, Math.floor(s / 60));
 const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
 
+// Highlighted: the learner's latest report is a group call that timed out, or their
+// latest exercise check failed (on an exercise not passed since) N or more minutes ago.
 function flagOf(learner, stuckAfter) {
-  const last = learner.last;
-  if (!last) return null;
-  if (last.outcome === "timeout") return "⚠ group call timed out " + minutes(now() - last.at) + " min ago";
-  if (last.outcome === "failed" && last.kind === "exercise" && now() - last.at >= stuckAfter * 60)
-    return "⚠ stuck " + minutes(now() - last.at) + " min";
+  const last = learner.last, check = learner.last_check;
+  if (last && last.outcome === "timeout")
+    return "⚠ group call timed out " + minutes(now() - last.at) + " min ago";
+  if (check && check.outcome === "failed" && now() - check.at >= stuckAfter * 60) {
+    const cell = learner.cells[check.notebook + ":" + check.item];
+    if (!cell || cell.state !== "passed") return "⚠ stuck " + minutes(now() - check.at) + " min";
+  }
   return null;
 }
 
