@@ -80,6 +80,18 @@ def test_columns_are_every_question_and_exercise_of_the_notebooks():
     assert catalog.find("05", "answer_9") is None
 
 
+def test_serve_says_when_its_port_is_taken(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "reducelab", "workshop", "serve",
+                              "--port", str(port), "--data", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
+
+
 def test_serve_help_documents_its_options():
     out = subprocess.run([sys.executable, "-m", "reducelab", "workshop", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout
@@ -344,6 +356,17 @@ def test_a_report_holds_the_outcome_and_nothing_else(server, monkeypatch):
     assert [(r["notebook"], r["item"], r["outcome"]) for r in sent] == \
         [("11", "check_node_command", "failed"), ("11", "timeout", "timeout")]
     assert "secret_script" not in repr(sent)
+    # a question outside a notebook JupyterLab names is not sent (its column is unknown)
+    monkeypatch.delenv("JPY_SESSION_NAME")
+    checks._observer = observer
+    try:
+        from reducelab.checks import reveal
+        ns = {"reveal": reveal}
+        _cell("answer_1 = 3\nv = reveal(answer_1, 3, 'why')\n", "q", ns)
+        repr(ns["v"])
+    finally:
+        checks._observer = None
+    assert len(client._queue) == 2
 
 
 def test_a_group_call_that_timed_out_is_reported(server, monkeypatch):
