@@ -8,7 +8,9 @@ import tomllib
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONDA_NAMES = {"torch": "pytorch-cpu"}  # pip name -> conda-forge name, where they differ
+# pip name -> conda-forge name, where they differ (conda-forge's `playwright` is the Node
+# command line; `playwright-python` is the Python module the browser test imports)
+CONDA_NAMES = {"torch": "pytorch-cpu", "playwright": "playwright-python"}
 
 
 def _split(req: str) -> tuple[str, str]:
@@ -88,6 +90,14 @@ def test_a_wheel_carries_the_notebooks_and_the_reducelab_command(tmp_path):
                             text=True, env=run_env, cwd=tmp_path, timeout=300)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "Reduce Lab can run here." in doctor.stdout
+
+    # the workshop server and its dashboard page travel in the wheel (issue 24)
+    serve = subprocess.run([str(env_dir / "bin" / "reducelab"), "workshop", "serve", "--help"],
+                           capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=60)
+    assert serve.returncode == 0 and "--data DIR" in serve.stdout, serve.stderr
+    static = pathlib.Path(site) / "reducelab" / "workshop" / "static"
+    assert sorted(p.name for p in static.iterdir()) == \
+        ["dashboard.css", "dashboard.html", "dashboard.js"]
 
     lab = subprocess.run([str(env_dir / "bin" / "reducelab"), "lab", "--no-browser", "--dry-run"],
                          capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=60)

@@ -56,7 +56,7 @@ import psutil
 from . import processes
 from .capture import print_rank_outputs
 from .palette import RIGHT, TEXT_GREY, WAIT
-from .errors import GroupBusyError, GroupClosedError, RankError, RankReport
+from .errors import GroupBusyError, GroupClosedError, RankError, RankReport, notify
 from .progress import StartProgress
 from .reaper import Reaper
 
@@ -844,6 +844,7 @@ class LocalGroup:
             headline = f"{who} {verb} in {name}"
         else:
             collectives = {r: stacks[r]["collective"] for r in pending if r in stacks}
+            notify("timeout", seconds=self._timeout)  # a workshop's dashboard shows it
             headline = (f"{name} did not finish within {self._timeout:g} s on "
                         f"rank{'s' if len(pending) > 1 else ''} "
                         f"{', '.join(map(str, sorted(pending)))}")
