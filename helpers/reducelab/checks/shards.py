@@ -234,30 +234,30 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
     if not all(isinstance(v, (int, float)) for v in values):
         return failed(f"Your function returned {type(values[0]).__name__} on rank 0: return the "
                       f"norm as one number, a float (or a one-element tensor).")
-    if not all(_near(v, values[0]) for v in values):
-        listed = ", ".join(f"rank {r}: {v:.4g}" for r, v in enumerate(values))
-        return failed(f"The ranks returned different norms ({listed}). Every rank must clip with "
-                      f"the same factor, max_norm / norm, or the replicas of a parameter drift "
-                      f"apart: the norm needs a sum over ranks, which gives every rank the same number.")
-    got, squares = values[0], out[0]["squares"]
-    head = (f"Your function returns {got:.4g} on every rank; one process's gradient on the whole "
-            f"global batch has norm {want:.4g}.")
-    if _near(got, want):
+    same = all(_near(v, values[0]) for v in values)
+    listed = ", ".join(f"rank {r}: {v:.4g}" for r, v in enumerate(values))
+    head = (f"Your function returns {values[0]:.4g} on every rank" if same else
+            f"Your function returns different norms on the ranks ({listed})")
+    head += f"; one process's gradient on the whole global batch has norm {want:.4g}."
+    if same and _near(values[0], want):
         gathers = sum(sum(o["gathers"].values()) for o in out)
         if gathers:
             return failed(f"{head} The value is right, but your function called full_tensor() or "
                           f"redistribute(): that gathers the gradients onto every rank, the memory "
-                          f"FSDP2 saves. Only a few numbers need to "
-                          f"cross the ranks: sums of squares of each rank's local piece.")
+                          f"FSDP2 saves. Only a few numbers need to cross the ranks: sums of squares "
+                          f"of each rank's local piece.")
         return passed(f"{head} Every element counted once: the pieces split over dp and tp summed "
                       f"over all 4 ranks, the pieces the 2 tp ranks hold copies of summed over dp "
                       f"only. Two all_reduces of one number each, where gathering the gradients "
                       f"would move all 2,410 of them. This is the correction of NeMo-RL's pull "
                       f"request #3788, and what DTensor's _NormPartial does for clip_grad_norm_ "
                       f"when every parameter lives on one mesh.")
+
+    def each_rank_gave(way, how=math.sqrt) -> bool:
+        return all(_near(v, how(o["squares"][way])) for v, o in zip(values, out))
     diagnoses = [
-        ("local", f"It is the norm of rank 0's own piece (dp 0, tp 0) only: a norm of a sharded "
-                  f"gradient needs the other ranks' pieces, added as squares."),
+        ("local", "Each rank's number is the norm of its own piece only: a norm of a sharded "
+                  "gradient needs the other ranks' pieces, added as squares."),
         ("every rank", "Every rank's sum of squares was added over all 4 ranks, so what the 2 tp "
                        "ranks of one dp index both hold (0.bias, 2.weight, 2.bias: copies, not "
                        "pieces) was counted twice: NeMo-RL's bug (pull request #3788). Add the "
@@ -268,16 +268,20 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
                     "parameter (FSDP2's shards), so those must be added too."),
     ]
     for way, why in diagnoses:
-        if _near(got, math.sqrt(squares[way])):
+        if each_rank_gave(way):
             return failed(f"{head} {why}")
-    if _near(got, squares["right"]) or _near(got, want ** 2):
+    if each_rank_gave("right", lambda x: x):
         return failed(f"{head} It is the sum of squares: a 2-norm is its square root.")
     for way in ("every rank", "dp only", "tp only", "right"):
         for n in (2, 4):
-            if _near(got, math.sqrt(squares[way] / n)) or _near(got, squares[way] / n):
+            if each_rank_gave(way, lambda x: math.sqrt(x / n)) or each_rank_gave(way, lambda x: x / n):
                 return failed(f"{head} It looks like an average over {n} ranks (ReduceOp.AVG, or a "
                               f"division by the group's size): a norm adds the squares of the "
                               f"pieces, it does not average them.")
+    if not same:
+        return failed(f"{head} Every rank must clip with the same factor, max_norm / norm, or the "
+                      f"copies of a parameter drift apart: the norm needs sums over ranks, which "
+                      f"give every rank the same number.")
     return failed(f"{head} Add, on each rank, the squares of the elements it holds, then add "
                   f"those sums over the ranks that hold different elements, once per element.")
 

@@ -151,9 +151,11 @@ class CheckpointFigure:
         for ax, n in ((top, n_save), (bottom, n_load)):
             ax.set_ylim(n - 0.4, -0.6)
             ax.set_xlim(0, rows)
-            ax.grid(True, axis="x", color=PANEL_GREY)
+            ax.set_xticks(range(rows + 1), minor=True)            # row k spans k .. k + 1
+            ax.grid(True, axis="x", which="minor", color=PANEL_GREY)
+            ax.tick_params(axis="x", which="minor", length=0)
             ax.set_axisbelow(True)
-        bottom.set_xticks(range(0, rows + 1, step))
+        bottom.set_xticks([k + 0.5 for k in range(0, rows, step)], [str(k) for k in range(0, rows, step)])
         bottom.set_xlabel(f"row of {name} ({rows} rows; FSDP2 shards dim 0)")
         fig.suptitle(title or f"A DCP checkpoint of {name}, saved on {n_save} and loaded on {n_load} ranks")
         return png(fig)
