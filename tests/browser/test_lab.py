@@ -70,6 +70,7 @@ PLANS = {
     "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
     "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 1")),
     "11_when_ranks_disagree.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
+    "14_clipping_and_checkpoints_across_shards.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
     "15_fsdp2.ipynb": Plan(("answer_1 = None", "answer_1 = 2")),
 }
 """One entry per notebook; a notebook without an entry fails the test."""
