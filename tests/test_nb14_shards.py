@@ -536,7 +536,21 @@ def test_explorer_parameter_redraws_the_same_checkpoint(explorer):
     explorer.controls["parameter"].value = "0.weight"
     assert explorer.result is before and bytes(explorer.image.value) != image
     assert "0.weight is read: rank 0 from __0_0 and __1_0" in explorer.text()
+    explorer.refresh()                                  # a refresh (as the benchmark times) saves anew
+    assert explorer.result is not before and explorer.result.saved == before.saved
     assert PARAMETERS == ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+def test_explorer_things_to_try_say_what_it_shows(explorer):
+    explorer.controls["saved_on"].value = 2
+    explorer.controls["loaded_on"].value = 4
+    files = lambda name: [{s for _, _, s in pieces} for pieces in explorer.result.loaded[name]]  # noqa: E731
+    assert files("0.weight") == [{0}, {0}, {1}, {1}]
+    assert files("2.weight") == [{0}, {0, 1}, {1}, {1}]
+    assert "Saved on 2, loaded on 4: `0.weight`'s 32 rows split evenly" in cell_with("Things to try:")
+    explorer.controls["saved_on"].value = 4
+    assert all(sources == {k} for name in PARAMETERS
+               for k, sources in enumerate({s for _, _, s in p} for p in explorer.result.loaded[name]))
 
 
 def test_explorer_removes_its_folders(explorer, monkeypatch):

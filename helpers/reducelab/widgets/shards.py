@@ -102,14 +102,23 @@ class CheckpointExplorer(Explorer):
             "parameter": W.ToggleButtons(options=PARAMETERS, value=parameter, description="parameter",
                                          style={**style, "button_width": "72px"}),
         })
-        self._last = None
+        self._last, self._redraw_only = None, False
         self.refresh()
+
+    def _on_change(self, change) -> None:
+        # The parameter alone shows another part of the same checkpoint: redraw it. Any other
+        # change, or a call of refresh(), saves and loads a new one.
+        self._redraw_only = change.owner is self.controls["parameter"] and self._last is not None \
+            and self._last_group is self.group
+        try:
+            super()._on_change(change)
+        finally:
+            self._redraw_only = False
 
     def compute(self, saved_on, loaded_on, parameter) -> CheckpointResult:
         key = (saved_on, loaded_on)
-        if self._last is not None and self._last.saved_on == saved_on and \
-                self._last.loaded_on == loaded_on and self._last_group is self.group:
-            return self._last          # only the parameter changed: the same checkpoint
+        if self._redraw_only:
+            return self._last
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import MetadataIndex
         self.group.resize(max(key))      # a no-op when it already has that many ranks
