@@ -261,6 +261,35 @@ def no_square_root(model, mesh):
     return (split + copied).item()
 
 
+def mesh_only(model, mesh):
+    """Looks at the placement on the last mesh dimension only: model[2]'s Shard(0) over dp
+    passes for a piece over tp."""
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        sq = p.grad.to_local().pow(2).sum()
+        if p.grad.placements[-1].is_shard():
+            split += sq
+        else:
+            copied += sq
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("dp"))
+    return (split + copied).sqrt().item()
+
+
+def replicate_as_piece(model, mesh):
+    """Counts every DTensor of the 2-D mesh as pieces, 0.bias's Replicate() included."""
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        sq = p.grad.to_local().pow(2).sum()
+        if p.grad.device_mesh.ndim == 2:
+            split += sq
+        else:
+            copied += sq
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("dp"))
+    return (split + copied).sqrt().item()
+
+
 def averaged(model, mesh):
     s = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
     dist.all_reduce(s, op=dist.ReduceOp.AVG)
@@ -307,6 +336,8 @@ def test_the_solution_passes_and_the_stub_fails(group):
     (dp_only, "It is the sum over dp only"),
     (tp_only, "It is the sum over tp only"),
     (no_square_root, "It is the sum of squares"),
+    (mesh_only, "The gradients of model[2] (2.weight, 2.bias) live on the dp mesh only"),
+    (replicate_as_piece, "0.bias is Replicate() over tp"),
     (averaged, "It looks like an average over 4 ranks"),
     (gathered, "The value is right, but your function called full_tensor()"),
     (torchs_own, "torch's own clip_grad_norm_ (or get_total_norm) failing on this model"),

@@ -159,19 +159,29 @@ def exercise_run(global_grad_norm, X: torch.Tensor, y: torch.Tensor) -> dict:
         this rank's coordinates, "squares": {way: float}}``, where ``squares`` are the sums of
         squared gradient elements that the usual mistakes compute: ``"local"`` (this
         rank's shard), ``"every rank"`` (summed over all ranks), ``"dp only"`` and ``"tp
-        only"`` (summed over one mesh dimension), and ``"right"`` (each element once).
+        only"`` (summed over one mesh dimension), ``"dp mesh added over every rank"``
+        (``model[2]``'s copies counted once per tp rank), ``"Replicate() added over every
+        rank"`` (``0.bias``'s likewise), and ``"right"`` (each element once).
     """
     model, mesh = tp_model_after_backward(X, y, MESH_SHAPE[1], "left alone")
-    squares = {"split over tp": torch.zeros(()), "copied over tp": torch.zeros(())}
+    kinds = {"split over tp": torch.zeros((), dtype=torch.float64),        # 0.weight
+             "replicated over tp": torch.zeros((), dtype=torch.float64),   # 0.bias
+             "on the dp mesh": torch.zeros((), dtype=torch.float64)}       # 2.weight, 2.bias
     for p in model.parameters():
-        split = p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard()
-        squares["split over tp" if split else "copied over tp"] += p.grad.to_local().double().pow(2).sum()
-    local = squares["split over tp"] + squares["copied over tp"]
+        kind = ("on the dp mesh" if p.grad.device_mesh.ndim == 1 else
+                "split over tp" if p.grad.placements[1].is_shard() else "replicated over tp")
+        kinds[kind] += p.grad.to_local().double().pow(2).sum()
+    local = sum(kinds.values())
+    over_all = {kind: _sum_over(value) for kind, value in kinds.items()}
+    over_dp = {kind: _sum_over(value, mesh.get_group("dp")) for kind, value in kinds.items()}
     ways = {"local": local.item(), "every rank": _sum_over(local),
             "dp only": _sum_over(local, mesh.get_group("dp")),
             "tp only": _sum_over(local, mesh.get_group("tp")),
-            "right": _sum_over(squares["split over tp"]) + _sum_over(squares["copied over tp"],
-                                                                     mesh.get_group("dp"))}
+            "right": over_all["split over tp"] + over_dp["replicated over tp"] + over_dp["on the dp mesh"],
+            "dp mesh added over every rank": over_all["split over tp"] + over_dp["replicated over tp"]
+            + over_all["on the dp mesh"],
+            "Replicate() added over every rank": over_all["split over tp"] + over_all["replicated over tp"]
+            + over_dp["on the dp mesh"]}
     counts: dict = {}
     with _counting_gathers(counts):
         value = global_grad_norm(model, mesh)
@@ -266,6 +276,13 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
                     "well, so the other tp rank's columns are missing."),
         ("tp only", "It is the sum over tp only: the dp ranks hold different rows of every "
                     "parameter (FSDP2's shards), so those must be added too."),
+        ("dp mesh added over every rank", "The gradients of model[2] (2.weight, 2.bias) live on the "
+                                          "dp mesh only, yet both tp ranks of a dp index hold them: "
+                                          "copies over tp as well, counted twice here. Add them "
+                                          "over dp only."),
+        ("Replicate() added over every rank", "0.bias is Replicate() over tp: both tp ranks of a dp "
+                                              "index hold the same rows, counted twice here. Only a "
+                                              "Shard placement on the tp dimension makes pieces."),
     ]
     for way, why in diagnoses:
         if each_rank_gave(way):
