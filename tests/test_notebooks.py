@@ -238,3 +238,23 @@ def test_a_question_sets_the_world_size_it_needs(path):
             resize = src.find("group.resize(")
             assert 0 <= resize < run.start(), f"question cell without group.resize first: " \
                                               f"{src.splitlines()[0][:80]}"
+
+
+HEADER = re.compile(r"^\*About (\d+) min to study · about (\d+) s to run top to bottom[ ,·]",
+                    re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_the_header_gives_the_study_time_and_the_run_time_the_readme_gives(path):
+    """One study unit of 30 to 45 minutes, with its run time; the README's table agrees."""
+    header = source(load(path)["cells"][0])
+    match = HEADER.search(header)
+    assert match, f"{path.name}: the header's second line must read '*About N min to study · " \
+                  f"about S s to run top to bottom · ...*'"
+    study, run = int(match.group(1)), int(match.group(2))
+    assert 30 <= study <= 45, f"{path.name}: {study} min is not one study unit (30 to 45 min)"
+    row = next((line for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("| ") and f"`{path.name}`" in line), None)
+    assert row, f"README.md's notebook table has no row for {path.name}"
+    assert row.rstrip().endswith(f"| about {run} s |"), \
+        f"README.md gives another run time for {path.name} than its header ({run} s): {row[-40:]}"
