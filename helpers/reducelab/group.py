@@ -41,8 +41,6 @@ import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
-import re
-import signal
 import sys
 import tempfile
 import threading
@@ -53,10 +51,10 @@ from multiprocessing.connection import wait as mp_wait
 import cloudpickle
 import psutil
 
-from . import processes
+from . import processes, reports
 from .capture import print_rank_outputs
 from .palette import RIGHT, TEXT_GREY, WAIT
-from .errors import GroupBusyError, GroupClosedError, RankError, RankReport
+from .errors import GroupBusyError, GroupClosedError, RankError
 from .progress import StartProgress
 from .reaper import Reaper
 
@@ -89,23 +87,6 @@ def loopback_interface() -> str:
         if any(a.address == "127.0.0.1" for a in addrs):
             return name
     raise RuntimeError("no network interface holds 127.0.0.1; gloo cannot be kept on loopback")
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "died"
-    if code < 0:
-        try:
-            return f"died: killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"died: killed by signal {-code}"
-    return f"died: exited with code {code} without returning"
-
-
-def _error_kind(summary: str) -> str:
-    """``"ValueError"`` from ``"ValueError: bad"``; ``"an error"`` for a sentence."""
-    head = summary.split(":")[0]
-    return head if re.fullmatch(r"[A-Za-z_][\w.]*", head) else "an error"
 
 
 _RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME")
@@ -362,8 +343,7 @@ class LocalGroup:
             if self._state == "idle":
                 dead = {p.rank: p.exitcode() for p in self._procs if p.exitcode() is not None}
                 if dead:
-                    print(f"Note: {'; '.join(f'rank {r} {_describe_exit(c)}' for r, c in dead.items())}"
-                          f" while idle; starting {self._world_size} fresh ranks.", file=sys.stderr)
+                    print(reports.idle_deaths(dead, self._world_size), file=sys.stderr)
                     self._shutdown()
             if self._state != "idle":
                 deadline = self._start(deadline)
@@ -584,17 +564,10 @@ class LocalGroup:
         errors = {r: m for r, m in replies.items() if m["kind"] != "ready"}
         progress.done(len(replies) - len(errors), ok=not (errors or died or pending))
         if errors or died or pending:
-            reports = [RankReport(r, "raised", m["summary"], m["traceback"])
-                       for r, m in errors.items()]
-            reports += [RankReport(r, "died", _describe_start_death(c, r in self._booted))
-                        for r, c in died.items()]
-            reports += [RankReport(r, "stuck", f"did not finish importing torch within "
-                                               f"{BOOT_LIMIT:g} s" if r in unbooted else
-                                               f"did not join within {self._timeout:g} s")
-                        for r in pending]
             self._shutdown()
-            raise RankError(f"the {self._world_size} ranks could not start a "
-                            f"{self._backend} process group", reports)
+            raise reports.start_failure(self._world_size, self._backend, self._timeout,
+                                        BOOT_LIMIT, errors, died, pending, unbooted,
+                                        self._booted)
         self._set_state("idle")
         return deadline
 
@@ -773,8 +746,7 @@ class LocalGroup:
             stacks = {r: m for r, m in stacks.items() if r in pending}
         except KeyboardInterrupt:
             self._shutdown()
-            print(f"Interrupted: the {self._world_size} ranks were stopped; they restart "
-                  f"at the next run().", file=sys.stderr)
+            print(reports.interrupted(self._world_size), file=sys.stderr)
             raise
         self._check_open("run()")
         outputs = {r: (m["out"], m["err"]) for r, m in {**replies, **stacks}.items()
@@ -782,7 +754,7 @@ class LocalGroup:
         print_rank_outputs(outputs)
         failed = any(m["kind"] != "done" for m in replies.values()) or died or pending
         if not failed:
-            results, bad = [], []
+            results, bad = [], {}
             for r in range(self._world_size):
                 data = b"".join(self._chunks.pop(r, [])) + replies[r]["result"]
                 try:
@@ -790,10 +762,9 @@ class LocalGroup:
                 except KeyboardInterrupt:
                     raise
                 except BaseException as e:  # noqa: BLE001 - a __reduce__ may call sys.exit
-                    bad.append(RankReport(r, "raised", "its return value could not be "
-                                          f"unpickled in the kernel: {type(e).__name__}: {e}"))
+                    bad[r] = e
             if bad:
-                raise RankError(f"{name} returned a value the kernel cannot load", bad)
+                raise reports.unloadable(name, bad)
             self._check_default_groups(name, replies)
             return results
         raise self._failure(name, replies, died, pending, stacks)
@@ -806,69 +777,21 @@ class LocalGroup:
         if up and down:
             self._restart_next = True
             self._set_state("stopped")
-            print(f"Note: {name} destroyed the default process group on "
-                  f"rank{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} only; "
-                  f"{self._world_size} fresh ranks start at the next run().", file=sys.stderr)
+            print(reports.destroyed_on_some(name, down, self._world_size), file=sys.stderr)
 
     def _failure(self, name, replies, died, pending, stacks) -> RankError:
-        reports = []
-        restart = bool(died or pending)
-        for r, m in replies.items():
-            if m["kind"] == "error":
-                reports.append(RankReport(r, "raised", m["summary"], m["traceback"]))
-                restart = restart or m["in_distributed"] or not m.get("pg", True)
-            else:
-                reports.append(RankReport(r, "returned", f"{name} returned"))
-        for r, code in died.items():
-            reports.append(RankReport(r, "died", _describe_exit(code)))
-        for r in pending:
-            if r in stacks:
-                m = stacks[r]
-                reports.append(RankReport(r, "stuck", m["summary"], m["traceback"],
-                                          m["collective"]))
-            elif r in self._returned:
-                reports.append(RankReport(r, "stuck", f"{name} returned; its return value was "
-                                                      f"still being pickled or sent"))
-            else:
-                reports.append(RankReport(r, "stuck", "was still running"))
-        raised = sorted(r for r, m in replies.items() if m["kind"] == "error")
-        if died:
-            r = min(died)
-            headline = f"rank {r} {_describe_exit(died[r])} during {name}"
-        elif raised:
-            kinds = sorted({_error_kind(replies[r]["summary"]) for r in raised})
-            who = f"rank {raised[0]}" if len(raised) == 1 else \
-                f"ranks {', '.join(map(str, raised))}"
-            named = [k for k in kinds if k != "an error"]
-            verb = f"raised {' / '.join(named)}" if named else "failed"
-            headline = f"{who} {verb} in {name}"
-        else:
-            collectives = {r: stacks[r]["collective"] for r in pending if r in stacks}
-            headline = (f"{name} did not finish within {self._timeout:g} s on "
-                        f"rank{'s' if len(pending) > 1 else ''} "
-                        f"{', '.join(map(str, sorted(pending)))}")
-            in_collective = {c for c in collectives.values() if c}
-            if in_collective and (len(set(collectives.values())) > 1 or any(
-                    m["kind"] == "done" for m in replies.values())):
-                headline += ": the ranks are not in the same collective"
-        hint = ""
+        """The error of a failed call (worded in :mod:`reducelab.reports`); the ranks
+        are stopped first when it says that fresh ones start."""
+        error, restart = reports.run_failure(name, self._world_size, self._timeout, replies,
+                                             died, pending, stacks, self._returned)
         if restart:
-            hint = (f"The ranks were stopped; {self._world_size} fresh ranks start at the "
-                    f"next run().")
             self._shutdown()
-        return RankError(headline, reports, hint)
+        return error
 
 
 _CLOSED = "this LocalGroup is closed; create a new one (in a notebook: run the setup cell again)"
 _CLOSED_DURING = ("this LocalGroup was closed while {what} was in progress; its ranks were "
                   "stopped. Create a new one to go on (in a notebook: run the setup cell again).")
-
-
-def _describe_start_death(code: int | None, booted: bool) -> str:
-    if booted:
-        return f"{_describe_exit(code)} while joining the process group"
-    return (f"{_describe_exit(code)} before its imports were done; anything it printed "
-            f"went to the terminal that started this kernel")
 
 
 def _rank_main(*args) -> None:
