@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import html
 import linecache
 import multiprocessing as mp
 import multiprocessing.util
@@ -51,9 +50,8 @@ from multiprocessing.connection import wait as mp_wait
 import cloudpickle
 import psutil
 
-from . import processes, reports
+from . import display, processes, reports
 from .capture import print_rank_outputs
-from .palette import RIGHT, TEXT_GREY, WAIT
 from .errors import GroupBusyError, GroupClosedError, RankError
 from .progress import StartProgress
 from .reaper import Reaper
@@ -439,21 +437,12 @@ class LocalGroup:
         self.close()
 
     def __repr__(self) -> str:
-        env = f", env={self._env!r}" if self._env else ""
-        return (f"LocalGroup(world_size={self._world_size}, backend={self._backend!r}, "
-                f"timeout={self._timeout:g}{env}, state={self._state!r}, "
-                f"alive={self.alive}/{self._world_size})")
+        return display.group_repr(self._world_size, self._backend, self._timeout, self._env,
+                                  self._state, self.alive)
 
     def _repr_html_(self) -> str:
-        colour = {"idle": RIGHT, "running": WAIT}
-        dots = "".join(
-            f'<span title="rank {p.rank}: {"alive" if p.exitcode() is None else "dead"}">'
-            f'{"●" if p.exitcode() is None else "✕"}</span>'
-            for p in self._procs) or "–"
-        return (f'<div style="font-family:monospace"><b>LocalGroup</b> '
-                f'backend={html.escape(self._backend)} world_size={self._world_size} '
-                f'timeout={self._timeout:g}s ranks alive {self.alive}/{self._world_size} {dots} '
-                f'<span style="color:{colour.get(self._state, TEXT_GREY)}">{self._state}</span></div>')
+        return display.group_html(self._world_size, self._backend, self._timeout, self._state,
+                                  [p.exitcode() is None for p in self._procs])
 
     # --- one call at a time -----------------------------------------------------------
     def _check_open(self, what: str) -> None:
