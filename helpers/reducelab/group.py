@@ -34,25 +34,20 @@ Design, and the failures of the usual tools it avoids:
 from __future__ import annotations
 
 import atexit
-import contextlib
-import linecache
 import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
 import sys
 import tempfile
-import threading
 import time
 import weakref
-from multiprocessing.connection import wait as mp_wait
 
-import cloudpickle
 import psutil
 
 from . import display, processes, reports
 from .capture import print_rank_outputs
-from .errors import GroupBusyError, GroupClosedError, RankError
+from .dispatch import Call, CallGate, new_sources, outputs, pack
 from .progress import StartProgress
 from .reaper import Reaper
 
@@ -62,18 +57,15 @@ BACKENDS = ("gloo",)
 MAX_WORLD_SIZE = 64
 MARGIN = 3.0
 """Seconds a call may take beyond its ``timeout``: the other ranks' time to report a
-failure (``_GRACE``), the stuck ranks' time to say where they are (``_STACK_WAIT``),
-and stopping the ranks."""
-_GRACE = 1.0  # seconds the other ranks get to report once one rank has failed
-_DEATH_GRACE = 0.3  # seconds the other ranks get to report once a rank has died
-_STACK_WAIT = 1.0  # seconds to wait for stuck ranks to say where they are
+failure (:data:`reducelab.dispatch.GRACE`), the stuck ranks' time to say where they are
+(:data:`reducelab.dispatch.STACK_WAIT`), and stopping the ranks."""
 _POLITE_WAIT = 0.5  # seconds idle ranks get to leave the process group before being killed
 _CLOSE_WAIT = 5.0  # seconds close() waits for a run() in another thread to stop
 BOOT_LIMIT = 120.0
 """Seconds a starting rank may take to import torch before it is called stuck: a fraction
 of a second from the forkserver, a few seconds with the spawn start method (Windows);
 not counted against ``timeout``."""
-_CAN_WAKE = sys.platform != "win32"  # multiprocessing's wait() takes pipe fds on POSIX only
+
 
 def loopback_interface() -> str:
     """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS).
@@ -142,13 +134,6 @@ class _Proc:
             return self.process.exitcode
         except ValueError:  # already closed
             return None
-
-
-def _close_fds(*fds: int | None) -> None:
-    for fd in fds:
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
@@ -231,27 +216,15 @@ class LocalGroup:
         self._procs: list[_Proc] = []
         self._tmpdir: str | None = None
         self._state = "stopped"
-        self._closed = False
-        self._sent_sources: set[str] = set()
-        self._returned: dict[int, float] = {}  # rank -> when its fn returned (this call)
-        self._chunks: dict[int, list[bytes]] = {}  # rank -> chunks of its value (this call)
-        self._last_progress = 0.0  # when a chunk of a rank's value last arrived (this call)
+        self._sent_sources: set[str] = set()  # cells the ranks have seen (this start)
         self._restart_next = False  # the ranks disagree on the default process group
-        self._booted: set[int] = set()  # ranks whose imports are done (this start)
         self.restarts = 0
         """How many times the ranks were (re)started, the first start included."""
         self._finalizer = None
-        self._lock = threading.Lock()  # held by the one call in progress
-        self._owner: int | None = None  # the thread that holds it
-        self._flags = threading.Lock()  # guards _closed and the wake pipe
-        self._wake_r = self._wake_w = None
-        if _CAN_WAKE:  # close() wakes a run() waiting in another thread through it
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_w, False)
-        self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._gate = CallGate(self._timeout)  # one call at a time; close from any thread
         _LIVE.add(self)
         deadline = time.monotonic() + self._timeout
-        with self._exclusive("LocalGroup()", deadline):
+        with self._gate.exclusive("LocalGroup()", deadline, self._shutdown):
             self._start(deadline, announce=True)
         _STARTED[:] = [r for r in _STARTED if r() is not None] + [weakref.ref(self)]
 
@@ -292,7 +265,7 @@ class LocalGroup:
         return self._state
 
     def _set_state(self, state: str) -> None:
-        if not self._closed:  # once closed, always closed
+        if not self._gate.closed:  # once closed, always closed
             self._state = state
 
     def run(self, fn, *args, **kwargs) -> list:
@@ -337,7 +310,7 @@ class LocalGroup:
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
         deadline = time.monotonic() + self._timeout
-        with self._exclusive("run()", deadline):
+        with self._gate.exclusive("run()", deadline, self._shutdown):
             if self._state == "idle":
                 dead = {p.rank: p.exitcode() for p in self._procs if p.exitcode() is not None}
                 if dead:
@@ -345,32 +318,24 @@ class LocalGroup:
                     self._shutdown()
             if self._state != "idle":
                 deadline = self._start(deadline)
-            sources = self._new_sources()  # after any restart: fresh ranks need every cell
-            try:
-                payload = cloudpickle.dumps((fn, args, kwargs, os.getcwd(), sources),
-                                            protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as e:
-                raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its "
-                                f"arguments to the ranks: {type(e).__name__}: {e}") from None
-            self._check_open("run()")
+            # after any restart: fresh ranks need every cell
+            sources = new_sources(self._sent_sources)
+            payload = pack(fn, args, kwargs, sources)
+            self._gate.check_open("run()")
             self._sent_sources.update(sources)
             name = getattr(fn, "__name__", "fn")
             self._set_state("running")
-            self._returned, self._chunks = {}, {}
+            call = Call(self._procs, self._gate, self._timeout)
             try:
                 try:
                     with processes.interrupts_deferred():  # every rank gets the job
-                        for p in self._procs:
-                            try:
-                                p.send({"kind": "run", "payload": payload})
-                            except OSError:
-                                pass  # the rank died just now: _gather sees its sentinel
+                        call.send({"kind": "run", "payload": payload})
                 except BaseException:  # interrupted: the ranks run a job nobody waits for
                     self._shutdown()
                     raise
-                return self._collect_results(name, deadline)
+                return self._collect_results(name, call, deadline)
             finally:
-                self._chunks = {}  # a large value of a failed call is not kept
+                call.chunks.clear()  # a large value of a failed call is not kept
                 if self._state == "running":
                     self._set_state("idle")
 
@@ -389,7 +354,7 @@ class LocalGroup:
         """
         _validate(world_size, self._backend, self._timeout)
         deadline = time.monotonic() + self._timeout
-        with self._exclusive("resize()", deadline):
+        with self._gate.exclusive("resize()", deadline, self._shutdown):
             if world_size == self._world_size and self._state == "idle" and \
                     not self._restart_next:
                 return
@@ -406,24 +371,13 @@ class LocalGroup:
         Returns within about :data:`MARGIN` seconds (or 5 s if another thread's call is
         busy in the kernel, unpickling a large result, say).
         """
-        with self._flags:
-            if self._closed:
-                return
-            self._closed = True
-            self._state = "closed"
-            if self._wake_w is not None and self._fds.alive:
-                with contextlib.suppress(OSError):
-                    os.write(self._wake_w, b"x")  # wake a run() waiting in another thread
+        if not self._gate.close():  # wakes a run() waiting in another thread
+            return
+        self._state = "closed"
         _LIVE.discard(self)
-        if self._owner == threading.get_ident():
+        if self._gate.held_here():
             return  # inside this thread's own call: it stops everything when it returns
-        if self._lock.acquire(timeout=_CLOSE_WAIT):
-            try:
-                self._shutdown(polite=True)
-            finally:
-                self._lock.release()
-                self._fds()  # no call can be waiting on the wake pipe any more
-        else:
+        if not self._gate.when_free(lambda: self._shutdown(polite=True), _CLOSE_WAIT):
             # another thread's call is busy in the kernel: stop the ranks under it (its
             # next wait or send fails and it raises GroupClosedError), and let it clean up
             finalizer = self._finalizer
@@ -443,44 +397,6 @@ class LocalGroup:
     def _repr_html_(self) -> str:
         return display.group_html(self._world_size, self._backend, self._timeout, self._state,
                                   [p.exitcode() is None for p in self._procs])
-
-    # --- one call at a time -----------------------------------------------------------
-    def _check_open(self, what: str) -> None:
-        """Raise :class:`GroupClosedError` if :meth:`close` came meanwhile."""
-        if self._closed:
-            raise GroupClosedError(_CLOSED_DURING.format(what=what))
-
-    @contextlib.contextmanager
-    def _exclusive(self, what: str, deadline: float):
-        """Hold the group for one call: wait for another thread's call until ``deadline``
-        (the call's own bound), then run; stop everything if the group was closed."""
-        if self._owner == threading.get_ident():
-            raise RuntimeError(f"{what} was called while this thread is already inside a "
-                               f"call on the same LocalGroup (from a callback?); call it "
-                               f"after that call returns")
-        if self._closed:
-            raise GroupClosedError(_CLOSED)
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise GroupBusyError(f"{what} waited {self._timeout:g} s for another thread's "
-                                 f"call on this LocalGroup to finish, and it has not; "
-                                 f"nothing was run. Try again when it has returned.")
-        self._owner = threading.get_ident()
-        try:
-            if self._closed:
-                raise GroupClosedError(_CLOSED)
-            yield
-        except (OSError, ValueError, EOFError, IndexError, KeyError) as e:
-            if not self._closed:
-                raise
-            raise GroupClosedError(_CLOSED_DURING.format(what=what)) from e
-        finally:
-            self._owner = None
-            if self._closed:
-                self._shutdown()
-            self._lock.release()
-            if self._closed:
-                with self._flags:
-                    self._fds()
 
     # --- lifecycle --------------------------------------------------------------------
     def _start(self, deadline: float, announce: bool = False) -> float:
@@ -535,14 +451,15 @@ class LocalGroup:
         self.restarts += 1
         progress = StartProgress(self._world_size, self._backend,
                                  self._progress if announce else False)
+        call = Call(procs, self._gate, self._timeout)
         try:
             booted_at = time.monotonic()
-            state = self._gather(booted_at + BOOT_LIMIT, stop_on_error=True, until="booted")
+            state = call.gather(booted_at + BOOT_LIMIT, stop_on_error=True, until="booted")
             deadline += time.monotonic() - booted_at  # importing torch (spawn) is not the call's
             replies, died, pending = state
             unbooted = set(pending)
             if not died:
-                replies, died, pending = self._gather(
+                replies, died, pending = call.gather(
                     deadline, stop_on_error=True, state=(replies, died, set(range(len(procs)))
                                                          - set(replies) - set(died)),
                     on_reply=progress.update)
@@ -556,7 +473,7 @@ class LocalGroup:
             self._shutdown()
             raise reports.start_failure(self._world_size, self._backend, self._timeout,
                                         BOOT_LIMIT, errors, died, pending, unbooted,
-                                        self._booted)
+                                        call.booted)
         self._set_state("idle")
         return deadline
 
@@ -576,187 +493,30 @@ class LocalGroup:
             self._procs, self._tmpdir = [], None
             self._set_state("stopped")
 
-    def _new_sources(self) -> dict[str, list[str]]:
-        """Cell sources the ranks have not seen, so remote tracebacks show the code line.
-
-        The caller marks them as sent (``_sent_sources``) once the job is pickled."""
-        new = {}
-        for filename, entry in list(linecache.cache.items()):
-            if filename in self._sent_sources or len(entry) < 3:
-                continue
-            if entry[1] is None or not os.path.exists(filename):  # a cell, not a file
-                new[filename] = entry[2]
-        return new
-
-    # --- waiting ----------------------------------------------------------------------
-    def _wait_list(self, objects: list) -> list:
-        return objects + ([self._wake_r] if self._wake_r is not None else [])
-
-    def _gather(self, deadline: float, stop_on_error: bool, state=None, on_reply=None,
-                until: str = "reply"):
-        """Wait for one message from every rank, or until ``deadline`` (monotonic seconds).
-
-        Returns ``(replies, died, pending)``: messages by rank, exit codes of the ranks
-        that died, and the ranks that had not answered. Once a rank fails, the others
-        get ``_GRACE`` seconds; a death ends the wait soon after. Pass a previous return
-        value as ``state`` to go on waiting; ``on_reply(n)`` is called with the number of
-        ``ready`` replies after each one. With ``until="booted"`` the wait ends for a rank
-        once it has booted (its imports done); an error it sends first is a reply.
-
-        Only ``ready``, ``done`` and ``error`` are replies; ``returned`` and ``chunk``
-        record a value on its way; anything else (a late ``stack`` or ``closed``) is
-        ignored.
-
-        Raises:
-            GroupClosedError: :meth:`close` was called from another thread meanwhile.
-        """
-        if until == "booted":
-            self._booted = set()
-        replies, died, pending = state or ({}, {}, set(range(len(self._procs))))
-        cut = deadline
-        while pending:
-            left = cut - time.monotonic()
-            if left <= 0:
-                break
-            by_conn = {self._procs[r].conn: r for r in pending}
-            by_sentinel = {self._procs[r].process.sentinel: r for r in pending}
-            ready = mp_wait(self._wait_list(list(by_conn) + list(by_sentinel)), timeout=left)
-            self._check_open("the call")
-            for obj in ready:
-                r = by_conn.get(obj, by_sentinel.get(obj))
-                if r not in pending:
-                    continue
-                proc = self._procs[r]
-                if obj in by_conn or proc.conn.poll():
-                    try:
-                        msg = proc.recv()
-                    except (EOFError, OSError):
-                        msg = None
-                    if msg is not None:
-                        kind = msg["kind"]
-                        if kind in ("returned", "chunk"):
-                            self._value_moved(r, msg)  # its result is on its way
-                        elif kind == "booted":
-                            self._booted.add(r)
-                            if until == "booted":
-                                pending.discard(r)
-                        elif kind in ("ready", "done", "error"):
-                            replies[r] = msg
-                            pending.discard(r)
-                            if kind == "done" and msg.get("chunks"):
-                                self._last_progress = time.monotonic()
-                            if on_reply is not None:
-                                on_reply(sum(1 for m in replies.values() if m["kind"] == "ready"))
-                                self._check_open("the call")
-                            if stop_on_error and kind == "error":
-                                self._chunks.pop(r, None)
-                                cut = min(cut, time.monotonic() + _GRACE)
-                        continue
-                proc.process.join(0.5)
-                died[r] = proc.exitcode()
-                pending.discard(r)
-                # a dead rank: do not wait on the rest, but let the ranks it left inside a
-                # collective report the error gloo gives them (a closed connection)
-                cut = min(cut, time.monotonic() + _DEATH_GRACE)
-        return replies, died, pending
-
-    def _where(self, ranks: set[int]) -> tuple[dict[int, dict], dict[int, dict]]:
-        """Ask running ranks where they are.
-
-        Returns ``(stacks, late)``: ``{rank: stack message}`` and the ``done``/``error``
-        replies that arrived meanwhile (a rank that finished just then, or one whose big
-        return value was on its way); the caller counts those as replies."""
-        asked = {}
-        for r in ranks:
-            p = self._procs[r]
-            if p.exitcode() is None:
-                try:
-                    p.send({"kind": "stack"})
-                    asked[r] = p
-                except (OSError, ValueError):
-                    pass
-        answers, late = {}, {}
-        deadline = time.monotonic() + _STACK_WAIT
-        while asked and time.monotonic() < deadline:
-            ready = mp_wait(self._wait_list([p.conn for p in asked.values()]),
-                            timeout=max(0.0, deadline - time.monotonic()))
-            self._check_open("the call")
-            for conn in ready:
-                r = next((r for r, p in asked.items() if p.conn is conn), None)
-                if r is None:
-                    continue
-                try:
-                    msg = asked[r].recv()
-                except (EOFError, OSError):
-                    del asked[r]
-                    continue
-                if msg["kind"] in ("returned", "chunk"):
-                    self._value_moved(r, msg)
-                    continue
-                if msg["kind"] == "stack":
-                    answers[r] = msg
-                elif msg["kind"] in ("done", "error"):
-                    late[r] = msg  # its reply came first; its stack answer comes late
-                else:
-                    continue
-                del asked[r]
-        return answers, late
-
-    def _value_moved(self, rank: int, msg: dict) -> None:
-        """Record a ``returned`` or ``chunk`` message: the rank's value is on its way.
-
-        Only a chunk is progress: a value that is still being pickled when the timeout
-        ends gets no more time (a pickler that hangs must not extend the call)."""
-        now = time.monotonic()
-        self._returned.setdefault(rank, now)
-        if msg["kind"] == "chunk":
-            self._last_progress = now
-            self._chunks.setdefault(rank, []).append(msg["data"])
-
-    def _collect_results(self, name: str, deadline: float) -> list:
-        self._last_progress = 0.0
+    def _collect_results(self, name: str, call: Call, deadline: float) -> list:
+        """Wait for the ranks' replies to ``call``'s job until ``deadline``, print what
+        they printed, and return their values; or raise the failure, having stopped the
+        ranks when fresh ones must start."""
         try:
-            state = self._gather(deadline, True)
-            while True:
-                replies, died, pending = state
-                stacks = {}
-                if pending:
-                    stacks, late = self._where(pending)
-                    replies.update(late)
-                    pending -= set(late)
-                arriving = pending and not died and set(pending) <= set(self._returned) \
-                    and all(m["kind"] == "done" for m in replies.values())
-                # fn returned everywhere in time and large values are still arriving in
-                # chunks: go on while they arrive, each chunk within a timeout of the last
-                if not arriving or time.monotonic() - self._last_progress >= self._timeout:
-                    break
-                state = self._gather(self._last_progress + self._timeout, True,
-                                     (replies, died, pending))
-            stacks = {r: m for r, m in stacks.items() if r in pending}
+            replies, died, pending, stacks = call.wait(deadline)
         except KeyboardInterrupt:
             self._shutdown()
             print(reports.interrupted(self._world_size), file=sys.stderr)
             raise
-        self._check_open("run()")
-        outputs = {r: (m["out"], m["err"]) for r, m in {**replies, **stacks}.items()
-                   if "out" in m}
-        print_rank_outputs(outputs)
+        self._gate.check_open("run()")
+        print_rank_outputs(outputs(replies, stacks))
         failed = any(m["kind"] != "done" for m in replies.values()) or died or pending
         if not failed:
-            results, bad = [], {}
-            for r in range(self._world_size):
-                data = b"".join(self._chunks.pop(r, [])) + replies[r]["result"]
-                try:
-                    results.append(cloudpickle.loads(data))
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as e:  # noqa: BLE001 - a __reduce__ may call sys.exit
-                    bad[r] = e
-            if bad:
-                raise reports.unloadable(name, bad)
+            results, unloadable = call.results(replies)
+            if unloadable:
+                raise reports.unloadable(name, unloadable)
             self._check_default_groups(name, replies)
             return results
-        raise self._failure(name, replies, died, pending, stacks)
+        error, restart = reports.run_failure(name, self._world_size, self._timeout, replies,
+                                             died, pending, stacks, call.returned)
+        if restart:
+            self._shutdown()
+        raise error
 
     def _check_default_groups(self, name: str, replies: dict) -> None:
         """After a successful call: ranks that destroyed their default process group
@@ -767,20 +527,6 @@ class LocalGroup:
             self._restart_next = True
             self._set_state("stopped")
             print(reports.destroyed_on_some(name, down, self._world_size), file=sys.stderr)
-
-    def _failure(self, name, replies, died, pending, stacks) -> RankError:
-        """The error of a failed call (worded in :mod:`reducelab.reports`); the ranks
-        are stopped first when it says that fresh ones start."""
-        error, restart = reports.run_failure(name, self._world_size, self._timeout, replies,
-                                             died, pending, stacks, self._returned)
-        if restart:
-            self._shutdown()
-        return error
-
-
-_CLOSED = "this LocalGroup is closed; create a new one (in a notebook: run the setup cell again)"
-_CLOSED_DURING = ("this LocalGroup was closed while {what} was in progress; its ranks were "
-                  "stopped. Create a new one to go on (in a notebook: run the setup cell again).")
 
 
 def _rank_main(*args) -> None:
