@@ -1,9 +1,20 @@
 """LocalGroup: a gloo process group of local ranks, driven from notebook cells.
 
-Introduced in notebook 01; every notebook builds on it. This module is the kernel side
-of the group's lifecycle: start the ranks, send them work, collect results, report
-failures, stop them. The loop each rank runs is in :mod:`reducelab.rank_loop`; starting
-and stopping processes is in :mod:`reducelab.processes`.
+Introduced in notebook 01; every notebook builds on it. ``LocalGroup`` keeps the public
+API and delegates to one room per concern; this module is its **lifecycle**: starting
+the ranks under a deadline (and again after a failure), resizing, closing, and the
+registry of open groups that explorers follow (:func:`current_group`). The other rooms,
+kernel side:
+
+* :mod:`reducelab.launch`: the settings checked, one process and one pipe per rank;
+* :mod:`reducelab.dispatch`: one call at a time, the job sent to every rank, the
+  replies gathered under one deadline, large return values moved in chunks;
+* :mod:`reducelab.reports`: the wording of every failure and restart note;
+* :mod:`reducelab.display`: the group's ``repr`` and HTML line;
+* :mod:`reducelab.processes`: the forkserver, and stopping a rank with all it started.
+
+On each rank: :mod:`reducelab.rank_loop`, the loop each rank runs, which also makes it
+behave like torchrun's processes.
 
 Design, and the failures of the usual tools it avoids:
 
@@ -14,9 +25,6 @@ Design, and the failures of the usual tools it avoids:
   (Windows) ranks are started with ``spawn``.
 * Functions travel by value with **cloudpickle**, so functions, lambdas and closures
   defined in cells work (``torch.multiprocessing.spawn`` cannot pickle them).
-* Ranks behave like torchrun's processes (see :mod:`reducelab.rank_loop`): they may
-  start processes, classes defined in cells pickle by reference, and a function may
-  destroy and re-create the default process group.
 * Rendezvous is a **FileStore** in a private (0700) temporary directory, and gloo is
   pinned to the loopback interface: nothing listens beyond 127.0.0.1, and the only
   channel into a rank is a socket pair whose other end the kernel holds.
@@ -37,24 +45,19 @@ import atexit
 import multiprocessing as mp
 import multiprocessing.util
 import os
-import pickle
 import sys
 import tempfile
 import time
 import weakref
 
-import psutil
-
 from . import display, processes, reports
 from .capture import print_rank_outputs
 from .dispatch import Call, CallGate, new_sources, outputs, pack
+from .launch import BACKENDS, MAX_WORLD_SIZE, _Proc, loopback_interface, start_ranks, validate, \
+    validate_env
 from .progress import StartProgress
 from .reaper import Reaper
 
-BACKENDS = ("gloo",)
-"""Backends LocalGroup can start. gloo is the one torch backend that runs on any CPU."""
-
-MAX_WORLD_SIZE = 64
 MARGIN = 3.0
 """Seconds a call may take beyond its ``timeout``: the other ranks' time to report a
 failure (:data:`reducelab.dispatch.GRACE`), the stuck ranks' time to say where they are
@@ -65,75 +68,6 @@ BOOT_LIMIT = 120.0
 """Seconds a starting rank may take to import torch before it is called stuck: a fraction
 of a second from the forkserver, a few seconds with the spawn start method (Windows);
 not counted against ``timeout``."""
-
-
-def loopback_interface() -> str:
-    """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS).
-
-    Raises:
-        RuntimeError: if no interface holds 127.0.0.1.
-    """
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addrs):
-            return name
-    raise RuntimeError("no network interface holds 127.0.0.1; gloo cannot be kept on loopback")
-
-
-_RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME")
-
-
-def _validate_env(env) -> dict[str, str]:
-    if env is None:
-        return {}
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                            for k, v in env.items()):
-        raise TypeError(f"env must be a dict of str to str, such as "
-                        f"{{'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}}, got {env!r}")
-    taken = [k for k in env if k in _RESERVED_ENV]
-    if taken:
-        raise ValueError(f"env cannot set {', '.join(taken)}: LocalGroup sets "
-                         f"{', '.join(_RESERVED_ENV)} on every rank itself")
-    return dict(env)
-
-
-def _validate(world_size, backend, timeout) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int from 1 to {MAX_WORLD_SIZE}, "
-                        f"got {world_size!r} ({type(world_size).__name__})")
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be from 1 to {MAX_WORLD_SIZE}, got {world_size}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))} "
-                         f"(CPU only), got {backend!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if not timeout > 0 or timeout != timeout or timeout == float("inf"):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
-
-
-class _Proc:
-    """Kernel-side handle of one rank: its process, its pid, when it started (psutil's
-    ``create_time``, which tells a rank from a later process that reuses its pid) and its
-    end of the pipe."""
-
-    def __init__(self, rank: int, process, conn):
-        self.rank = rank
-        self.process = process
-        self.pid = process.pid
-        self.created = processes.create_time(process.pid)
-        self.conn = conn
-
-    def send(self, msg: dict) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self) -> dict:
-        return pickle.loads(self.conn.recv_bytes())
-
-    def exitcode(self) -> int | None:
-        try:
-            return self.process.exitcode
-        except ValueError:  # already closed
-            return None
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
@@ -207,8 +141,8 @@ class LocalGroup:
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", timeout: float = 30.0,
                  progress=None, env: dict[str, str] | None = None):
-        _validate(world_size, backend, timeout)
-        self._env = _validate_env(env)
+        validate(world_size, backend, timeout)
+        self._env = validate_env(env)
         self._progress = progress
         self._world_size = world_size
         self._backend = backend
@@ -352,7 +286,7 @@ class LocalGroup:
             RankError: the new ranks could not start (the group restarts at the next run).
             KeyboardInterrupt: interrupted while starting; likewise.
         """
-        _validate(world_size, self._backend, self._timeout)
+        validate(world_size, self._backend, self._timeout)
         deadline = time.monotonic() + self._timeout
         with self._gate.exclusive("resize()", deadline, self._shutdown):
             if world_size == self._world_size and self._state == "idle" and \
@@ -423,24 +357,8 @@ class LocalGroup:
                 # temporary directory holds the forkserver's socket: only then is it ours
                 # to remove).
                 Reaper.tell(f"dir {tmpdir}", f"dir {mp.util.get_temp_dir()}")
-                for rank in range(self._world_size):
-                    parent, child = ctx.Pipe(duplex=True)
-                    try:
-                        proc = ctx.Process(
-                            target=_rank_main, name=f"{processes.PROCESS_PREFIX}rank-{rank}",
-                            daemon=True,
-                            args=(rank, self._world_size, self._backend, tmpdir,
-                                  self._timeout + 5.0, child, ifname, list(sys.path), env))
-                        proc.start()
-                    except BaseException:
-                        parent.close()
-                        child.close()
-                        raise
-                    child.close()
-                    procs.append(_Proc(rank, proc, parent))
-                Reaper.tell(*[f"pg {p.pid} {p.created}" for p in procs])
-                if procs:
-                    processes.register_forkserver(procs[0].pid)
+                start_ranks(ctx, procs, self._world_size, self._backend, tmpdir,
+                            self._timeout + 5.0, ifname, env)
                 self._procs, self._tmpdir = procs, tmpdir
                 self._finalizer = weakref.finalize(self, processes.stop, procs, tmpdir)
         except BaseException:
@@ -528,7 +446,3 @@ class LocalGroup:
             self._set_state("stopped")
             print(reports.destroyed_on_some(name, down, self._world_size), file=sys.stderr)
 
-
-def _rank_main(*args) -> None:
-    from .rank_loop import main
-    main(*args)
