@@ -13,8 +13,9 @@ kernel side:
 * :mod:`reducelab.display`: the group's ``repr`` and HTML line;
 * :mod:`reducelab.processes`: the forkserver, and stopping a rank with all it started.
 
-On each rank: :mod:`reducelab.rank_loop`, the loop each rank runs, which also makes it
-behave like torchrun's processes.
+On each rank: :mod:`reducelab.rank_loop` (the loop), :mod:`reducelab.rank_env` (what
+makes a rank behave like torchrun's processes), :mod:`reducelab.rank_reports` (its
+tracebacks, and where a stuck rank stands).
 
 Design, and the failures of the usual tools it avoids:
 
