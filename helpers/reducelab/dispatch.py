@@ -199,7 +199,7 @@ class Call:
     """One exchange with a group's ranks: a start, or a ``run()``.
 
     Args:
-        procs: the ranks' kernel-side handles (:class:`reducelab.group._Proc`), by rank.
+        procs: the ranks' kernel-side handles (:class:`reducelab.launch._Proc`), by rank.
         gate: the group's :class:`CallGate`; a close from another thread ends any wait
             with :class:`~reducelab.GroupClosedError`.
         timeout: seconds a large return value may go without a new chunk.
