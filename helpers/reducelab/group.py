@@ -412,6 +412,7 @@ class LocalGroup:
             self._procs, self._tmpdir = [], None
             self._set_state("stopped")
 
+    # --- what a run's outcome does to the group ---------------------------------------
     def _collect_results(self, name: str, call: Call, deadline: float) -> list:
         """Wait for the ranks' replies to ``call``'s job until ``deadline``, print what
         they printed, and return their values; or raise the failure, having stopped the
