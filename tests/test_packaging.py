@@ -97,9 +97,14 @@ def test_a_wheel_carries_the_notebooks_and_the_reducelab_command(tmp_path):
     assert sorted(p.name for p in copy.glob("*.ipynb")) == shipped
     assert sorted(p.name for p in (copy / "solutions").glob("*.py")) == \
         sorted(p.name for p in (ROOT / "notebooks" / "solutions").glob("*.py"))
+    shipped_01 = (copy / "01_all_reduce.ipynb").read_bytes()
+    edited = b'{"cells": [], "note": "the learner edited this"}\n'
+    (copy / "02_reduce_and_aliasing.ipynb").write_bytes(edited)
     again = subprocess.run([str(env_dir / "bin" / "reducelab"), "lab", "--dry-run"],
                            capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=60)
-    assert "Kept your copies" in again.stdout                 # a second run copies nothing
+    assert "Kept your copies" in again.stdout                 # a second run copies nothing,
+    assert (copy / "02_reduce_and_aliasing.ipynb").read_bytes() == edited   # and keeps the edit
+    assert (copy / "01_all_reduce.ipynb").read_bytes() == shipped_01
 
     executed = subprocess.run(
         [str(python), "-m", "nbconvert", "--to", "notebook", "--execute",
