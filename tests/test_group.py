@@ -107,7 +107,9 @@ def test_rank_that_never_joins_a_collective_is_reported_within_timeout():
         with pytest.raises(RankError) as info:
             g.run(skip_on_one)
         elapsed = time.monotonic() - t0
-        assert elapsed < 3 + 2.5
+        # the 3 s timeout, then the report: measured 0.03 to 0.81 s past it in 10 runs on
+        # 2 cores under load (load average 5 to 9); a report twice as slow fails
+        assert 3 <= elapsed < 3 + 1.5
         text = str(info.value)
         assert "did not finish within 3 s" in text
         assert "rank 0: was waiting in all_reduce" in text
@@ -124,7 +126,9 @@ def test_dead_rank_is_reported_not_waited_on():
         t0 = time.monotonic()
         with pytest.raises(RankError) as info:
             g.run(exits_on_zero)
-        assert time.monotonic() - t0 < 10
+        # timeout 60 s; a death is reported at once: measured 0.34 to 1.15 s (with a
+        # 0.3 s sleep) on 2 cores under load in test_faults' twin; twice that fails
+        assert time.monotonic() - t0 < 2.0
         assert info.value.ranks[0] == 0
         assert "exited with code 7" in str(info.value)
         assert g.run(rank_and_size) == [(0, 3), (1, 3), (2, 3)]
@@ -137,7 +141,8 @@ def test_keyboard_interrupt_reaches_the_caller_and_the_group_runs_again():
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             g.run(lambda: time.sleep(30))
-        assert time.monotonic() - t0 < 3
+        # signal at 0.5 s; measured 0.52 to 0.62 s in all (10 runs, 2 cores under load)
+        assert time.monotonic() - t0 < 0.5 + 0.5
         assert g.run(rank_and_size) == [(0, 2), (1, 2)]
 
 

@@ -236,7 +236,9 @@ def test_close_from_another_thread_stops_a_run_at_once_and_says_the_group_is_clo
     t0 = time.monotonic()
     g.close()
     t.join(10)
-    assert time.monotonic() - t0 < MARGIN
+    # "at once": measured 0.03 to 0.29 s (10 runs, 2 cores under load, load average 5
+    # to 9); twice the slowest fails. (It was MARGIN, 3 s: ten times the slowest.)
+    assert time.monotonic() - t0 < 0.5
     assert len(caught) == 1 and isinstance(caught[0], GroupClosedError), caught
     assert "closed" in str(caught[0]) and "fresh ranks" not in str(caught[0])
     assert gone(pids, within=5)
@@ -298,8 +300,9 @@ def test_a_huge_exception_message_gives_a_bounded_error(group):
 
 
 def test_a_return_value_whose_pickling_never_ends_is_bounded():
-    """fn returns at once, but pickling its value hangs: the rank returned, so it gets one
-    more timeout for its value to arrive, and no more."""
+    """fn returns at once, but pickling its value hangs: only a chunk that arrives is
+    progress, so the call ends with its timeout (README: "a return value whose pickling
+    never ends")."""
     class Slow:
         def __reduce__(self):
             time.sleep(60)
@@ -309,7 +312,11 @@ def test_a_return_value_whose_pickling_never_ends_is_bounded():
         with pytest.raises(RankError, match="fn returned; its return value was still being "
                                             "pickled, at __reduce__"):
             g.run(lambda: Slow())
-        assert time.monotonic() - t0 < 2 * 2 + MARGIN
+        # The value makes no progress (no chunk), so it gets no more time than the
+        # timeout: measured 2.03 to 2.25 s in 10 runs on 2 cores under load (load
+        # average 5 to 9). (It was 2 x timeout + MARGIN, 7 s, which a second timeout
+        # passed.)
+        assert time.monotonic() - t0 < 2 + 1.5
         assert g.run(lambda: dist.get_rank()) == [0, 1]
 
 
@@ -329,7 +336,10 @@ def test_every_failing_call_ends_within_timeout_plus_the_margin():
             with pytest.raises(RankError, match=f"did not finish within {timeout:g} s"):
                 g.run(fn)               # the first of these also restarts the ranks
             took = time.monotonic() - t0
-            assert took < timeout + MARGIN, (name, took)
+            # README: timeout + MARGIN (3 s). Measured 0.02 to 0.64 s past the timeout (a
+            # restart included) in 10 runs on 2 cores under load (load average 5 to 9);
+            # a report twice as slow as the slowest fails this tighter bound
+            assert took < timeout + 1.5, (name, took)
         assert g.run(lambda: dist.get_rank()) == [0, 1, 2]
 
 
@@ -441,7 +451,8 @@ def test_a_pickler_that_hangs_right_before_the_timeout_gets_no_second_timeout():
         t0 = time.monotonic()
         with pytest.raises(RankError, match="still being pickled"):
             g.run(late, time.time() + 2.5)
-        assert time.monotonic() - t0 < 3 + MARGIN
+        # measured 3.02 to 3.23 s (10 runs, 2 cores under load): no second timeout
+        assert time.monotonic() - t0 < 3 + 1.5
 
 
 def test_the_prewarm_flag_starts_one_forkserver_not_a_chain():
