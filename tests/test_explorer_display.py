@@ -129,6 +129,23 @@ def test_a_closed_group_is_a_sentence_not_an_exception_and_a_subclass_bug_is_rai
         toy.controls["choice"].value = "bug"
 
 
+def test_an_explorer_follows_the_kernels_new_group_once_its_own_is_closed(monkeypatch):
+    from types import SimpleNamespace
+
+    import reducelab.widgets as widgets
+    toy = Toy()
+    assert toy.group is None                               # never given one
+    mine, newer = SimpleNamespace(state="idle"), SimpleNamespace(state="idle")
+    toy.group = mine
+    monkeypatch.setattr(widgets, "current_group", lambda: newer)
+    assert toy.group is mine                               # open: its own, whatever is newer
+    mine.state = "closed"
+    monkeypatch.setattr(widgets, "current_group", lambda: None)
+    assert toy.group is mine                               # closed, and nothing newer yet
+    monkeypatch.setattr(widgets, "current_group", lambda: newer)
+    assert toy.group is newer and toy.group is newer       # the setup cell ran again
+
+
 def test_an_explorer_not_run_yet_shows_no_picture_and_says_so():
     class Idle(Toy):
         def __init__(self):
