@@ -140,6 +140,19 @@ def test_a_process_forked_from_a_rank_writes_to_the_terminal_not_into_the_call(r
     assert out.texts() == ("", "") and rank_streams.getvalue() == "child\n"
 
 
+@pytest.mark.parametrize("error", [OSError, ValueError, AttributeError])
+def test_a_terminal_that_is_gone_does_not_break_a_print_between_calls(monkeypatch, error):
+    """Between calls a rank writes to the terminal it started with; when that is closed
+    (JupyterLab's terminal gone: EPIPE, a closed file, None), print() still returns."""
+    class Gone:
+        def write(self, text):
+            raise error("the terminal is gone")
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    stream = capture.RankStream("stdout", Gone())
+    assert stream.write("lost\n") == 5
+
+
 def test_capture_installs_the_streams_when_none_are(monkeypatch):
     monkeypatch.setattr(sys, "stdout", sys.stdout)
     monkeypatch.setattr(sys, "stderr", sys.stderr)
