@@ -187,12 +187,16 @@ def main(argv=None) -> int:
     work = copy_repository(pathlib.Path(args.work))
     env = environment(work)
     out = RESULTS / "mutation.json"
-    results = json.loads(out.read_text()) if out.exists() else {"modules": {}}
+    version = subprocess.run([str(BIN / "cosmic-ray"), "--version"], capture_output=True,
+                             text=True).stdout.strip()
     for entry in entries:
-        results["modules"][entry["path"]] = run_module(entry, settings, work, env, args.sample)
-        results["cosmic-ray"] = subprocess.run([str(BIN / "cosmic-ray"), "--version"],
-                                               capture_output=True, text=True).stdout.strip()
+        result = run_module(entry, settings, work, env, args.sample)
+        # read the file again: another run (of other modules) may have written it meanwhile
+        results = json.loads(out.read_text()) if out.exists() else {"modules": {}}
+        results["modules"][entry["path"]] = result
+        results["cosmic-ray"] = version
         write_results(results)
+    results = json.loads(out.read_text()) if out.exists() else {"modules": {}}
     total = sum(r["counts"]["survived"] for r in results["modules"].values())
     print(f"{total} surviving mutants: see {RESULTS / 'mutation-latest.md'}")
     return 0
