@@ -15,6 +15,7 @@ The rank functions are module-level functions of this file, sent to the ranks by
 from __future__ import annotations
 
 import math
+import pathlib
 import sys
 
 import cloudpickle
@@ -42,12 +43,24 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.usefixtures("keep_four_ranks")
 
 
+SOLUTION_LINES = {
+    line.split("#")[0].strip()
+    for path in (pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "solutions").glob("*.py")
+    for line in path.read_text().splitlines()
+    if len(line.split("#")[0].strip()) >= 20
+    and not line.strip().startswith(("#", "def ", "import ", "from ", '"""'))}
+"""The solutions' lines of code (README: "No check message prints a solution")."""
+
+
 def assert_names(verdict, *words):
-    """The verdict fails, and its message carries every one of ``words``."""
+    """The verdict fails, its message carries every one of ``words``, and it quotes no
+    line of a solution."""
     assert not verdict, f"the check accepted a mistake: {verdict.message}"
     assert verdict.answered
     missing = [w for w in words if w not in verdict.message]
     assert not missing, f"{missing} not in: {verdict.message}"
+    quoted = [line for line in SOLUTION_LINES if line in verdict.message]
+    assert not quoted, f"the message prints a solution's code: {quoted}"
 
 
 # --- 01: check_mean_over_ranks -----------------------------------------------------------
