@@ -194,7 +194,33 @@ def test_close_is_idempotent_and_leaves_no_process_or_directory():
 def test_repr_shows_backend_world_size_and_state(group):
     text = repr(group)
     assert "world_size=4" in text and "'gloo'" in text and "alive=4/4" in text
-    assert "idle" in group._repr_html_()
+    html = group._repr_html_()
+    assert "idle" in html and "ranks alive 4/4" in html
+    assert html.count("●") == 4 and "✕" not in html and "–" not in html   # a dot per rank
+    g = LocalGroup(world_size=2, timeout=10)
+    g.close()
+    assert "ranks alive 0/2 –" in g._repr_html_() and "closed" in g._repr_html_()
+
+
+def test_joining_is_bounded_by_the_timeout_and_importing_torch_is_not(monkeypatch):
+    """The deadline of the wait for the ranks to join is the call's own (timeout from the
+    call's start), moved on by the time the ranks took to import torch, never more."""
+    seen = []
+    original = LocalGroup._gather
+
+    def gather(self, deadline, *args, **kwargs):
+        seen.append((kwargs.get("until", "reply"), time.monotonic(), deadline))
+        return original(self, deadline, *args, **kwargs)
+    monkeypatch.setattr(LocalGroup, "_gather", gather)
+    from reducelab import processes
+    processes.warm(processes.context())       # the forkserver's first start: not this call's
+    t0 = time.monotonic()
+    with LocalGroup(world_size=2, timeout=5) as g:
+        assert g.run(rank_and_size) == [(0, 2), (1, 2)]
+    boot, join = seen[0], seen[1]
+    assert boot[0] == "booted" and join[0] == "reply"
+    booted_for = join[1] - boot[1]
+    assert join[2] <= t0 + 5 + booted_for + 0.5, "joining may wait longer than the timeout"
 
 
 def test_progress_reports_each_rank_joining_on_start_and_resize():
