@@ -438,6 +438,26 @@ def test_a_second_caller_ends_within_its_own_bound_counting_its_wait():
         first.join(20)
 
 
+def test_a_stuck_rank_gets_no_extra_time_while_another_ranks_large_value_arrives():
+    """Only when fn has returned on every rank do arriving chunks extend the call: rank 0's
+    120 MB value arriving just before the timeout does not keep run() waiting for rank 1,
+    which never returns."""
+    def one_big_one_stuck(return_at):
+        time.sleep(max(0.0, return_at - time.time()))
+        if dist.get_rank() == 1:
+            time.sleep(60)
+        return torch.zeros(30_000_000)
+    with LocalGroup(world_size=2, timeout=3) as g:
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match="did not finish within 3 s on rank") as info:
+            g.run(one_big_one_stuck, time.time() + 2.0)
+        took = time.monotonic() - t0
+        assert "rank 1: was still running" in str(info.value)
+        # waiting a timeout past the last chunk takes 5 s or more (8.1 s in the mutant of
+        # _collect_results that did)
+        assert took < 3 + 1.5, took
+
+
 def test_a_pickler_that_hangs_right_before_the_timeout_gets_no_second_timeout():
     class Slow:
         def __reduce__(self):
