@@ -358,7 +358,16 @@ def test_descendants_finds_children_and_grandchildren_from_one_scan():
         child.wait()
 
 
-def test_an_interrupt_inside_a_deferred_block_is_raised_at_its_end():
+@pytest.fixture()
+def python_sigint():
+    """Python's own SIGINT handler, as in a kernel (a shell's background job starts with
+    SIGINT ignored, and an ignored SIGINT stays ignored through a deferred block)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_inside_a_deferred_block_is_raised_at_its_end(python_sigint):
     from reducelab.processes import interrupts_deferred
     done = []
     with pytest.raises(KeyboardInterrupt):
@@ -371,7 +380,7 @@ def test_an_interrupt_inside_a_deferred_block_is_raised_at_its_end():
         pass
 
 
-def test_a_deferred_interrupt_goes_to_a_custom_handler_and_a_thread_defers_nothing():
+def test_a_deferred_interrupt_goes_to_a_custom_handler_and_a_thread_defers_nothing(python_sigint):
     from reducelab.processes import interrupts_deferred
     seen = []
     previous = signal.signal(signal.SIGINT, lambda s, f: seen.append(s))
