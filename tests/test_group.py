@@ -338,3 +338,32 @@ def test_the_current_group_is_the_newest_open_one():
         assert current_group() is main              # the learner's group again
     finally:
         main.close()
+
+
+def test_resize_to_the_same_size_is_a_no_op_and_to_another_restarts(group):
+    group.run(lambda: None)
+    pids, restarts = group.pids, group.restarts
+    group.resize(4)
+    assert group.pids == pids and group.restarts == restarts     # the same idle ranks
+    group.resize(3)
+    assert group.world_size == 3 and len(group.pids) == 3 and group.restarts == restarts + 1
+    assert not set(group.pids) & set(pids)
+    group.resize(4)
+
+
+def test_a_remote_traceback_shows_the_cells_own_source_line(group):
+    """A function defined in a notebook cell has no file on disk: the kernel sends the
+    cell's source with the job, so the rank's traceback shows the line (README,
+    "Faults tried": the traceback starts at the learner's function)."""
+    import linecache
+    name = "<ipython-input-reducelab-test>"
+    source = "def from_a_cell():\n    return 1 / (dist.get_rank() - 2)   # the learner's line\n"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    try:
+        namespace = {"dist": dist}
+        exec(compile(source, name, "exec"), namespace)
+        with pytest.raises(RankError) as info:
+            group.run(namespace["from_a_cell"])
+        assert "return 1 / (dist.get_rank() - 2)   # the learner's line" in info.value.tracebacks[2]
+    finally:
+        linecache.cache.pop(name, None)

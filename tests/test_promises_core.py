@@ -541,3 +541,72 @@ def test_messages_are_plain_pickles_of_dicts():
     p.send({"kind": "run", "payload": b"x"})
     assert pickle.loads(p.conn.data) == {"kind": "run", "payload": b"x"} == p.recv()
     assert p.rank == 3 and p.exitcode() is None and p.created == psutil.Process().create_time()
+
+
+# --- group.py: the headline of a failed run (README, "Faults tried") ------------------------------
+
+def _bare_group(world_size=3, timeout=3.0):
+    """A LocalGroup with no ranks, enough to build a failure report in this process."""
+    from reducelab import LocalGroup
+    g = LocalGroup.__new__(LocalGroup)
+    g._world_size, g._timeout, g._returned = world_size, timeout, {}
+    g._closed, g._state, g._finalizer, g._procs, g._tmpdir = False, "idle", None, [], None
+    return g
+
+
+def _error(summary, in_distributed=False, pg=True):
+    return {"kind": "error", "summary": summary, "traceback": "tb", "in_distributed": in_distributed,
+            "pg": pg}
+
+
+def _stack(collective):
+    summary = f"was waiting in {collective}, called from f line 3" if collective else \
+        "was still running, at f line 3"
+    return {"kind": "stack", "summary": summary, "traceback": "st", "collective": collective}
+
+
+DONE = {"kind": "done"}
+RESTART = "The ranks were stopped; 3 fresh ranks start at the next run()."
+
+
+@pytest.mark.parametrize("replies, died, pending, stacks, headline, restart", [
+    ({0: DONE, 2: DONE}, {}, {1}, {1: _stack(None)}, "f did not finish within 3 s on rank 1", True),
+    ({}, {}, {0, 1, 2}, {0: _stack("all_reduce"), 1: _stack("all_reduce"), 2: _stack("all_reduce")},
+     "f did not finish within 3 s on ranks 0, 1, 2", True),
+    ({2: DONE}, {}, {0, 1}, {0: _stack("all_reduce"), 1: _stack("all_reduce")},
+     "f did not finish within 3 s on ranks 0, 1: the ranks are not in the same collective", True),
+    ({}, {}, {0, 1, 2}, {0: _stack("all_reduce"), 1: _stack("broadcast"), 2: _stack("all_reduce")},
+     "f did not finish within 3 s on ranks 0, 1, 2: the ranks are not in the same collective", True),
+    ({0: DONE}, {2: -9}, {1}, {}, "rank 2 died: killed by SIGKILL during f", True),
+    ({}, {1: 3, 2: -9}, {0}, {}, "rank 1 died: exited with code 3 without returning during f", True),
+    ({0: _error("ValueError: a"), 1: DONE, 2: DONE}, {}, set(), {}, "rank 0 raised ValueError in f", False),
+    ({0: _error("ValueError: a"), 1: _error("KeyError: 'b'"), 2: _error("ValueError: c")}, {}, set(), {},
+     "ranks 0, 1, 2 raised KeyError / ValueError in f", False),
+    ({0: _error("its return value could not be pickled (lock): x"), 1: DONE, 2: DONE}, {}, set(), {},
+     "rank 0 failed in f", False),
+    ({0: _error("RuntimeError: gloo", in_distributed=True), 1: DONE, 2: DONE}, {}, set(), {},
+     "rank 0 raised RuntimeError in f", True),
+    ({0: _error("ValueError: a", pg=False), 1: DONE, 2: DONE}, {}, set(), {},
+     "rank 0 raised ValueError in f", True),
+])
+def test_a_failed_run_is_headlined_by_what_happened_and_says_whether_ranks_restart(
+        replies, died, pending, stacks, headline, restart):
+    g = _bare_group()
+    err = g._failure("f", replies, died, pending, stacks)
+    assert err.headline == headline
+    assert (RESTART in str(err)) is restart
+    assert g.state == ("stopped" if restart else "idle")
+    states = {r.rank: r.state for r in err.reports}
+    assert all(states[r] == "stuck" for r in pending) and all(states[r] == "died" for r in died)
+    assert err.ranks == sorted(set(pending) | set(died) | {r for r, m in replies.items()
+                                                           if m["kind"] == "error"})
+
+
+def test_a_rank_whose_value_was_still_on_its_way_is_said_so():
+    g = _bare_group(world_size=2)
+    g._returned = {1: 0.0}
+    err = g._failure("f", {0: DONE}, {}, {1}, {})
+    assert "rank 1: f returned; its return value was still being pickled or sent" in str(err)
+    assert "rank 0: f returned" in str(err)
+    err = _bare_group(world_size=2)._failure("f", {0: DONE}, {}, {1}, {})
+    assert "rank 1: was still running" in str(err)
