@@ -198,6 +198,8 @@ def test_reveal_compares_and_explains_either_way():
     assert reveal("a", "a", "w") and not reveal("a", "b", "w")
     assert reveal(3, 7, "w", same=lambda p, a: p < a)
     assert not reveal(object(), 1, "w")
+    import numpy as np
+    assert not reveal(np.ones(2), np.ones(3), "w")     # == raises: a wrong answer, not a crash
 
 
 def test_a_prediction_typed_as_text_is_read_as_the_value_it_spells():
