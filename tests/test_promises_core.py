@@ -191,6 +191,7 @@ def test_reveal_compares_and_explains_either_way():
     assert right and right.message == "You predicted 36, and the real run gives 36. why."
     assert not wrong and wrong.message == "ev\nYou predicted 35, but the real run gives 36. why."
     assert reveal([1.0, 2.0], [1.0000001, 2.0], "w")          # a float tolerance of 1e-6
+    assert reveal(0.0, 5e-7, "w") and not reveal(0.0, 2e-6, "w")   # absolute below 1
     assert not reveal([1.0, 2.0], [1.0, 2.0, 3.0], "w")
     assert not reveal(1.0, 1.00001, "w")
     assert reveal(1e9, 1e9 + 100, "w")                       # relative for large numbers

@@ -438,6 +438,20 @@ def test_a_second_caller_ends_within_its_own_bound_counting_its_wait():
         first.join(20)
 
 
+def test_close_waits_at_most_half_a_second_for_an_idle_rank_that_does_not_leave():
+    """README ("Faults tried", interrupts): stopping ranks takes milliseconds, "at most
+    0.5 s while idle ranks leave". A rank that cannot leave (stopped by SIGSTOP) is
+    killed once that half second is up."""
+    g = LocalGroup(world_size=2, timeout=30)
+    pids = g.pids
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    g.close()
+    took = time.monotonic() - t0
+    assert gone(pids, within=5)
+    assert 0.5 <= took < 0.5 + 0.4, took     # measured 0.52 to 0.55 s (6 runs, load 7 to 12)
+
+
 def test_a_stuck_rank_gets_no_extra_time_while_another_ranks_large_value_arrives():
     """Only when fn has returned on every rank do arriving chunks extend the call: rank 0's
     120 MB value arriving just before the timeout does not keep run() waiting for rank 1,
