@@ -37,6 +37,14 @@ def test_a_stream_keeps_max_chars_then_notes_how_much_was_cut():
         f"[output cut at {capture.MAX_CHARS:,} characters: 6 more were dropped]\n"
 
 
+def test_the_last_character_that_fits_is_kept():
+    out = capture.RankOutput()
+    out.stdout.write("a" * (capture.MAX_CHARS - 1))
+    out.stdout.write("xyz")
+    assert out.texts()[0] == "a" * (capture.MAX_CHARS - 1) + "x\n" + \
+        "[output cut at 100,000 characters: 2 more were dropped]\n"
+
+
 def test_a_stream_that_fits_is_returned_whole_without_a_note():
     out = capture.RankOutput()
     out.stderr.write("x" * capture.MAX_CHARS)
@@ -101,7 +109,8 @@ def test_a_call_captures_print_and_a_handler_kept_from_an_earlier_call(rank_stre
     assert first.texts() == ("one\n", "")
     assert second.texts() == ("two\nbytes ✓\n", "via the kept handler\n")
     print("between calls")                              # to the stream the rank started with
-    assert rank_streams.getvalue() == "between calls\n"
+    sys.stderr.write("and its stderr\n")
+    assert rank_streams.getvalue() == "between calls\nand its stderr\n"
 
 
 def test_a_stream_closed_in_a_call_is_open_again_in_the_next(rank_streams):
