@@ -181,6 +181,8 @@ def test_a_verdict_is_truthy_when_right_and_says_so():
     assert repr(right) == "✅ Correct. because." and repr(wrong) == "❌ Not yet. not this."
     assert 'data-state="right"' in right._repr_html_() and "✅ Correct. because." in right._repr_html_()
     assert 'data-state="wrong"' in wrong._repr_html_()
+    from reducelab.palette import RIGHT, WRONG     # the colour says it too, never alone
+    assert f"solid {RIGHT}" in right._repr_html_() and f"solid {WRONG}" in wrong._repr_html_()
 
 
 def test_an_unanswered_question_shows_the_prompt_and_folds_the_result():
@@ -201,6 +203,8 @@ def test_reveal_compares_and_explains_either_way():
     assert not wrong and wrong.message == "ev\nYou predicted 35, but the real run gives 36. why."
     assert reveal([1.0, 2.0], [1.0000001, 2.0], "w")          # a float tolerance of 1e-6
     assert reveal(0.0, 5e-7, "w") and not reveal(0.0, 2e-6, "w")   # absolute below 1
+    assert reveal(0.0, 1e-6, "w")                                   # the bound itself
+    assert not reveal("ab", ["a", "b"], "w") and not reveal(1.0, "1.0", "w")   # no coercion
     assert not reveal([1.0, 2.0], [1.0, 2.0, 3.0], "w")
     assert not reveal(1.0, 1.00001, "w")
     assert reveal(1e9, 1e9 + 100, "w")                       # relative for large numbers
