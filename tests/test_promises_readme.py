@@ -107,3 +107,21 @@ def test_make_lab_opens_the_working_copy_not_the_tracked_notebooks():
     line = next(l for l in plan.splitlines() if "reducelab lab" in l)
     assert "reducelab-notebooks" in line and "notebooks/" not in line.replace("reducelab-notebooks", "")
     assert "reducelab-notebooks/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_reaper_is_told_the_forkserver_and_each_ranks_process_group(group, monkeypatch):
+    """README: if the kernel is killed, the reaper kills the ranks' process groups and the
+    forkserver, and removes the temporary directories. It can only if it was told them."""
+    import psutil
+
+    from reducelab import LocalGroup, processes
+    from reducelab.reaper import Reaper
+    told = []
+    monkeypatch.setattr(Reaper, "tell", staticmethod(lambda *lines: told.extend(lines)))
+    forkserver = psutil.Process(group.pids[0]).ppid()
+    assert forkserver in processes._forkservers_told
+    with LocalGroup(world_size=2, timeout=30) as g:
+        pids, tmp = g.pids, g._tmpdir
+    assert f"dir {tmp}" in told
+    assert all(any(line.startswith(f"pg {pid} ") for line in told) for pid in pids)
+    assert all(f"-pg {pid}" in told for pid in pids) and f"-dir {tmp}" in told   # and untold
