@@ -125,3 +125,22 @@ def test_the_reaper_is_told_the_forkserver_and_each_ranks_process_group(group, m
     assert f"dir {tmp}" in told
     assert all(any(line.startswith(f"pg {pid} ") for line in told) for pid in pids)
     assert all(f"-pg {pid}" in told for pid in pids) and f"-dir {tmp}" in told   # and untold
+
+
+def test_the_forkserver_starts_once_per_kernel_and_is_charged_to_no_call():
+    """README ("One bound per call"): importing torch is never charged to a timeout: the
+    first warm() brings the forkserver up (it imports torch), and every later one, a
+    group's start included, returns at once."""
+    res = run_python("""
+        import json, time
+        from reducelab import LocalGroup, processes
+        ctx = processes.context()
+        first, again = processes.warm(ctx), processes.warm(ctx)
+        LocalGroup(world_size=2, timeout=30).close()
+        print(json.dumps([first, again, processes.warm(ctx)]))
+    """, timeout=180, env={**os.environ, "REDUCELAB_PRELOAD": "torch"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+    first, again, after_a_group = json.loads(res.stdout.strip().splitlines()[-1])
+    assert first > 0.3                       # the server imported torch
+    assert again < 0.01 and after_a_group < 0.01    # no second start, no process
