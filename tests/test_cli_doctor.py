@@ -91,6 +91,16 @@ def test_no_loopback_a_cuda_build_spawn_and_an_unlisted_manager(lab_lists_the_ma
     assert manager["ok"] is None and "install jupyterlab_widgets there" in manager["fix"]
 
 
+@pytest.mark.parametrize("missing", ["ipywidgets", "jupyterlab_widgets"])
+def test_either_widget_package_missing_fails_with_its_fix(lab_lists_the_manager, monkeypatch, missing):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == missing else real(name, *a))
+    check = by_what(cli.doctor_checks(smoke=False), "ipywidgets or jupyterlab_widgets missing")
+    assert check["ok"] is False and "then restart JupyterLab" in check["fix"]
+
+
 def test_no_jupyterlab_is_a_note(monkeypatch):
     def missing(cmd, **kwargs):
         raise subprocess.TimeoutExpired(cmd, 60)

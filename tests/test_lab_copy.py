@@ -92,8 +92,9 @@ def test_fresh_twice_in_the_same_second_keeps_both_earlier_copies(tmp_path, monk
     lab(target, "--fresh", FIRST)
     (target / FIRST).write_bytes(EDITED + b"second edit\n")
     lab(target, "--fresh", FIRST)
-    kept = sorted(p.read_bytes() for p in target.glob("01_all_reduce.*.ipynb"))
-    assert kept == sorted([EDITED, EDITED + b"second edit\n"])
+    kept = {p.name: p.read_bytes() for p in target.glob("01_all_reduce.*.ipynb")}
+    assert kept == {"01_all_reduce.20260102-030405.ipynb": EDITED,
+                    "01_all_reduce.20260102-030405-2.ipynb": EDITED + b"second edit\n"}
     assert (target / FIRST).read_bytes() == (SHIPPED / FIRST).read_bytes()
 
 

@@ -502,6 +502,9 @@ def test_classes_defined_in_main_are_found_inside_containers_and_no_deeper():
     found = _main_classes([Cell(), {"k": [1, (2, {Cell})]}, [[[[Deep()]]]], Nested(), 3], {})
     assert found == {"Cell": Cell}
     assert _main_classes([[Deep()]], {}) == {"Deep": Deep}
+    assert _main_classes([[[[Deep()]]]], {}) == {"Deep": Deep}          # three containers deep
+    assert _main_classes([[[[[Deep()]]]]], {}) == {}                    # four: not looked at
+    assert _main_classes([{"k": {"k": {"k": Deep()}}}], {}) == {"Deep": Deep}
     assert _main_classes([Cell] * 1001 + [Deep()], {}) == {"Cell": Cell}   # 1000 looked at
 
 
