@@ -161,3 +161,49 @@ def test_lab_starts_jupyterlab_on_loopback_in_the_copy(tmp_path, capsys, monkeyp
     assert "--ServerApp.port=9999" in started[1]
     out = capsys.readouterr().out
     assert f"Starting JupyterLab on http://127.0.0.1:8888/ in {tmp_path / 'copy'}" in out
+
+
+def test_the_oldest_python_and_torch_pass_and_older_fail(lab_lists_the_manager, monkeypatch):
+    import torch
+
+    class Version(tuple):
+        major, minor = property(lambda self: self[0]), property(lambda self: self[1])
+    monkeypatch.setattr(cli.sys, "version_info", Version((3, 10, 0)))
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    checks = cli.doctor_checks(smoke=False)
+    assert by_what(checks, "Python 3.10")["ok"] is True
+    assert by_what(checks, "torch 2.8.0+cpu")["ok"] is True
+    monkeypatch.setattr(cli.sys, "version_info", Version((3, 9, 18)))
+    monkeypatch.setattr(torch, "__version__", "2.7.1")
+    checks = cli.doctor_checks(smoke=False)
+    assert by_what(checks, "Python 3.9")["ok"] is False
+    torch_check = by_what(checks, "torch 2.7.1")
+    assert torch_check["ok"] is False and "gloo gained ReduceOp.AVG in torch 2.8" in torch_check["fix"]
+
+
+def test_doctor_checks_run_a_real_group_unless_told_not_to(lab_lists_the_manager, monkeypatch):
+    import reducelab
+    started = []
+
+    class Fake:
+        def __init__(self, **kwargs):
+            started.append(kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def run(self, fn):
+            return [3.0, 3.0]
+    monkeypatch.setattr(reducelab, "LocalGroup", Fake)
+    assert by_what(cli.doctor_checks(), "a group of 2 ranks started")["ok"] is True
+    assert started == [{"world_size": 2, "timeout": 60, "progress": False}]
+    assert not [c for c in cli.doctor_checks(smoke=False) if "group of 2" in c["what"]]
+
+
+def test_the_help_says_what_the_command_does(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "The ``reducelab`` command: ``reducelab lab [DIR]`` copies" in capsys.readouterr().out

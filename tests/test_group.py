@@ -367,3 +367,18 @@ def test_a_remote_traceback_shows_the_cells_own_source_line(group):
         assert "return 1 / (dist.get_rank() - 2)   # the learner's line" in info.value.tracebacks[2]
     finally:
         linecache.cache.pop(name, None)
+
+
+class _FailsToUnpickle:
+    """An argument that pickles in the kernel and fails to unpickle on a rank (as an
+    object of a module the rank cannot import would)."""
+    def __reduce__(self):
+        return (eval, ("1 / 0",))
+
+
+def test_a_job_that_cannot_be_unpickled_on_the_ranks_is_named_and_the_group_kept(group):
+    with pytest.raises(RankError) as info:
+        group.run(lambda x: x, _FailsToUnpickle())
+    assert info.value.first_summary == "could not unpickle the job: ZeroDivisionError: division by zero"
+    assert info.value.ranks == [0, 1, 2, 3]
+    assert group.run(rank_and_size)[1] == (1, 4)

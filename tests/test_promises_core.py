@@ -505,7 +505,8 @@ def test_classes_defined_in_main_are_found_inside_containers_and_no_deeper():
     assert _main_classes([[[[Deep()]]]], {}) == {"Deep": Deep}          # three containers deep
     assert _main_classes([[[[[Deep()]]]]], {}) == {}                    # four: not looked at
     assert _main_classes([{"k": {"k": {"k": Deep()}}}], {}) == {"Deep": Deep}
-    assert _main_classes([Cell] * 1001 + [Deep()], {}) == {"Cell": Cell}   # 1000 looked at
+    assert _main_classes([Cell] * 1000 + [Deep()], {}) == {"Cell": Cell}   # 1000 looked at
+    assert _main_classes([Cell] * 999 + [Deep()], {}) == {"Cell": Cell, "Deep": Deep}
 
 
 def test_a_large_return_value_is_sent_in_chunks_as_it_is_pickled():
