@@ -58,14 +58,14 @@ def test_every_check_passes_here_and_says_what_it_checked(lab_lists_the_manager)
 
 def test_few_cores_is_a_note_and_little_memory_a_failure_with_its_fix(lab_lists_the_manager, monkeypatch):
     import psutil
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical: 2 if logical else 1)   # logical cores
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=0.5 * 2**30))
     checks = cli.doctor_checks(smoke=False)
     cores = by_what(checks, "2 cores for world sizes of 4 (up to 8)")
     assert cores["ok"] is None and "ranks outnumber cores" in cores["fix"]
     memory = by_what(checks, "0.5 GiB of memory free")
     assert memory["ok"] is False and "needs about 1 GiB" in memory["fix"]
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 4)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical: 4 if logical else 2)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1.0 * 2**30))
     checks = cli.doctor_checks(smoke=False)
     assert by_what(checks, "4 cores for world sizes")["ok"] is True
@@ -207,3 +207,16 @@ def test_the_help_says_what_the_command_does(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "The ``reducelab`` command: ``reducelab lab [DIR]`` copies" in capsys.readouterr().out
+
+
+def test_no_gloo_fails_and_no_forkserver_is_a_note(lab_lists_the_manager, monkeypatch):
+    import multiprocessing
+
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    checks = cli.doctor_checks(smoke=False)
+    gloo = by_what(checks, "no gloo backend")
+    assert gloo["ok"] is False and "this build lacks torch.distributed" in gloo["fix"]
+    method = by_what(checks, "ranks start with spawn (no forkserver on this platform")
+    assert method["ok"] is None                       # a note: it works, only slower

@@ -382,3 +382,10 @@ def test_a_job_that_cannot_be_unpickled_on_the_ranks_is_named_and_the_group_kept
     assert info.value.first_summary == "could not unpickle the job: ZeroDivisionError: division by zero"
     assert info.value.ranks == [0, 1, 2, 3]
     assert group.run(rank_and_size)[1] == (1, 4)
+
+
+def test_a_function_imported_from_a_module_keeps_its_modules_globals(group):
+    import conftest
+    first = group.run(conftest.count_calls)
+    second = group.run(conftest.count_calls)
+    assert [b - a for a, b in zip(first, second)] == [1] * 4

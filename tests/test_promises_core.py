@@ -511,6 +511,7 @@ def test_classes_defined_in_main_are_found_inside_containers_and_no_deeper():
 
 def test_a_large_return_value_is_sent_in_chunks_as_it_is_pickled():
     from reducelab.rank_loop import CHUNK, _ChunkWriter
+    assert CHUNK == 16 * 2**20                    # README: "sent in 16 MB chunks"
 
     class Rank:
         sending = 0
