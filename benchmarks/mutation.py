@@ -118,9 +118,15 @@ def run_module(entry: dict, settings: dict, work: pathlib.Path, env: dict, every
           f"{timeout:.0f} s", flush=True)
     t0 = time.monotonic()
     cosmic("cosmic-ray", "exec", config.name, session.name, work=work, env=env)
-    took = time.monotonic() - t0
+    return summarize(path, tests, every, session, work, env, time.monotonic() - t0, seconds)
+
+
+def summarize(path: str, tests: str, every: int, session: pathlib.Path, work: pathlib.Path,
+              env: dict, took: float, seconds: float) -> dict:
+    """Counts and survivors of a session, also of one stopped before its end (``--collect``):
+    mutants not run yet are counted as such."""
     counts = {"generated": 0, "operators left out": 0, "sampled out": 0, "killed": 0,
-              "killed by timeout": 0, "survived": 0, "incompetent": 0}
+              "killed by timeout": 0, "survived": 0, "incompetent": 0, "not run": 0}
     survivors = []
     for line in cosmic("cosmic-ray", "dump", session.name, work=work, env=env,
                        capture=True).splitlines():
@@ -128,6 +134,7 @@ def run_module(entry: dict, settings: dict, work: pathlib.Path, env: dict, every
         counts["generated"] += 1
         m = item["mutations"][0]
         if result is None:
+            counts["not run"] += 1
             continue
         if result["worker_outcome"] == "skipped":
             key = "sampled out" if "sample" in (result.get("output") or "") else "operators left out"
@@ -144,7 +151,8 @@ def run_module(entry: dict, settings: dict, work: pathlib.Path, env: dict, every
     survivors.sort(key=lambda s: (s["line"], s["operator"]))
     print(f"   {counts}", flush=True)
     return {"path": path, "tests": test_command(tests).split(" -m pytest ", 1)[1],
-            "sample": every, "seconds": round(took), "test_seconds": round(seconds, 1),
+            "sample": every, "seconds": round(took),
+            "test_seconds": round(seconds, 1) if seconds == seconds else None,
             "counts": counts, "survivors": survivors}
 
 
@@ -153,12 +161,14 @@ def write_results(results: dict) -> None:
     (RESULTS / "mutation.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     lines = ["# Mutation testing: the latest run (written by benchmarks/mutation.py)", "",
              "| module | tests | mutants | left out (operators) | sampled out | killed "
-             "| killed by timeout | survived | run time |", "|---|---|---|---|---|---|---|---|---|"]
+             "| killed by timeout | survived | not run | run time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["modules"].values():
         c = r["counts"]
         lines.append(f"| `{r['path']}` | `{r['tests']}` | {c['generated']} | "
                      f"{c['operators left out']} | {c['sampled out']} | {c['killed']} | "
-                     f"{c['killed by timeout']} | {c['survived']} | {r['seconds'] // 60} min |")
+                     f"{c['killed by timeout']} | {c['survived']} | {c.get('not run', 0)} | "
+                     f"{r['seconds'] // 60} min |")
     for r in results["modules"].values():
         if r["survivors"]:
             lines += ["", f"## Survivors in `{r['path']}`", ""]
@@ -175,6 +185,9 @@ def main(argv=None) -> int:
                         help="run every N-th mutant only (default: all)")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "reducelab-mutation"),
                         help="where the copy of the repository goes")
+    parser.add_argument("--collect", action="store_true",
+                        help="write the results of the sessions already in --work (a run that "
+                             "was stopped), without running anything")
     args = parser.parse_args(argv)
     settings = tomllib.loads(CONFIG.read_text())["mutation"]
     entries = settings["module"]
@@ -184,9 +197,25 @@ def main(argv=None) -> int:
         if not entries:
             known = ", ".join(e["path"].split("reducelab/")[-1] for e in settings["module"])
             parser.error(f"no such module in {CONFIG.name}; the modules are: {known}")
+    out = RESULTS / "mutation.json"
+    if args.collect:
+        work = pathlib.Path(args.work)
+        env = environment(work)
+        for entry in entries:
+            slug = entry["path"].removesuffix(".py").split("reducelab/")[-1].replace("/", "_")
+            session = work / f"mutation-{slug}.sqlite"
+            if not session.exists():
+                continue
+            results = json.loads(out.read_text()) if out.exists() else {"modules": {}}
+            before = results["modules"].get(entry["path"], {})
+            results["modules"][entry["path"]] = summarize(
+                entry["path"], entry["tests"], before.get("sample", args.sample), session, work,
+                env, before.get("seconds", time.time() - session.stat().st_ctime),
+                before.get("test_seconds") or float("nan"))
+            write_results(results)
+        return 0
     work = copy_repository(pathlib.Path(args.work))
     env = environment(work)
-    out = RESULTS / "mutation.json"
     version = subprocess.run([str(BIN / "cosmic-ray"), "--version"], capture_output=True,
                              text=True).stdout.strip()
     for entry in entries:
