@@ -220,3 +220,18 @@ def test_no_gloo_fails_and_no_forkserver_is_a_note(lab_lists_the_manager, monkey
     assert gloo["ok"] is False and "this build lacks torch.distributed" in gloo["fix"]
     method = by_what(checks, "ranks start with spawn (no forkserver on this platform")
     assert method["ok"] is None                       # a note: it works, only slower
+
+
+def test_without_torch_doctor_says_how_to_install_it_and_stops(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)              # import torch fails
+    checks = cli.doctor_checks(smoke=True)
+    assert [c["ok"] for c in checks] == [True, False]
+    assert checks[1]["what"].startswith("torch is not importable")
+    assert "download.pytorch.org/whl/cpu" in checks[1]["fix"]
+
+
+def test_a_command_is_required(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2 and "required: command" in capsys.readouterr().err
