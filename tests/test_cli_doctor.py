@@ -18,8 +18,8 @@ from reducelab import cli
 
 
 class _Done:
-    def __init__(self, stdout: str):
-        self.stdout, self.stderr = stdout, ""
+    def __init__(self, stdout: str, captured: bool = True):
+        self.stdout, self.stderr = (stdout, "") if captured else (None, None)
 
 
 @pytest.fixture()
@@ -27,9 +27,10 @@ def lab_lists_the_manager(monkeypatch):
     """``jupyter labextension list`` answers at once, with the widget manager in it."""
     calls = []
 
-    def run(cmd, **kwargs):
+    def run(cmd, **kwargs):                 # what subprocess.run gives: text only if captured
         calls.append(cmd)
-        return _Done("@jupyter-widgets/jupyterlab-manager v5.0.15 enabled OK")
+        return _Done("@jupyter-widgets/jupyterlab-manager v5.0.15 enabled OK",
+                     kwargs.get("capture_output", False) and kwargs.get("text", False))
     monkeypatch.setattr(cli.subprocess, "run", run)
     return calls
 
