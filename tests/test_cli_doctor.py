@@ -71,6 +71,8 @@ def test_few_cores_is_a_note_and_little_memory_a_failure_with_its_fix(lab_lists_
     checks = cli.doctor_checks(smoke=False)
     assert by_what(checks, "4 cores for world sizes")["ok"] is True
     assert by_what(checks, "1.0 GiB of memory free")["ok"] is True
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical: None)          # unknown
+    assert by_what(cli.doctor_checks(smoke=False), "1 cores for world sizes")["ok"] is None
 
 
 def test_no_loopback_a_cuda_build_spawn_and_an_unlisted_manager(lab_lists_the_manager, monkeypatch):

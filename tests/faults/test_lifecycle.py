@@ -438,6 +438,17 @@ def test_a_second_caller_ends_within_its_own_bound_counting_its_wait():
         first.join(20)
 
 
+def test_a_rank_stuck_in_c_code_holding_the_gil_is_killed_when_the_ranks_restart():
+    """Such a rank cannot run Python to notice its pipe close: the kernel kills it (and
+    its process group) when the call fails, and the group runs again."""
+    with LocalGroup(world_size=2, timeout=2) as g:
+        pids = g.pids
+        with pytest.raises(RankError, match="did not finish within 2 s"):
+            g.run(lambda: __import__("ctypes").PyDLL(None).sleep(600))
+        assert gone(pids, within=5)
+        assert g.run(lambda: dist.get_rank()) == [0, 1]
+
+
 def test_idle_ranks_that_leave_at_once_are_not_waited_for():
     """The polite wait ends as soon as the idle ranks have left: closing a group of 3 took
     0.17 to 0.25 s (8 runs, 2 cores, load average 14 to 17); waiting out the whole
