@@ -46,6 +46,12 @@ def test_the_first_run_copies_every_notebook_and_solution_byte_for_byte(tmp_path
     assert "--ServerApp.ip=127.0.0.1" in out and f"--ServerApp.root_dir={target}" in out
 
 
+def test_a_copy_folder_whose_parents_do_not_exist_yet_is_made(tmp_path):
+    target = tmp_path / "course" / "week 1" / "copy"
+    assert lab(target) == 0
+    assert tree(target) == {rel: (SHIPPED / rel).read_bytes() for rel in FILES}
+
+
 def test_a_second_run_keeps_every_edited_file_and_restores_a_deleted_one(tmp_path, capsys):
     target = tmp_path / "copy"
     lab(target)
