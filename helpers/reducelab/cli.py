@@ -59,7 +59,8 @@ def copy_notebooks(target: pathlib.Path, source: pathlib.Path | None = None,
 
     Files missing in ``target`` are copied; files already there are kept as they are.
     A name in ``fresh`` (``"01_all_reduce.ipynb"``) is copied again, after the existing
-    copy is renamed to ``01_all_reduce.<YYYYmmdd-HHMMSS>.ipynb``.
+    copy is renamed to ``01_all_reduce.<YYYYmmdd-HHMMSS>.ipynb`` (``...-2.ipynb`` and so on
+    if that name is taken: a kept copy is never replaced).
 
     Returns:
         ``{"copied": [...], "kept": [...], "renamed": [...]}``, relative paths.
@@ -84,6 +85,10 @@ def copy_notebooks(target: pathlib.Path, source: pathlib.Path | None = None,
         dest = target / rel
         if dest.exists() and str(rel) in fresh:
             old = dest.with_name(f"{dest.stem}.{stamp}{dest.suffix}")
+            k = 1
+            while old.exists():  # a --fresh within the same second: never replace a kept copy
+                k += 1
+                old = dest.with_name(f"{dest.stem}.{stamp}-{k}{dest.suffix}")
             dest.rename(old)
             report["renamed"].append(str(old.relative_to(target)))
         if dest.exists():
