@@ -78,8 +78,8 @@ def test_few_cores_is_a_note_and_little_memory_a_failure_with_its_fix(lab_lists_
 def test_no_loopback_a_cuda_build_spawn_and_an_unlisted_manager(lab_lists_the_manager, monkeypatch):
     import torch
 
-    import reducelab.group
-    monkeypatch.setattr(reducelab.group.psutil, "net_if_addrs", lambda: {})
+    import reducelab.launch
+    monkeypatch.setattr(reducelab.launch.psutil, "net_if_addrs", lambda: {})
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setenv("REDUCELAB_START_METHOD", "spawn")
     monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: _Done("no extensions"))
@@ -150,7 +150,7 @@ def test_a_failing_group_is_a_failed_check_with_its_error(lab_lists_the_manager,
 
 def test_lab_starts_jupyterlab_on_loopback_in_the_copy(tmp_path, capsys, monkeypatch):
     started = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: started.append(cmd) or 0)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, **kwargs: started.append(cmd) or 0)
     monkeypatch.setattr(cli.os, "geteuid", lambda: 1000)
     assert cli.main(["lab", str(tmp_path / "copy")]) == 0
     cmd = started[0]
@@ -172,16 +172,16 @@ def test_the_oldest_python_and_torch_pass_and_older_fail(lab_lists_the_manager, 
     class Version(tuple):
         major, minor = property(lambda self: self[0]), property(lambda self: self[1])
     monkeypatch.setattr(cli.sys, "version_info", Version((3, 10, 0)))
-    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     checks = cli.doctor_checks(smoke=False)
     assert by_what(checks, "Python 3.10")["ok"] is True
-    assert by_what(checks, "torch 2.8.0+cpu")["ok"] is True
+    assert by_what(checks, "torch 2.13.0+cpu")["ok"] is True
     monkeypatch.setattr(cli.sys, "version_info", Version((3, 9, 18)))
-    monkeypatch.setattr(torch, "__version__", "2.7.1")
+    monkeypatch.setattr(torch, "__version__", "2.12.1")
     checks = cli.doctor_checks(smoke=False)
     assert by_what(checks, "Python 3.9")["ok"] is False
-    torch_check = by_what(checks, "torch 2.7.1")
-    assert torch_check["ok"] is False and "gloo gained ReduceOp.AVG in torch 2.8" in torch_check["fix"]
+    torch_check = by_what(checks, "torch 2.12.1")
+    assert torch_check["ok"] is False and "new in torch 2.13" in torch_check["fix"]
 
 
 def test_doctor_checks_run_a_real_group_unless_told_not_to(lab_lists_the_manager, monkeypatch):

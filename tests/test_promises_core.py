@@ -278,7 +278,9 @@ def test_a_rank_error_names_the_ranks_and_carries_each_traceback_once():
 # --- group.py's helpers ----------------------------------------------------------------------------
 
 def test_how_a_rank_ended_is_said_in_words():
-    from reducelab.group import _describe_exit, _describe_start_death, _error_kind
+    from reducelab.reports import describe_exit as _describe_exit
+    from reducelab.reports import describe_start_death as _describe_start_death
+    from reducelab.reports import error_kind as _error_kind
     assert _describe_exit(None) == "died"
     assert _describe_exit(-9) == "died: killed by SIGKILL"
     assert _describe_exit(-200) == "died: killed by signal 200"
@@ -293,7 +295,7 @@ def test_how_a_rank_ended_is_said_in_words():
 
 
 def test_env_is_checked_before_anything_starts():
-    from reducelab.group import _RESERVED_ENV, _validate_env
+    from reducelab.launch import RESERVED_ENV as _RESERVED_ENV, validate_env as _validate_env
     assert _validate_env(None) == {}
     given = {"A": "1"}
     assert _validate_env(given) == given and _validate_env(given) is not given
@@ -315,7 +317,7 @@ def test_env_is_checked_before_anything_starts():
     ((2, "gloo", float("nan")), ValueError, "finite"), ((2, "gloo", float("inf")), ValueError, "finite"),
 ])
 def test_world_size_backend_and_timeout_are_checked_with_the_valid_choices(args, error, words):
-    from reducelab.group import _validate
+    from reducelab.launch import validate as _validate
     if error is None:
         assert _validate(*args) is None
     else:
@@ -442,7 +444,7 @@ def test_ranks_do_not_import_the_kernels_main():
 # --- rank_loop.py's helpers (run in this process) -------------------------------------------------
 
 def test_where_names_the_collective_and_the_learners_line():
-    from reducelab import rank_loop
+    from reducelab import rank_reports as rank_loop  # where() lives in rank_reports since the split
     dist_file = os.path.join(rank_loop._DIST_DIR, "distributed_c10d.py")
     frames = [traceback.FrameSummary("/tmp/cell.py", 4, "my_fn"),
               traceback.FrameSummary(dist_file, 10, "all_reduce"),
@@ -453,13 +455,13 @@ def test_where_names_the_collective_and_the_learners_line():
 
 
 def test_a_long_text_keeps_its_head_and_tail_and_says_how_much_was_cut():
-    from reducelab.rank_loop import _cut
+    from reducelab.rank_reports import cut as _cut
     assert _cut("abc", 3) == "abc"
     assert _cut("abcdefghij", 4) == "ab\n[... 6 characters cut ...]\nij"
 
 
 def test_safe_str_survives_a_str_that_raises():
-    from reducelab.rank_loop import safe_str
+    from reducelab.rank_reports import safe_str
 
     class Bad:
         def __str__(self):
@@ -469,7 +471,7 @@ def test_safe_str_survives_a_str_that_raises():
 
 
 def test_describe_exception_gives_a_bounded_summary_the_chain_and_where_it_was():
-    from reducelab.rank_loop import MAX_SUMMARY, MAX_TRACEBACK, describe_exception
+    from reducelab.rank_reports import MAX_SUMMARY, MAX_TRACEBACK, describe_exception
 
     def inner():
         raise KeyError("low")
@@ -495,7 +497,7 @@ def test_describe_exception_gives_a_bounded_summary_the_chain_and_where_it_was()
 
 
 def test_classes_defined_in_main_are_found_inside_containers_and_no_deeper():
-    from reducelab.rank_loop import _main_classes
+    from reducelab.rank_env import _main_classes
     Cell = type("Cell", (), {"__module__": "__main__"})
     Deep = type("Deep", (), {"__module__": "__main__"})
     Nested = type("Outer.Nested", (), {"__module__": "__main__", "__qualname__": "Outer.Nested"})
@@ -534,8 +536,8 @@ def test_a_large_return_value_is_sent_in_chunks_as_it_is_pickled():
 
 
 def test_the_launcher_frames_are_cut_from_a_traceback():
-    from reducelab import rank_loop
-    here = rank_loop._THIS_FILE
+    from reducelab import rank_reports as rank_loop
+    here = rank_loop._LOOP_FILE
     magic = os.path.join(os.path.dirname(here), "magic.py")
     frames = [traceback.FrameSummary(here, 1, "serve"), traceback.FrameSummary(here, 2, "run_job"),
               traceback.FrameSummary(magic, 3, "exec_on_rank"),
@@ -566,13 +568,11 @@ def test_messages_are_plain_pickles_of_dicts():
 
 # --- group.py: the headline of a failed run (README, "Faults tried") ------------------------------
 
-def _bare_group(world_size=3, timeout=3.0):
-    """A LocalGroup with no ranks, enough to build a failure report in this process."""
-    from reducelab import LocalGroup
-    g = LocalGroup.__new__(LocalGroup)
-    g._world_size, g._timeout, g._returned = world_size, timeout, {}
-    g._closed, g._state, g._finalizer, g._procs, g._tmpdir = False, "idle", None, [], None
-    return g
+def _failure(name, replies, died, pending, stacks, world_size=3, timeout=3.0, returned=None):
+    """The error a LocalGroup with these replies would raise, built in this process, and
+    whether its ranks would restart (``reports.run_failure``)."""
+    from reducelab.reports import run_failure
+    return run_failure(name, world_size, timeout, replies, died, pending, stacks, returned or {})
 
 
 def _error(summary, in_distributed=False, pg=True):
@@ -612,11 +612,10 @@ RESTART = "The ranks were stopped; 3 fresh ranks start at the next run()."
 ])
 def test_a_failed_run_is_headlined_by_what_happened_and_says_whether_ranks_restart(
         replies, died, pending, stacks, headline, restart):
-    g = _bare_group()
-    err = g._failure("f", replies, died, pending, stacks)
+    err, restarts = _failure("f", replies, died, pending, stacks)
     assert err.headline == headline
     assert (RESTART in str(err)) is restart
-    assert g.state == ("stopped" if restart else "idle")
+    assert restarts is restart
     states = {r.rank: r.state for r in err.reports}
     assert all(states[r] == "stuck" for r in pending) and all(states[r] == "died" for r in died)
     assert err.ranks == sorted(set(pending) | set(died) | {r for r, m in replies.items()
@@ -624,10 +623,8 @@ def test_a_failed_run_is_headlined_by_what_happened_and_says_whether_ranks_resta
 
 
 def test_a_rank_whose_value_was_still_on_its_way_is_said_so():
-    g = _bare_group(world_size=2)
-    g._returned = {1: 0.0}
-    err = g._failure("f", {0: DONE}, {}, {1}, {})
+    err, _ = _failure("f", {0: DONE}, {}, {1}, {}, world_size=2, returned={1: 0.0})
     assert "rank 1: f returned; its return value was still being pickled or sent" in str(err)
     assert "rank 0: f returned" in str(err)
-    err = _bare_group(world_size=2)._failure("f", {0: DONE}, {}, {1}, {})
+    err, _ = _failure("f", {0: DONE}, {}, {1}, {}, world_size=2)
     assert "rank 1: was still running" in str(err)
