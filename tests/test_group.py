@@ -205,13 +205,14 @@ def test_repr_shows_backend_world_size_and_state(group):
 def test_joining_is_bounded_by_the_timeout_and_importing_torch_is_not(monkeypatch):
     """The deadline of the wait for the ranks to join is the call's own (timeout from the
     call's start), moved on by the time the ranks took to import torch, never more."""
+    from reducelab.dispatch import Call
     seen = []
-    original = LocalGroup._gather
+    original = Call.gather
 
     def gather(self, deadline, *args, **kwargs):
         seen.append((kwargs.get("until", "reply"), time.monotonic(), deadline))
         return original(self, deadline, *args, **kwargs)
-    monkeypatch.setattr(LocalGroup, "_gather", gather)
+    monkeypatch.setattr(Call, "gather", gather)
     from reducelab import processes
     processes.warm(processes.context())       # the forkserver's first start: not this call's
     t0 = time.monotonic()
