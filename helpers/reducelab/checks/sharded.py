@@ -332,6 +332,15 @@ def exercise_run(zero2_step, X: torch.Tensor, y: torch.Tensor,
     return records
 
 
+def _exercise_run_counted(zero2_step, X: torch.Tensor, y: torch.Tensor, steps: int) -> tuple:
+    """Runs on every rank: :func:`exercise_run` inside :func:`counting_collectives`.
+    Returns ``(records, collectives)``: ``exercise_run``'s records and the names of the
+    collectives called, in order (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``)."""
+    with counting_collectives() as sent:
+        records = exercise_run(zero2_step, X, y, steps)
+    return records, [name for name, _ in sent]
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=atol, rtol=0))
 
@@ -438,16 +447,20 @@ def check_zero2_step(group: LocalGroup, zero2_step, world_sizes=EXERCISE_WORLD_S
         is the sum (not divided by world_size), the rank's own unreduced gradient, a shard
         taken at the wrong offset (the size, 2,410, does not divide by 4), gathered
         gradients instead of parameters, parameters not written back, or only the rank's
-        own shard updated; an error on the ranks is quoted, with what it means.
+        own shard updated; an error on the ranks is quoted, with what it means. Right
+        numbers reached with a ``dist.all_reduce`` (DDP's collective: every rank holds the
+        whole mean gradient) fail too: each rank's collectives are recorded
+        (:func:`counting_collectives`).
     """
     X, y = load_digits_tensors()
     ref = reference_run(X, y, steps)
     initial = initial_flat()
+    all_reduced = None
     with restoring_world_size(group):
         for ws in world_sizes:
             group.resize(ws)
             try:
-                out = group.run(exercise_run, zero2_step, X, y, steps)
+                out, called = zip(*group.run(_exercise_run_counted, zero2_step, X, y, steps))
             except RankError as err:
                 message = raised_on_ranks(f"With world_size={ws},", err).message.rstrip()
                 if not message.endswith((".", "?", "!")):
@@ -468,6 +481,20 @@ def check_zero2_step(group: LocalGroup, zero2_step, world_sizes=EXERCISE_WORLD_S
                                            ref["grads"][step], before, rank, ws, k, step)
                     if why:
                         return failed(f"With world_size={ws}: {why}")
+            reduced = [r for r, names in enumerate(called) if "all_reduce" in names]
+            if reduced and all_reduced is None:       # named once the numbers are right everywhere
+                all_reduced = (ws, reduced[0], called[reduced[0]].count("all_reduce"))
+        if all_reduced is not None:
+            ws, rank, calls = all_reduced
+            return failed(
+                f"At world sizes {' and '.join(map(str, world_sizes))} the gradient shards and "
+                f"the parameters are right, but at world_size={ws} rank {rank} called "
+                f"dist.all_reduce ({calls} time{'' if calls == 1 else 's'} in {steps} steps). "
+                f"An all_reduce gives every rank the whole mean gradient, all {NUMEL} "
+                f"elements, and sends 2(n-1)/n of the flat vector, what DDP sends and holds. "
+                f"ZeRO-2 uses the collectives of the bare step: a reduce_scatter, so that each "
+                f"rank receives only the k elements of its own shard, and an all_gather of the "
+                f"updated parameters.")
         worst = max(_worst(rec["params"], ref["params"][s]) for rec_list in out
                     for s, rec in enumerate(rec_list))
         sizes = " and ".join(map(str, world_sizes))
