@@ -39,6 +39,7 @@ from reducelab.checks.all_reduce import check_spread_over_ranks, local_values
 from reducelab.checks.disagree import check_skip_together, step_batch
 from reducelab.checks.loss import check_global_mean_loss
 from reducelab.checks.mesh import check_mesh_sync
+from reducelab.checks.reduce import check_reduce_to_owners
 from reducelab.checks.sharded import check_zero2_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -82,6 +83,30 @@ def spread_all_gather(n):                # every rank's values gathered: torch d
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_spread_over_ranks_names_each_mistake(group, fn, words):
     assert_names(check_spread_over_ranks(group, fn), *words)
+
+
+# --- 02: check_reduce_to_owners (its table: tests/test_nb02_reduce.py) ------------------------
+
+def owners_sent_from_rank_0(x):          # every chunk reduced to rank 0, which sends the sums on
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = x.clone().tensor_split(n)
+    for chunk in chunks:
+        dist.reduce(chunk, dst=0)
+    if rank == 0:
+        for c in range(1, n):
+            dist.send(chunks[c], dst=c)
+        return chunks[0]
+    mine = torch.empty_like(chunks[rank])
+    dist.recv(mine, src=0)
+    return mine
+
+
+@pytest.mark.parametrize("fn, words", [
+    (owners_sent_from_rank_0, ["your function called dist.recv",
+                               "from dist.reduce alone, one reduce per chunk"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_check_reduce_to_owners_names_each_mistake(group, fn, words):
+    assert_names(check_reduce_to_owners(group, fn), *words)
 
 
 # --- 03: check_global_mean_loss ---------------------------------------------------------
