@@ -41,6 +41,7 @@ from reducelab.checks.loss import check_global_mean_loss
 from reducelab.checks.mesh import check_mesh_sync
 from reducelab.checks.reduce import check_reduce_to_owners
 from reducelab.checks.sharded import check_zero2_step
+from reducelab.checks.shards import check_global_grad_norm
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -345,3 +346,45 @@ def skip_counts_every_step(bad, steps=6):    # skips the right steps, but counts
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_skip_together_names_each_mistake(group, fn, words):
     assert_names(check_skip_together(group, fn), *words)
+
+
+# --- 14: check_global_grad_norm (its table: tests/test_nb14_shards.py) ------------------------
+
+def norm_from_gathered_pieces(model, mesh):    # right value, but every rank's local pieces gathered
+    split, copied = [], []
+    for p in model.parameters():
+        piece = p.grad.to_local().flatten()
+        (split if p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard() else copied).append(piece)
+    split, copied = torch.cat(split), torch.cat(copied)
+    everyone = [torch.empty_like(split) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, split)
+    dp = mesh.get_group("dp")
+    over_dp = [torch.empty_like(copied) for _ in range(dist.get_world_size(dp))]
+    dist.all_gather(over_dp, copied, group=dp)
+    return (torch.cat(everyone).pow(2).sum() + torch.cat(over_dp).pow(2).sum()).sqrt().item()
+
+
+@pytest.mark.parametrize("fn, words", [
+    (norm_from_gathered_pieces, ["The value is right, but your function called dist.all_gather with a tensor of",
+                                 "only a few numbers cross"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_check_global_grad_norm_names_each_mistake(group, fn, words):
+    assert_names(check_global_grad_norm(group, fn), *words)
+
+
+def norm_per_parameter(model, mesh):           # right: one sum of squares per parameter tensor
+    def squares(p, split):
+        kind = p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard()
+        return p.grad.to_local().pow(2).sum() if kind == split else torch.zeros(())
+    split = torch.stack([squares(p, True) for p in model.parameters()])
+    copied = torch.stack([squares(p, False) for p in model.parameters()])
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("dp"))
+    return (split.sum() + copied.sum()).sqrt().item()
+
+
+def test_check_global_grad_norm_lets_a_few_numbers_cross(group):
+    """The bound on what may cross is the number of parameter tensors: one sum of squares
+    per parameter is still "a few numbers"."""
+    verdict = check_global_grad_norm(group, norm_per_parameter)
+    assert verdict, verdict.message
