@@ -289,6 +289,16 @@ def zero2_no_padding(flat_params, flat_grad, my_shard, optimizer):
     _gather_into(flat_params, my_shard)
 
 
+def zero2_gathers_every_gradient(flat_params, flat_grad, my_shard, optimizer):  # no reduce_scatter
+    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
+    every = torch.empty(n * flat_grad.numel())
+    dist.all_gather_into_tensor(every, flat_grad)
+    mean = every.view(n, -1).mean(dim=0)
+    my_shard.grad = F.pad(mean, (0, n * k - mean.numel()))[r * k:(r + 1) * k].clone()
+    optimizer.step()
+    _gather_into(flat_params, my_shard)
+
+
 def zero2_all_reduce(flat_params, flat_grad, my_shard, optimizer):   # right numbers, DDP's collective
     n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
     mean = flat_grad.clone()
@@ -308,6 +318,9 @@ def zero2_all_reduce(flat_params, flat_grad, my_shard, optimizer):   # right num
     (zero2_rebinds_params, ["flat_params did not change at all", "in place"]),
     (zero2_own_shard_only, ["This rank's own shard", "is right, the others are not"]),
     (zero2_no_padding, ["With world_size=4,", "pad the flat gradient with 2 zero(s) at the end"]),
+    (zero2_gathers_every_gradient, ["the parameters are right, but at world_size=2 rank 0 never called a "
+                                     "reduce_scatter (it called dist.all_gather_into_tensor, "
+                                     "dist.all_gather_single)", "travelled whole"]),
     (zero2_all_reduce, ["the gradient shards and the parameters are right, but at world_size=",
                         "called dist.all_reduce", "ZeRO-2 uses the collectives of the bare step"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
