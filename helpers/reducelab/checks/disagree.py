@@ -255,7 +255,7 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
                 if any(r.state == "stuck" for r in err.reports) and \
                         not any(r.state in ("raised", "died") for r in err.reports):
                     return _explain_hang(context, err, group.timeout)
-                return raised_on_ranks(context, err)
+                return raised_on_ranks(f"{context},", err)
             shaped = all(isinstance(o, (tuple, list)) and len(o) == 2
                          and isinstance(o[1], torch.Tensor) for o in out)
             if not shaped:
