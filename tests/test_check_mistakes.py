@@ -1,28 +1,50 @@
 """Each exercise check, given each mistake its docstring or its notebook's exercise text
-names, says what that mistake is (issue 20: "a check can accept an answer that its
-exercise text forbids").
+names, says what that mistake is, and refuses what the exercise forbids (issue 20: "a
+check can accept an answer that its exercise text forbids").
 
-Where each check's mistakes are tested (a table: a mistaken answer written as a learner
-would write it, and the words the verdict must carry):
+Where each check's mistakes are tested: a table of mistaken answers, each written as a
+learner would write it, with the words the verdict must carry. Most tables live in the
+notebook's own test module; the rows here are the mistakes those tables lacked, and one
+for each check that accepted a forbidden answer until it was fixed (marked "fix").
 
-====  ================================  ==============================================
- NN   check                             table of mistakes
-====  ================================  ==============================================
- 01   check_spread_over_ranks           test_nb01_all_reduce; here: another collective
- 03   check_global_mean_loss            here
- 05   check_mesh_sync                   test_nb05_mesh; here: a private DeviceMesh call
- 07   check_node_command                test_nb07_cluster (WRONG_ANSWERS)
- 08   check_zero2_step                  here, with the all_reduce the step may not use
- 11   check_skip_together               test_nb11_disagree; here: a wrong step count
-====  ================================  ==============================================
+"likely" stands for test_each_likely_mistake_is_named, "usual" for
+test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
+
+- 01 check_spread_over_ranks: test_nb01_all_reduce "likely". Here: an all_gather (fix).
+- 02 check_reduce_to_owners: test_nb02_reduce "likely". Here: every chunk reduced to
+  rank 0, then sent on (fix).
+- 03 check_global_mean_loss: here, the whole table (test_nb03_loss has WRONG too).
+- 04 check_ddp_loss: test_nb04_ddp "likely".
+- 05 check_mesh_sync: test_nb05_mesh "likely", and its tests of a new group per call.
+  Here: DeviceMesh._flatten (fix).
+- 06 check_chain_broadcast: test_nb06_ring "likely", and its ring that hangs. Here: the
+  chain run to the left neighbour.
+- 07 check_node_command: test_nb07_cluster test_wrong_answers_are_explained.
+- 08 check_zero2_step: here, the whole table (test_nb08_sharded "usual" too), with an
+  all_reduce and an all_gather of every gradient, right numbers without a reduce_scatter (fix).
+- 09 check_vocab_parallel_embedding: test_nb09_tensor_parallel
+  test_each_likely_mistake_gets_its_explanation.
+- 10 check_recursive_doubling: test_nb10_cost "usual".
+- 11 check_skip_together: test_nb11_disagree "usual", and the given loop's hang. Here: an
+  error on the ranks; the right steps skipped but counted as taken (fix).
+- 12 check_exact_mean_loss: test_nb12_gathers "usual". Here: a rank's own mean; the
+  repeats left out of the sum but not the count.
+- 13 check_dropout_seeds: test_nb13_ddp_model "usual".
+- 14 check_global_grad_norm: test_nb14_shards "usual". Here: an all_gather of the local
+  pieces (fix), and one sum per parameter, which passes; the copies never summed.
+- 15 check_cp_sync: test_nb15_fsdp2 "usual".
+- 16 check_ddp_buckets: test_nb16_buckets "usual" (every entry of checks.buckets.MISTAKES).
+
+(Notebooks 13 and 16 also name torch's own ``_check_sync_bufs_pre_fwd`` and
+``_check_comm_hook``: DDP internals, not checks of ours.)
 
 Every row asserts that the verdict fails, that its message names the mistake, and that
-it quotes no line of any solution (README: "No check message prints a solution"); a
-message that stopped naming the mistake, or a check that started accepting it, fails
-here. The right answer of each check is run by the notebook's own test.
+it quotes no line of any solution (README: "No check message prints a solution"). The
+right answer of each check is run by the notebook's own test.
 
 The rank functions are module-level functions of this file, sent to the ranks by value
-(as a notebook cell's are). One 4-rank group (conftest's ``group``) serves the module.
+(as a notebook cell's are). One 4-rank group (conftest's ``group``) serves the module;
+check_chain_broadcast starts its own, as it does in the notebook.
 """
 from __future__ import annotations
 
@@ -37,9 +59,11 @@ import torch.nn.functional as F
 
 from reducelab.checks.all_reduce import check_spread_over_ranks, local_values
 from reducelab.checks.disagree import check_skip_together, step_batch
+from reducelab.checks.gathers import check_exact_mean_loss
 from reducelab.checks.loss import check_global_mean_loss
 from reducelab.checks.mesh import check_mesh_sync
 from reducelab.checks.reduce import check_reduce_to_owners
+from reducelab.checks.ring import check_chain_broadcast
 from reducelab.checks.sharded import check_zero2_step
 from reducelab.checks.shards import check_global_grad_norm
 
@@ -215,6 +239,26 @@ def test_check_mesh_sync_names_each_mistake(group, fn, words):
     assert_names(check_mesh_sync(group, fn), *words)
 
 
+# --- 06: check_chain_broadcast (its table: tests/test_nb06_ring.py) --------------------------
+
+def chain_to_the_left(x, src, pieces):   # the chain runs src, src - 1, ...: the wrong neighbour
+    rank, n = dist.get_rank(), dist.get_world_size()
+    place = (src - rank) % n
+    for piece in x.tensor_split(pieces):
+        if place > 0:
+            dist.recv(piece, src=(rank + 1) % n)
+        if place < n - 1:
+            dist.send(piece, dst=(rank - 1) % n)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (chain_to_the_left, ["every rank ends with src's x, but rank 0 sent to rank 2",
+                         "sends only to its right neighbour, rank 1"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_check_chain_broadcast_names_each_mistake(fn, words):
+    assert_names(check_chain_broadcast(fn, world_sizes=(3,)), *words)
+
+
 # --- 08: check_zero2_step -----------------------------------------------------------------------
 
 def zero2_stub(flat_params, flat_grad, my_shard, optimizer):     # the def cell as shipped
@@ -352,13 +396,42 @@ def skip_counts_every_step(bad, steps=6):    # skips the right steps, but counts
     return taken, model.weight.detach().clone()
 
 
+def skip_raises(bad, steps=6):
+    raise RuntimeError("learner bug")
+
+
 @pytest.mark.parametrize("fn, words", [
+    (skip_raises, ["With world_size=2 and a corrupt batch on rank 1 at step 2, your function raised "
+                   "on the ranks", "RuntimeError: learner bug"]),
     (skip_counts_every_step, ["the weights match the reference, so every rank skipped the right step",
                               "every rank says it took 6 steps, not 5",
                               "count a step only when the optimizer really steps"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_skip_together_names_each_mistake(group, fn, words):
     assert_names(check_skip_together(group, fn), *words)
+
+
+# --- 12: check_exact_mean_loss (its table: tests/test_nb12_gathers.py) ------------------------
+
+def exact_own_mean(losses, indices, dataset_size):          # no collective: this rank's share only
+    return losses.mean().item()
+
+
+def exact_repeats_in_the_count(losses, indices, dataset_size):   # repeats left out of the sum only
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    kept = torch.arange(len(indices)) * world_size + rank < dataset_size
+    totals = torch.stack([losses[kept].sum(), torch.tensor(float(len(indices)))])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+@pytest.mark.parametrize("fn, words", [
+    (exact_own_mean, ["Each rank returned the mean of its own share only",
+                      "your function called none"]),
+    (exact_repeats_in_the_count, ["With 7 samples on 2 ranks", "1 of the indices the ranks hold are repeats"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_check_exact_mean_loss_names_each_mistake(group, fn, words):
+    assert_names(check_exact_mean_loss(group, fn), *words)
 
 
 # --- 14: check_global_grad_norm (its table: tests/test_nb14_shards.py) ------------------------
@@ -377,7 +450,21 @@ def norm_from_gathered_pieces(model, mesh):    # right value, but every rank's l
     return (torch.cat(everyone).pow(2).sum() + torch.cat(over_dp).pow(2).sum()).sqrt().item()
 
 
+def norm_copies_left_local(model, mesh):       # the copies over tp never summed over dp
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        squares = p.grad.to_local().pow(2).sum()
+        if p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard():
+            split += squares
+        else:
+            copied += squares
+    dist.all_reduce(split)
+    return (split + copied).sqrt().item()
+
+
 @pytest.mark.parametrize("fn, words", [
+    (norm_copies_left_local, ["Your function returns different norms on the ranks",
+                              "Every rank must clip with the same factor"]),
     (norm_from_gathered_pieces, ["The value is right, but your function called dist.all_gather with a tensor of",
                                  "only a few numbers cross"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
