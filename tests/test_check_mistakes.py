@@ -1,20 +1,53 @@
 """Each exercise check, given each mistake its docstring or its notebook's exercise text
-names, says what that mistake is (issue 20: "a check can accept an answer that its
-exercise text forbids").
+names, says what that mistake is, and refuses what the exercise forbids (issue 20: "a
+check can accept an answer that its exercise text forbids").
 
-One table per ``check_*`` of ``reducelab.checks``: a mistaken answer (a function written
-as a learner would write it), and the words the verdict must carry. Every row asserts
-that the verdict fails, and that its message names the mistake; a message that stopped
-naming it, or a check that started accepting it, fails here. The right answer of each
-check is run by the notebook's own test (``tests/test_nbNN_*.py``); here the stub of
-each def cell is one row, since it is what every learner hands in first.
+Where each check's mistakes are tested: a table of mistaken answers, each written as a
+learner would write it, with the words the verdict must carry. Most tables live in the
+notebook's own test module; the rows here are the mistakes those tables lacked, and one
+for each check that accepted a forbidden answer until it was fixed (marked "fix").
+
+"likely" stands for test_each_likely_mistake_is_named, "usual" for
+test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
+
+- 01 check_spread_over_ranks: test_nb01_all_reduce "likely". Here: an all_gather (fix).
+- 02 check_reduce_to_owners: test_nb02_reduce "likely". Here: every chunk reduced to
+  rank 0, then sent on (fix).
+- 03 check_global_mean_loss: here, the whole table (test_nb03_loss has WRONG too).
+- 04 check_ddp_loss: test_nb04_ddp "likely".
+- 05 check_mesh_sync: test_nb05_mesh "likely", and its tests of a new group per call.
+  Here: DeviceMesh._flatten (fix).
+- 06 check_chain_broadcast: test_nb06_ring "likely", and its ring that hangs. Here: the
+  chain run to the left neighbour.
+- 07 check_node_command: test_nb07_cluster test_wrong_answers_are_explained.
+- 08 check_zero2_step: here, the whole table (test_nb08_sharded "usual" too), with an
+  all_reduce and an all_gather of every gradient, right numbers without a reduce_scatter (fix).
+- 09 check_vocab_parallel_embedding: test_nb09_tensor_parallel
+  test_each_likely_mistake_gets_its_explanation.
+- 10 check_recursive_doubling: test_nb10_cost "usual".
+- 11 check_skip_together: test_nb11_disagree "usual", and the given loop's hang. Here: an
+  error on the ranks; the right steps skipped but counted as taken (fix).
+- 12 check_exact_mean_loss: test_nb12_gathers "usual". Here: a rank's own mean; the
+  repeats left out of the sum but not the count.
+- 13 check_dropout_seeds: test_nb13_ddp_model "usual".
+- 14 check_global_grad_norm: test_nb14_shards "usual". Here: an all_gather of the local
+  pieces (fix), and one sum per parameter, which passes; the copies never summed.
+- 15 check_cp_sync: test_nb15_fsdp2 "usual".
+- 16 check_ddp_buckets: test_nb16_buckets "usual" (every entry of checks.buckets.MISTAKES).
+
+(Notebooks 13 and 16 also name torch's own ``_check_sync_bufs_pre_fwd`` and
+``_check_comm_hook``: DDP internals, not checks of ours.)
+
+Every row asserts that the verdict fails, that its message names the mistake, and that
+it quotes no line of any solution (README: "No check message prints a solution"). The
+right answer of each check is run by the notebook's own test.
 
 The rank functions are module-level functions of this file, sent to the ranks by value
-(as a notebook cell's are).
+(as a notebook cell's are). One 4-rank group (conftest's ``group``) serves the module;
+check_chain_broadcast starts its own, as it does in the notebook.
 """
 from __future__ import annotations
 
-import math
 import pathlib
 import sys
 
@@ -24,19 +57,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reducelab import LocalGroup
-from reducelab.checks.all_reduce import check_mean_over_ranks, local_values
-from reducelab.checks.cluster import check_node_command
-from reducelab.checks.cost import check_all_reduce_prediction
-from reducelab.checks.ddp import check_loss_scale
-from reducelab.checks.disagree import check_stop_together, local_batch as stop_batch
+from reducelab.checks.all_reduce import check_spread_over_ranks, local_values
+from reducelab.checks.disagree import check_skip_together, step_batch
+from reducelab.checks.gathers import check_exact_mean_loss
 from reducelab.checks.loss import check_global_mean_loss
 from reducelab.checks.mesh import check_mesh_sync
-from reducelab.checks.reduce import check_reduce_keep_input
-from reducelab.checks.ring import check_ring_all_gather
+from reducelab.checks.reduce import check_reduce_to_owners
+from reducelab.checks.ring import check_chain_broadcast
 from reducelab.checks.sharded import check_zero2_step
-from reducelab.checks.tensor_parallel import check_row_parallel
-from reducelab.data import load_digits_tensors
+from reducelab.checks.shards import check_global_grad_norm
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -63,108 +92,46 @@ def assert_names(verdict, *words):
     assert not quoted, f"the message prints a solution's code: {quoted}"
 
 
-# --- 01: check_mean_over_ranks -----------------------------------------------------------
+# --- 01: check_spread_over_ranks (its table: tests/test_nb01_all_reduce.py) -------------------
 
-def mean_stub(n):                        # the def cell as shipped: the TODO
+def spread_all_gather(n):                # every rank's values gathered: torch does the arithmetic
     x = local_values(dist.get_rank(), n)
-    return x
-
-
-def mean_forgot_divide(n):
-    x = local_values(dist.get_rank(), n)
-    dist.all_reduce(x)
-    return x
-
-
-def mean_reduced_a_copy(n):
-    x = local_values(dist.get_rank(), n)
-    dist.all_reduce(x.clone())
-    return x
-
-
-def mean_without_all_reduce(n):
-    return local_values(dist.get_rank(), n) / dist.get_world_size()
-
-
-def mean_as_float(n):
-    x = local_values(dist.get_rank(), n)
-    dist.all_reduce(x)
-    return float(x.mean()) / dist.get_world_size()
-
-
-def mean_raises(n):
-    raise ValueError("learner bug")
-
-
-def mean_with_avg(n):                    # right numbers, but the exercise says SUM only
-    x = local_values(dist.get_rank(), n)
-    dist.all_reduce(x, op=dist.ReduceOp.AVG)
-    return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    every = torch.stack(parts)
+    return every.mean(dim=0), every.std(dim=0, unbiased=False)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (mean_stub, ["rank 0 returned", "You returned the rank's own input",
-                 "never called dist.all_reduce"]),
-    (mean_forgot_divide, ["That is the SUM, 2 times too big", "divide by dist.get_world_size()"]),
-    (mean_reduced_a_copy, ["did you call all_reduce on a copy and return the original?",
-                           "all_reduce works in place"]),
-    (mean_without_all_reduce, ["Your function never called dist.all_reduce"]),
-    (mean_as_float, ["rank 0 returned 3.75", "expected a tensor like"]),
-    (mean_raises, ["With world_size=2 your function raised on the ranks", "ValueError: learner bug"]),
+    (spread_all_gather, ["rank 0 called dist.all_gather",
+                         "dist.all_reduce with ReduceOp.SUM only"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_mean_over_ranks_names_each_mistake(group, fn, words):
-    assert_names(check_mean_over_ranks(group, fn), *words)
+def test_check_spread_over_ranks_names_each_mistake(group, fn, words):
+    assert_names(check_spread_over_ranks(group, fn), *words)
 
 
-@pytest.mark.xfail(strict=True, reason="check_mean_over_ranks accepts ReduceOp.AVG although "
-                   "the exercise asks for ReduceOp.SUM only; fixed on branch `early`, whose "
-                   "merge flips this test")
-def test_check_mean_over_ranks_refuses_avg_which_the_exercise_forbids(group):
-    verdict = check_mean_over_ranks(group, mean_with_avg)
-    assert not verdict and "SUM" in verdict.message
+# --- 02: check_reduce_to_owners (its table: tests/test_nb02_reduce.py) ------------------------
 
-
-# --- 02: check_reduce_keep_input --------------------------------------------------------
-
-def reduce_stub(x, dst):                 # the def cell as shipped
-    dist.reduce(x, dst=dst)
-    return x
-
-
-def reduce_copy_returns_input(x, dst):
-    out = x.clone()
-    dist.reduce(out, dst=dst)
-    return x
-
-
-def reduce_returns_nothing(x, dst):
-    dist.reduce(x.clone(), dst=dst)
-
-
-def reduce_copy_after(x, dst):           # the copy comes too late: x is already reduced
-    dist.reduce(x, dst=dst)
-    return x.clone()
-
-
-def reduce_raises(x, dst):
-    raise RuntimeError("learner bug")
+def owners_sent_from_rank_0(x):          # every chunk reduced to rank 0, which sends the sums on
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = x.clone().tensor_split(n)
+    for chunk in chunks:
+        dist.reduce(chunk, dst=0)
+    if rank == 0:
+        for c in range(1, n):
+            dist.send(chunks[c], dst=c)
+        return chunks[0]
+    mine = torch.empty_like(chunks[rank])
+    dist.recv(mine, src=0)
+    return mine
 
 
 @pytest.mark.parametrize("fn, words", [
-    (reduce_stub, ["x changed on", "expected it unchanged everywhere",
-                   "dist.reduce writes into the very tensor you pass it, on every rank"]),
-    (reduce_copy_after, ["x changed on", "(not dst)"]),
-    (reduce_copy_returns_input, ["(dst) returned", "That is dst's own input"]),
-    (reduce_returns_nothing, ["(dst) returned None", "expected a tensor holding the sum"]),
-    (reduce_raises, ["your function raised on the ranks", "RuntimeError: learner bug"]),
+    (owners_sent_from_rank_0, ["your function called dist.recv",
+                               "from dist.reduce alone, one reduce per chunk"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_reduce_keep_input_names_each_mistake(group, fn, words):
-    assert_names(check_reduce_keep_input(group, fn), *words)
-
-
-def test_check_reduce_keep_input_refuses_a_world_size_of_one(group):
-    with pytest.raises(ValueError, match="2 or more"):
-        check_reduce_keep_input(group, reduce_stub, world_sizes=(1,))
+def test_check_reduce_to_owners_names_each_mistake(group, fn, words):
+    assert_names(check_reduce_to_owners(group, fn), *words)
 
 
 # --- 03: check_global_mean_loss ---------------------------------------------------------
@@ -251,272 +218,45 @@ def test_check_global_mean_loss_refuses_what_is_not_a_function(group):
         check_global_mean_loss(group, 0.5)
 
 
-# --- 04: check_loss_scale -----------------------------------------------------------------
+# --- 05: check_mesh_sync (its table: tests/test_nb05_mesh.py) ----------------------------------
 
-DIGITS = load_digits_tensors(840)
-
-
-def scale_stub(reduction, world_size, local_batch, global_batch):
-    return 1.0
-
-
-def scale_world_size_always(reduction, world_size, local_batch, global_batch):
-    return float(world_size)
-
-
-def scale_mean_right_sum_forgotten(reduction, world_size, local_batch, global_batch):
-    return world_size * local_batch / global_batch if reduction == "mean" else 1.0
-
-
-def scale_hard_coded_four(reduction, world_size, local_batch, global_batch):
-    return 4.0 if reduction == "sum" else 4 * local_batch / global_batch
-
-
-def scale_returns_none(reduction, world_size, local_batch, global_batch):
-    return None
-
-
-def scale_returns_nan(reduction, world_size, local_batch, global_batch):
-    return float("nan")
-
-
-def scale_raises(reduction, world_size, local_batch, global_batch):
-    return 1 / 0
-
-
-@pytest.mark.parametrize("fn, words", [
-    (scale_stub, ["reduction='mean', world_size=4, uneven local batches",
-                  "not a multiple of the full-batch gradient", "expected exactly 1 x",
-                  "each sample must end up weighted 1/global_batch"]),
-    (scale_world_size_always, ["reduction='mean', world_size=4, equal local batches",
-                               "was 4 x the full-batch gradient"]),
-    (scale_mean_right_sum_forgotten, ["reduction='sum', world_size=4",
-                                      "was 0.25 x the full-batch gradient",
-                                      "DDP divides every rank's gradient by world_size=4"]),
-    (scale_hard_coded_four, ["world_size=3"]),
-    (scale_returns_none, ["loss_scale must return a finite number", "(the TODO stub)."]),
-    (scale_returns_nan, ["loss_scale must return a finite number", "nan"]),
-    (scale_raises, ["raised ZeroDivisionError"]),
-], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_loss_scale_names_each_mistake(group, fn, words):
-    X, y = DIGITS
-    assert_names(check_loss_scale(group, fn, X, y), *words)
-
-
-def test_check_loss_scale_bad_input(group):
-    X, y = DIGITS
-    assert_names(check_loss_scale(group, "1.0", X, y), "needs your function loss_scale")
-    with pytest.raises(ValueError, match="2 or more"):
-        check_loss_scale(group, scale_stub, X, y, world_sizes=(1,))
-    with pytest.raises(ValueError):
-        check_loss_scale(group, scale_stub, X[:839], y[:839])
-
-
-# --- 05: check_mesh_sync ----------------------------------------------------------------------
-
-def mesh_stub(model, mesh):              # the def cell as shipped
+def mesh_private_flatten(model, mesh, n_tokens):   # right numbers, through the page's _flatten
+    everyone = mesh["dp", "cp"]._flatten(mesh_dim_name="dp_cp").get_group()
+    total = torch.tensor(float(n_tokens))
+    dist.all_reduce(total, group=everyone)
     for p in model.parameters():
         if p.grad is not None:
-            pass
-
-
-def mesh_sum_everywhere(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-
-
-def mesh_dp_only(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
-
-
-def mesh_cp_only(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mesh["cp"].get_group())
-
-
-def mesh_dp_sum_only(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=mesh["dp"].get_group())
-
-
-def mesh_reduces_a_copy(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad.clone(), op=dist.ReduceOp.AVG)
-
-
-def mesh_drops_grads(model, mesh):
-    for p in model.parameters():
-        p.grad = None
-
-
-def mesh_new_group_every_call(model, mesh):
-    everyone = dist.new_group(list(range(dist.get_world_size())))
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=everyone)
-
-
-def mesh_raises(model, mesh):
-    raise KeyError("tp")
+            p.grad.mul_(n_tokens)
+            dist.all_reduce(p.grad, group=everyone)
+            p.grad.div_(total)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (mesh_stub, ["On the mesh (dp=2, cp=2)", "These are the rank's own local gradients"]),
-    (mesh_sum_everywhere, ["That is the SUM over all 4 ranks"]),
-    (mesh_dp_only, ["That is the mean over the dp group only"]),
-    (mesh_cp_only, ["That is the mean over the cp group only"]),
-    (mesh_dp_sum_only, ["That is the SUM over the dp group only."]),
-    (mesh_reduces_a_copy, ["These are the rank's own local gradients", "all_reduce works in place"]),
-    (mesh_drops_grads, ["Some parameters have no gradient"]),
-    (mesh_new_group_every_call, ["the gradients are right, but every call of sync_grads made 1 new "
-                                 "process group", "pile up groups"]),
-    (mesh_raises, ["On the mesh (dp=2, cp=2) your function raised on the ranks", "KeyError"]),
+    (mesh_private_flatten, ["the gradients are right, but sync_grads called DeviceMesh._flatten",
+                            "a private API", "The exercise asks for public API only"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_mesh_sync_names_each_mistake(group, fn, words):
     assert_names(check_mesh_sync(group, fn), *words)
 
 
-# --- 06: check_ring_all_gather -----------------------------------------------------------------
+# --- 06: check_chain_broadcast (its table: tests/test_nb06_ring.py) --------------------------
 
-def send_recv(send_chunk, recv_buf):     # the notebook's step 1
+def chain_to_the_left(x, src, pieces):   # the chain runs src, src - 1, ...: the wrong neighbour
     rank, n = dist.get_rank(), dist.get_world_size()
-    request = dist.isend(send_chunk, dst=(rank + 1) % n)
-    dist.recv(recv_buf, src=(rank - 1) % n)
-    request.wait()
-
-
-def ring_stub(x):                        # the def cell as shipped: no ring step
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel(), dtype=x.dtype)
-    out.tensor_split(n)[rank].copy_(x)
-    return out
-
-
-def ring_phase_start(x):                 # all_gather_phase's start: slice rank + 1 first
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel(), dtype=x.dtype)
-    slices = out.tensor_split(n)
-    slices[rank].copy_(x)
-    for step in range(n - 1):
-        send_recv(slices[(rank + 1 - step) % n], slices[(rank - step) % n])
-    return out
-
-
-def ring_wrong_receive(x):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel(), dtype=x.dtype)
-    slices = out.tensor_split(n)
-    slices[rank].copy_(x)
-    for step in range(n - 1):
-        send_recv(slices[(rank - step) % n], slices[(rank + step + 1) % n])
-    return out
-
-
-def ring_forgot_own_slice(x):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel(), dtype=x.dtype)
-    slices = out.tensor_split(n)
-    for step in range(n - 1):
-        send_recv(slices[(rank - step) % n], slices[(rank - step - 1) % n])
-    return out
-
-
-def ring_whole_output(x):                # right result, but sends the whole output each step
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel(), dtype=x.dtype)
-    out.tensor_split(n)[rank].copy_(x)
-    for step in range(n - 1):
-        got = torch.empty_like(out)
-        send_recv(out, got)
-        out = torch.where(out == 0, got, out)
-    return out
-
-
-def ring_blocking_send(x):               # dist.send waits for the receiver: a deadlock
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel(), dtype=x.dtype)
-    slices = out.tensor_split(n)
-    slices[rank].copy_(x)
-    for step in range(n - 1):
-        dist.send(slices[(rank - step) % n], dst=(rank + 1) % n)
-        dist.recv(slices[(rank - step - 1) % n], src=(rank - 1) % n)
-    return out
-
-
-def ring_returns_list(x):
-    return [x] * dist.get_world_size()
-
-
-def ring_returns_own_x(x):
-    return x
+    place = (src - rank) % n
+    for piece in x.tensor_split(pieces):
+        if place > 0:
+            dist.recv(piece, src=(rank + 1) % n)
+        if place < n - 1:
+            dist.send(piece, dst=(rank - 1) % n)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (ring_stub, ["With world_size=2, rank 0 returned", "is still zero (never received)",
-                 "made 0 ring steps"]),
-    (ring_phase_start, ["send at step 0 is off",
-                        "At step 0 the only slice a rank holds is its own, slice 0"]),
-    (ring_wrong_receive, ["With world_size=3", "its receive at step 0 is off"]),
-    (ring_forgot_own_slice, ["slice 0, rank 0's own, is still zero",
-                             "copy x into slice 0 before the first step"]),
-    (ring_whole_output, ["the result is right, but rank 0 passed 24 bytes",
-                         "Send one slice per step, not the whole output."]),
-    (ring_blocking_send, ["had not finished after 3 s", "Every rank was waiting in a blocking "
-                          "dist.send", "Start the send with dist.isend"]),
-    (ring_returns_list, ["rank 0 returned [", "expected a tensor of 6 elements"]),
-    (ring_returns_own_x, ["rank 0 returned shape (3,); expected (6,)"]),
+    (chain_to_the_left, ["every rank ends with src's x, but rank 0 sent to rank 2",
+                         "sends only to its right neighbour, rank 1"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_ring_all_gather_names_each_mistake(fn, words):
-    assert_names(check_ring_all_gather(fn), *words)
-
-
-def test_check_ring_all_gather_without_a_function():
-    assert_names(check_ring_all_gather("ring_all_gather"), "needs your function")
-
-
-# --- 07: check_node_command --------------------------------------------------------------------
-
-RIGHT = "torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1 " \
-        "--master-port 29500 train.py"
-
-
-@pytest.mark.parametrize("command, words", [
-    ("", ["No command yet", "--node-rank 0"]),                 # the def cell as shipped
-    (None, ["No command yet"]),
-    ([], ["No command yet"]),
-    ("python train.py", ["starts with 'python train.py'", "start it with `torchrun`"]),
-    (RIGHT.replace("--nnodes 2", "--nnodes 2 --bogus"), ["torchrun's own parser refuses it", "--bogus"]),
-    (RIGHT.replace("--nnodes 2", "--nnodes 2 --standalone"), ["`--standalone` is for one node"]),
-    (RIGHT.replace("train.py", "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 train.py"),
-     ["--rdzv-backend 'c10d' with --rdzv-endpoint 10.0.0.1:29400",
-      "Both nodes must give the same rendezvous options"]),
-    (RIGHT.replace("--nnodes 2", "--nnodes 1"), ["--nnodes is '1'; the job has 2 nodes"]),
-    (RIGHT.replace("--nnodes 2", "--nnodes 1:2"), ["--nnodes is '1:2'"]),
-    (RIGHT.replace("--nproc-per-node 4", "--nproc-per-node 8"),
-     ["--nproc-per-node is '8'", "WORLD_SIZE = nnodes * nproc_per_node = 8"]),
-    (RIGHT.replace("--node-rank 1", "--node-rank 0"), ["Two nodes would both claim RANK 0 to 3"]),
-    (RIGHT.replace("--node-rank 1", "--node-rank 2"), ["--node-rank is 2", "0 is the head node's"]),
-    (RIGHT.replace("--master-addr 10.0.0.1 ", ""),
-     ["--master-addr is '127.0.0.1' (the default when it is left out)", "node 1 itself"]),
-    (RIGHT.replace("10.0.0.1", "localhost"), ["--master-addr is 'localhost'", "node 1 itself"]),
-    (RIGHT.replace("10.0.0.1", "10.0.0.2"), ["--master-addr is '10.0.0.2'", "at 10.0.0.1"]),
-    (RIGHT.replace("29500", "29501"), ["--master-port is 29501", "listens on 29500"]),
-    (RIGHT.replace("train.py", "node1.py"), ["The script is 'node1.py'"]),
-], ids=lambda v: v if isinstance(v, str) and len(v) < 40 else None)
-def test_check_node_command_names_each_mistake(command, words):
-    assert_names(check_node_command(command), *words)
-
-
-@pytest.mark.parametrize("command", [
-    RIGHT, RIGHT.replace("--master-port 29500 ", ""), RIGHT.split(),
-    RIGHT.replace("torchrun", "python -m torch.distributed.run")])
-def test_check_node_command_accepts_every_spelling_of_the_right_command(command):
-    assert check_node_command(command)
-
-
-def test_check_node_command_refuses_what_is_not_a_command():
-    with pytest.raises(TypeError, match="str or a list of str"):
-        check_node_command(29500)
+def test_check_chain_broadcast_names_each_mistake(fn, words):
+    assert_names(check_chain_broadcast(fn, world_sizes=(3,)), *words)
 
 
 # --- 08: check_zero2_step -----------------------------------------------------------------------
@@ -593,6 +333,25 @@ def zero2_no_padding(flat_params, flat_grad, my_shard, optimizer):
     _gather_into(flat_params, my_shard)
 
 
+def zero2_gathers_every_gradient(flat_params, flat_grad, my_shard, optimizer):  # no reduce_scatter
+    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
+    every = torch.empty(n * flat_grad.numel())
+    dist.all_gather_into_tensor(every, flat_grad)
+    mean = every.view(n, -1).mean(dim=0)
+    my_shard.grad = F.pad(mean, (0, n * k - mean.numel()))[r * k:(r + 1) * k].clone()
+    optimizer.step()
+    _gather_into(flat_params, my_shard)
+
+
+def zero2_all_reduce(flat_params, flat_grad, my_shard, optimizer):   # right numbers, DDP's collective
+    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
+    mean = flat_grad.clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    my_shard.grad = F.pad(mean, (0, n * k - mean.numel()))[r * k:(r + 1) * k].clone()
+    optimizer.step()
+    _gather_into(flat_params, my_shard)
+
+
 @pytest.mark.parametrize("fn, words", [
     (zero2_stub, ["With world_size=2, step 1: my_shard.grad is None on rank 0"]),
     (zero2_sum, ["It is the SUM over the 2 ranks, 2 times the mean"]),
@@ -603,219 +362,129 @@ def zero2_no_padding(flat_params, flat_grad, my_shard, optimizer):
     (zero2_rebinds_params, ["flat_params did not change at all", "in place"]),
     (zero2_own_shard_only, ["This rank's own shard", "is right, the others are not"]),
     (zero2_no_padding, ["With world_size=4,", "pad the flat gradient with 2 zero(s) at the end"]),
+    (zero2_gathers_every_gradient, ["the parameters are right, but at world_size=2 rank 0 never called a "
+                                     "reduce_scatter (it called dist.all_gather_into_tensor, "
+                                     "dist.all_gather_single)", "travelled whole"]),
+    (zero2_all_reduce, ["the gradient shards and the parameters are right, but at world_size=",
+                        "called dist.all_reduce", "ZeRO-2 uses the collectives of the bare step"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_zero2_step_names_each_mistake(group, fn, words):
     assert_names(check_zero2_step(group, fn), *words)
 
 
-# --- 09: check_row_parallel ----------------------------------------------------------------------
+# --- 11: check_skip_together (its table: tests/test_nb11_disagree.py) -------------------------
 
-class G(torch.autograd.Function):        # the notebook's g: all_reduce forward, identity backward
-    @staticmethod
-    def forward(ctx, x, group=None):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def row_stub(h_shard, weight_shard, bias):           # the def cell as shipped
-    return None
-
-
-def row_no_sum(h_shard, weight_shard, bias):
-    return h_shard @ weight_shard.T + bias
-
-
-def row_bias_before_sum(h_shard, weight_shard, bias):
-    return G.apply(h_shard @ weight_shard.T + bias, None)
-
-
-def row_no_bias(h_shard, weight_shard, bias):
-    return G.apply(h_shard @ weight_shard.T, None)
-
-
-def row_concatenated(h_shard, weight_shard, bias):
-    from torch.distributed.nn.functional import all_gather
-    return torch.cat(all_gather(h_shard @ weight_shard.T), dim=1)
-
-
-def row_summed_inputs(h_shard, weight_shard, bias):
-    return G.apply(h_shard, None) @ weight_shard.T + bias
-
-
-def row_all_reduce_in_backward(h_shard, weight_shard, bias):
-    from torch.distributed.nn.functional import all_reduce
-    return all_reduce(h_shard @ weight_shard.T) + bias
-
-
-def row_in_place_all_reduce(h_shard, weight_shard, bias):
-    partial = h_shard @ weight_shard.T
-    dist.all_reduce(partial)
-    return partial + bias
-
-
-def row_on_a_leaf(h_shard, weight_shard, bias):   # torch 2.13 lets c10d write into a leaf
-    dist.all_reduce(h_shard)
-    return h_shard @ weight_shard.T + bias
-
-
-def row_detached(h_shard, weight_shard, bias):
-    with torch.no_grad():
-        return G.apply(h_shard @ weight_shard.T, None) + bias
-
-
-def row_bias_on_rank_0(h_shard, weight_shard, bias):
-    partial = h_shard @ weight_shard.T
-    return G.apply(partial + bias if dist.get_rank() == 0 else partial, None)
-
-
-@pytest.mark.parametrize("fn, words", [
-    (row_stub, ["At tp=2, rank 0 returned None", "of shape (3, 4)"]),
-    (row_no_sum, ["That is this rank's partial sum"]),
-    (row_bias_before_sum, ["plus 1 extra copy of the bias", "add it once"]),
-    (row_no_bias, ["It lacks the bias, on rank(s) 0, 1"]),
-    (row_concatenated, ["the ranks' partial outputs side by side"]),
-    (row_summed_inputs, ["summing the ranks' h_shard tensors first"]),
-    (row_all_reduce_in_backward, ["gradients of h_shard and weight_shard are 2 times too large",
-                                  "g must be the identity in backward"]),
-    (row_in_place_all_reduce, ["autograd ran backward through dist.all_reduce itself",
-                               "torch.autograd.Function"]),
-    (row_on_a_leaf, ["summing the ranks' h_shard tensors first"]),
-    (row_detached, ["no gradient reached h_shard or weight_shard"]),
-    (row_bias_on_rank_0, ["only rank(s) 0 got the bias's gradient"]),
-], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_row_parallel_names_each_mistake(group, fn, words):
-    assert_names(check_row_parallel(group, fn), *words)
-
-
-# --- 10: check_all_reduce_prediction (the model part; no mistake reaches the real run) -------------
-
-FITS = {("all_reduce", 4): (2e-4, 1e-9), ("all_reduce", 2): (1e-4, 5e-10)}
-GRADS = [4 * 10, 4 * 1000, 4 * 64 * 32, 4 * 32]
-BUCKETS = [sum(GRADS)]
-
-
-def f(n):
-    return 2 * (n - 1) / n
-
-
-@pytest.mark.parametrize("fn, words", [
-    (lambda s, a, b, n: 0.0, ["your prediction is", "every all_reduce costs at least α"]),
-    (lambda s, a, b, n: a + b * f(n) * sum(s), ["it counts α once for all 4 tensors"]),
-    (lambda s, a, b, n: len(s) * a + b * sum(s), ["it leaves out the factor 2(n - 1)/n = 1.5"]),
-    (lambda s, a, b, n: a + b * sum(s), ["it counts α once for all 4 tensors and leaves out the factor"]),
-    (lambda s, a, b, n: len(s) * a + b * (n - 1) / n * sum(s), ["it uses (n - 1)/n, the factor of a "
-                                                                "reduce_scatter or an all_gather alone"]),
-    (lambda s, a, b, n: len(s) * a + b * (n - 1) * sum(s), ["it uses (n - 1), the bytes of a naive all_reduce"]),
-    pytest.param(lambda s, a, b, n: len(s) * a + 2 * b * f(n) * sum(s), ["it counts the bytes twice"],
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "at world_size 4, 2 x 2(n-1)/n = n - 1 = 3, and the check names the naive "
-                     "factor, since it diagnoses at the largest world size only; trying n = 2 "
-                     "too would tell the two apart (checks/cost.py, notebook 10's owner)"))),
-    (lambda s, a, b, n: len(s) * a, ["it has only the α term"]),
-    (lambda s, a, b, n: b * f(n) * sum(s), ["it has only the bandwidth term"]),
-    (lambda s, a, b, n: len(s) * a + b * f(n) * sum(s) / 4, ["it counts elements, not bytes"]),
-    (lambda s, a, b, n: len(s) * a + b * f(n) * sum(s) * 1.1, ["but the model gives"]),
-    (lambda s, a, b, n: None, ["your function returned None", "return a number of seconds"]),
-    (lambda s, a, b, n: [a] * len(s), ["(a list)", "return a number of seconds"]),
-    (lambda s, a, b, n: 1 / 0, ["your function raised ZeroDivisionError"]),
-], ids=["stub", "alpha_once", "no_factor", "alpha_once_no_factor", "half_factor", "naive_factor",
-        "bytes_twice", "alpha_only", "beta_only", "elements", "other", "none", "list", "raises"])
-def test_check_all_reduce_prediction_names_each_mistake(group, fn, words):
-    verdict = check_all_reduce_prediction(group, fn, FITS, GRADS, BUCKETS)
-    assert_names(verdict, *words)
-    assert "(world_size=4)" in verdict.message or "raised" in verdict.message or \
-        "returned" in verdict.message      # the largest world size is tried first
-
-
-def test_check_all_reduce_prediction_without_the_fits(group):
-    assert_names(check_all_reduce_prediction(group, lambda s, a, b, n: 0.0, {}, GRADS, BUCKETS),
-                 "fits has no entry ('all_reduce', 4)", "run the sweep and the fit cells")
-
-
-# --- 11: check_stop_together (its own group, with the notebook's 2 s timeout) ------------------------
-
-@pytest.fixture(scope="module")
-def short_group():
-    g = LocalGroup(world_size=4, timeout=2)
-    yield g
-    g.close()
-
-
-def _stop_loop(decide, average_grads=True, detach=True, returns_weight=True):
+def skip_counts_every_step(bad, steps=6):    # skips the right steps, but counts them as taken
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = stop_batch(rank)
-    steps = 0
-    for _ in range(30):
-        loss = F.mse_loss(model(x), y)
-        if decide(loss.detach().clone() if detach else loss) < 0.1:
-            break
+    taken = 0
+    for step in range(steps):
+        x, y = step_batch(rank, step, bad)
         opt.zero_grad()
-        loss.backward()
-        if average_grads:
-            for p in model.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        F.mse_loss(model(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        taken += 1
+        broken = torch.tensor([0.0 if all(g.isfinite().all() for g in grads) else 1.0])
+        dist.all_reduce(broken, op=dist.ReduceOp.MAX)
+        if broken.item() > 0:
+            continue
+        for g in grads:
+            dist.all_reduce(g, op=dist.ReduceOp.AVG)
         opt.step()
-        steps += 1
-    return (steps, model.weight.detach().clone()) if returns_weight else steps
+    return taken, model.weight.detach().clone()
 
 
-def _reduced(op):
-    def decide(loss):
-        dist.all_reduce(loss, op=op)
-        return loss.item()
-    return decide
-
-
-def _rank0(loss):
-    dist.broadcast(loss, src=0)
-    return loss.item()
-
-
-def stop_stub(max_steps=30, target=0.1):             # the def cell as shipped: own loss
-    return _stop_loop(lambda loss: loss.item())
-
-
-def stop_rank0(max_steps=30, target=0.1):
-    return _stop_loop(_rank0)
-
-
-def stop_min(max_steps=30, target=0.1):
-    return _stop_loop(_reduced(dist.ReduceOp.MIN))
-
-
-def stop_max(max_steps=30, target=0.1):
-    return _stop_loop(_reduced(dist.ReduceOp.MAX))
-
-
-def stop_sum(max_steps=30, target=0.1):
-    return _stop_loop(_reduced(dist.ReduceOp.SUM))
-
-
-def stop_no_grad_average(max_steps=30, target=0.1):
-    return _stop_loop(_reduced(dist.ReduceOp.AVG), average_grads=False)
-
-
-def stop_steps_only(max_steps=30, target=0.1):
-    return _stop_loop(_reduced(dist.ReduceOp.AVG), returns_weight=False)
+def skip_raises(bad, steps=6):
+    raise RuntimeError("learner bug")
 
 
 @pytest.mark.parametrize("fn, words", [
-    (stop_stub, ["With world_size=2 the loop still hangs", "had already left the loop and returned",
-                 "the loss averaged over all ranks"]),
-    (stop_rank0, ["rank 0 decided for everyone"]),
-    (stop_min, ["(ReduceOp.MIN): one lucky rank decided for everyone"]),
-    (stop_max, ["(ReduceOp.MAX)"]),
-    (stop_sum, ["the sum is world_size times the mean"]),
-    (stop_no_grad_average, ["the ranks end with different weights"]),
-    (stop_steps_only, ["expected (steps, weight)"]),
+    (skip_raises, ["With world_size=2 and a corrupt batch on rank 1 at step 2, your function raised "
+                   "on the ranks", "RuntimeError: learner bug"]),
+    (skip_counts_every_step, ["the weights match the reference, so every rank skipped the right step",
+                              "every rank says it took 6 steps, not 5",
+                              "count a step only when the optimizer really steps"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_stop_together_names_each_mistake(short_group, fn, words):
-    assert_names(check_stop_together(short_group, fn), *words)
+def test_check_skip_together_names_each_mistake(group, fn, words):
+    assert_names(check_skip_together(group, fn), *words)
+
+
+# --- 12: check_exact_mean_loss (its table: tests/test_nb12_gathers.py) ------------------------
+
+def exact_own_mean(losses, indices, dataset_size):          # no collective: this rank's share only
+    return losses.mean().item()
+
+
+def exact_repeats_in_the_count(losses, indices, dataset_size):   # repeats left out of the sum only
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    kept = torch.arange(len(indices)) * world_size + rank < dataset_size
+    totals = torch.stack([losses[kept].sum(), torch.tensor(float(len(indices)))])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+@pytest.mark.parametrize("fn, words", [
+    (exact_own_mean, ["Each rank returned the mean of its own share only",
+                      "your function called none"]),
+    (exact_repeats_in_the_count, ["With 7 samples on 2 ranks", "1 of the indices the ranks hold are repeats"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_check_exact_mean_loss_names_each_mistake(group, fn, words):
+    assert_names(check_exact_mean_loss(group, fn), *words)
+
+
+# --- 14: check_global_grad_norm (its table: tests/test_nb14_shards.py) ------------------------
+
+def norm_from_gathered_pieces(model, mesh):    # right value, but every rank's local pieces gathered
+    split, copied = [], []
+    for p in model.parameters():
+        piece = p.grad.to_local().flatten()
+        (split if p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard() else copied).append(piece)
+    split, copied = torch.cat(split), torch.cat(copied)
+    everyone = [torch.empty_like(split) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, split)
+    dp = mesh.get_group("dp")
+    over_dp = [torch.empty_like(copied) for _ in range(dist.get_world_size(dp))]
+    dist.all_gather(over_dp, copied, group=dp)
+    return (torch.cat(everyone).pow(2).sum() + torch.cat(over_dp).pow(2).sum()).sqrt().item()
+
+
+def norm_copies_left_local(model, mesh):       # the copies over tp never summed over dp
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        squares = p.grad.to_local().pow(2).sum()
+        if p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard():
+            split += squares
+        else:
+            copied += squares
+    dist.all_reduce(split)
+    return (split + copied).sqrt().item()
+
+
+@pytest.mark.parametrize("fn, words", [
+    (norm_copies_left_local, ["Your function returns different norms on the ranks",
+                              "Every rank must clip with the same factor"]),
+    (norm_from_gathered_pieces, ["The value is right, but your function called dist.all_gather with a tensor of",
+                                 "only a few numbers cross"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_check_global_grad_norm_names_each_mistake(group, fn, words):
+    assert_names(check_global_grad_norm(group, fn), *words)
+
+
+def norm_per_parameter(model, mesh):           # right: one sum of squares per parameter tensor
+    def squares(p, split):
+        kind = p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard()
+        return p.grad.to_local().pow(2).sum() if kind == split else torch.zeros(())
+    split = torch.stack([squares(p, True) for p in model.parameters()])
+    copied = torch.stack([squares(p, False) for p in model.parameters()])
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("dp"))
+    return (split.sum() + copied.sum()).sqrt().item()
+
+
+def test_check_global_grad_norm_lets_a_few_numbers_cross(group):
+    """The bound on what may cross is the number of parameter tensors: one sum of squares
+    per parameter is still "a few numbers"."""
+    verdict = check_global_grad_norm(group, norm_per_parameter)
+    assert verdict, verdict.message

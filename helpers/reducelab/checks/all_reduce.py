@@ -77,12 +77,23 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
                                                       atol=ATOL, rtol=ATOL)
 
 
+OTHER_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object",
+                     "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
+                     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+                     "scatter", "send", "recv", "isend", "irecv")
+"""Collectives and point-to-point calls of ``torch.distributed`` other than all_reduce,
+which the exercise of notebook 01 does not use: each call of one is recorded by name."""
+
+
 def _run_recording_all_reduce(fn, n: int):
     # Runs on every rank: the learner's fn(n), with the op of each dist.all_reduce call
     # recorded, so that a check can tell "never reduced" from "reduced a copy" and see
-    # an op other than SUM. Returns (result, ops), ops as names ("SUM", "AVG", ...).
+    # an op other than SUM, and the name of every other collective called (an all_gather
+    # and torch.std compute the spread without all_reduce). Returns (result, ops, others),
+    # ops as names ("SUM", "AVG", ...), others as dist's names ("all_gather", ...).
     import torch.distributed as dist
-    original, ops = dist.all_reduce, []
+    original, ops, others = dist.all_reduce, [], []
+    saved = {name: getattr(dist, name) for name in OTHER_COLLECTIVES if hasattr(dist, name)}
 
     def recorded(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
         ops.append(next((name for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND",
@@ -90,12 +101,22 @@ def _run_recording_all_reduce(fn, n: int):
                         "another op"))
         return original(tensor, op, *args, **kwargs)
 
+    def named(name, call):
+        def wrapper(*args, **kwargs):
+            others.append(name)
+            return call(*args, **kwargs)
+        return wrapper
+
     dist.all_reduce = recorded
+    for name, call in saved.items():
+        setattr(dist, name, named(name, call))
     try:
         result = fn(n)
     finally:
         dist.all_reduce = original
-    return result, ops
+        for name, call in saved.items():
+            setattr(dist, name, call)
+    return result, ops, others
 
 
 def check_spread_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4), n: int = 4) -> Verdict:
@@ -107,9 +128,11 @@ def check_spread_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4), n: int
     Runs ``fn`` on real ranks at each world size in ``world_sizes`` (the group is resized,
     then restored) and compares with :func:`reference_spread` (tolerance :data:`ATOL`).
     The op of every ``dist.all_reduce`` call made through the ``torch.distributed``
-    module is recorded on each rank, so a wrong answer can say what went wrong: an op
-    other than ``SUM`` (``AVG`` does the division the exercise asks the learner to
-    write), no all_reduce at all, a reduced copy, the SUM left undivided, and for the
+    module is recorded on each rank, and the name of every other collective called
+    through it (:data:`OTHER_COLLECTIVES`), so a wrong answer can say what went wrong:
+    another collective (an ``all_gather``, then ``torch.std``, leaves no division to
+    write), an op other than ``SUM`` (``AVG`` does the division the exercise asks the
+    learner to write), no all_reduce at all, a reduced copy, the SUM left undivided, and for the
     spread the variance, the sample standard deviation, the root mean square, squares of
     a tensor that all_reduce had already overwritten, and the spread of one rank's own
     elements. No message prints a line of the solution.
@@ -126,7 +149,15 @@ def check_spread_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4), n: int
                 return raised_on_ranks(f"With world_size={ws}", e)
             want_mean, want_std = reference_spread(ws, n)
             at = f"With world_size={ws}, rank"
-            for r, (got, ops) in enumerate(out):
+            for r, (got, ops, others) in enumerate(out):
+                if others:
+                    return failed(
+                        f"{at} {r} called dist.{others[0]}. The exercise asks for "
+                        f"dist.all_reduce with ReduceOp.SUM only: each rank contributes "
+                        f"its sums, and you write every division. With every rank's values "
+                        f"gathered, torch.mean and torch.std do the arithmetic for you, and "
+                        f"every rank receives world_size tensors where all_reduce delivers "
+                        f"one.")
                 other = sorted({op for op in ops if op != "SUM"})
                 if other:
                     return failed(

@@ -239,7 +239,8 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
     gets an explanation of what its run shows: a hang (who returned, who waited where,
     and why), an error, ranks that disagree, a step taken with a non-finite gradient
     (skipping only when every rank, or rank 0, is bad), no step skipped at all (the bad
-    gradient replaced instead), or a wrong number of steps or weights.
+    gradient replaced instead), the right steps skipped but counted wrong, or a wrong
+    number of steps or weights.
 
     Returns:
         A :class:`~reducelab.checks.Verdict`.
@@ -254,7 +255,7 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
                 if any(r.state == "stuck" for r in err.reports) and \
                         not any(r.state in ("raised", "died") for r in err.reports):
                     return _explain_hang(context, err, group.timeout)
-                return raised_on_ranks(context, err)
+                return raised_on_ranks(f"{context},", err)
             shaped = all(isinstance(o, (tuple, list)) and len(o) == 2
                          and isinstance(o[1], torch.Tensor) for o in out)
             if not shaped:
@@ -278,6 +279,13 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
             if any(not torch.allclose(w, weights[0], atol=ATOL) for w in weights):
                 return failed(f"{context}, the ranks end with different weights: is every "
                               f"step they take still averaged over all ranks?")
+            gap = (weights[0] - want_weight).abs().max().item()
+            if taken[0] != want_taken and gap <= ATOL:
+                return failed(f"{context}, the weights match the reference, so every rank "
+                              f"skipped the right step{'s' if len(skipped) > 1 else ''} "
+                              f"({', '.join(map(str, skipped))}), but every rank says it "
+                              f"took {taken[0]} steps, not {want_taken}: count a step only "
+                              f"when the optimizer really steps.")
             if taken[0] == STEPS:
                 return failed(f"{context}, every rank took all {STEPS} steps and ends with "
                               f"finite weights, so no step was skipped: the corrupt "
@@ -291,7 +299,6 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
                               f"exactly the step{'s' if len(skipped) > 1 else ''} with a "
                               f"corrupt batch ({', '.join(map(str, skipped))}) takes "
                               f"{want_taken}.")
-            gap = (weights[0] - want_weight).abs().max().item()
             if gap > ATOL:
                 return failed(f"{context}, the ranks skipped the right steps but end with "
                               f"the weight {[round(v, 4) for v in weights[0].flatten().tolist()]}, "

@@ -263,6 +263,40 @@ def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2):
     return grads, made
 
 
+PRIVATE_CALLS = ("_flatten",)
+"""Private methods of ``DeviceMesh`` that the exercise's ``sync_grads`` may not call (it
+asks for public API only; notebook 05's step 5 shows the page's ``_flatten``)."""
+
+
+def _token_step_recording_private(sync_grads, dp: int, cp: int):
+    """Runs on every rank: :func:`token_train_step`, with every call of a method of
+    :data:`PRIVATE_CALLS` made from code outside the torch package (the learner's, not
+    torch's own) recorded. Returns ``(grads, made, private)``, ``private`` the names of
+    the calls, as ``"DeviceMesh._flatten"``."""
+    import os
+    import sys
+    from torch.distributed.device_mesh import DeviceMesh
+    inside_torch = os.path.dirname(torch.__file__)
+    private, originals = [], {name: getattr(DeviceMesh, name) for name in PRIVATE_CALLS
+                              if hasattr(DeviceMesh, name)}
+
+    def recorded(name, call):
+        def wrapper(*args, **kwargs):
+            if not sys._getframe(1).f_code.co_filename.startswith(inside_torch):
+                private.append(f"DeviceMesh.{name}")
+            return call(*args, **kwargs)
+        return wrapper
+
+    for name, call in originals.items():
+        setattr(DeviceMesh, name, recorded(name, call))
+    try:
+        grads, made = token_train_step(sync_grads, dp, cp)
+    finally:
+        for name, call in originals.items():
+            setattr(DeviceMesh, name, call)
+    return grads, made, private
+
+
 def _same(a: dict, b: dict, atol: float = ATOL) -> bool:
     return all(a.get(k) is not None and a[k].shape == v.shape
                and torch.allclose(a[k].double(), v.double(), atol=atol, rtol=1e-5)
@@ -358,7 +392,9 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
     :func:`token_counts` (no sync, the plain mean of means, a sum, a division by the
     number of ranks, by this rank's own count or by every slot with the padding, no
     weighting, no sum of the weighted gradients, dp or cp alone). A process group made
-    on the first call and reused is fine; one made again on the second call is named.
+    on the first call and reused is fine; one made again on the second call is named, and
+    so is a call of a private method of :data:`PRIVATE_CALLS` (``DeviceMesh._flatten``),
+    since the exercise asks for public API only.
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that says, for a wrong answer, which mesh and
@@ -370,13 +406,13 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
         for dp, cp in shapes:
             group.resize(dp * cp)  # a no-op when it already has that many ranks
             try:
-                out = group.run(run_and_release, token_train_step, sync_grads, dp, cp)
+                out = group.run(run_and_release, _token_step_recording_private, sync_grads, dp, cp)
             except RankError as e:
                 return raised_on_ranks(f"On the mesh (dp={dp}, cp={cp})", e)
             coords = [(i, j) for i in range(dp) for j in range(cp)]
             local = {c: local_token_grads(*c, dp, cp) for c in coords}
             counts = dict(zip(coords, token_counts(dp, cp)))
-            for rank, (got, _) in enumerate(out):
+            for rank, (got, _, _) in enumerate(out):
                 if _same(got, ref):
                     continue
                 if any(v is None for v in got.values()):
@@ -394,6 +430,14 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
                     f"gradients differ from the single-process gradient of the mean over all "
                     f"{sum(counts.values())} real tokens ({worst}; expected at most "
                     f"{ATOL:g}).{hint}")
+            private = next((call for o in out for call in o[2]), None)
+            if private:
+                return failed(
+                    f"On the mesh (dp={dp}, cp={cp}) the gradients are right, but sync_grads "
+                    f"called {private}, a private API: its leading underscore says it may "
+                    f"change or vanish in any torch release, without a deprecation cycle. The "
+                    f"exercise asks for public API only; step 5 lists public ways to reduce "
+                    f"over the same ranks.")
             made = out[0][1]
             if made[-1] > 0:
                 return failed(

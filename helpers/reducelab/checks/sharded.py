@@ -332,6 +332,38 @@ def exercise_run(zero2_step, X: torch.Tensor, y: torch.Tensor,
     return records
 
 
+REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+"""The ``torch.distributed`` calls that reduce-scatter: a ZeRO-2 step calls one of them."""
+
+RECORDED = REDUCE_SCATTERS + ("all_reduce", "all_gather", "all_gather_into_tensor",
+                              "all_gather_single", "all_to_all", "all_to_all_single", "broadcast",
+                              "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
+"""The ``torch.distributed`` calls whose names :func:`check_zero2_step` records on each
+rank, to tell a step that reduce-scatters from one that reached the right numbers with
+every rank's whole gradient (an all_reduce, or an all_gather of the gradients)."""
+
+
+def _exercise_run_counted(zero2_step, X: torch.Tensor, y: torch.Tensor, steps: int) -> tuple:
+    """Runs on every rank: :func:`exercise_run` with the name of every call of
+    :data:`RECORDED` recorded, in order. Returns ``(records, calls)``: ``exercise_run``'s
+    records and those names (``"reduce_scatter_single"``, ``"all_gather_into_tensor"``, ...)."""
+    calls, originals = [], {name: getattr(dist, name) for name in RECORDED if hasattr(dist, name)}
+
+    def recorded(name, call):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return call(*args, **kwargs)
+        return wrapper
+    for name, call in originals.items():
+        setattr(dist, name, recorded(name, call))
+    try:
+        records = exercise_run(zero2_step, X, y, steps)
+    finally:
+        for name, call in originals.items():
+            setattr(dist, name, call)
+    return records, calls
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=atol, rtol=0))
 
@@ -438,16 +470,20 @@ def check_zero2_step(group: LocalGroup, zero2_step, world_sizes=EXERCISE_WORLD_S
         is the sum (not divided by world_size), the rank's own unreduced gradient, a shard
         taken at the wrong offset (the size, 2,410, does not divide by 4), gathered
         gradients instead of parameters, parameters not written back, or only the rank's
-        own shard updated; an error on the ranks is quoted, with what it means.
+        own shard updated; an error on the ranks is quoted, with what it means. Right
+        numbers reached with a ``dist.all_reduce`` (DDP's collective: every rank holds the
+        whole mean gradient), or with no reduce_scatter at all (an all_gather of the
+        gradients), fail too: each rank's calls of :data:`RECORDED` are recorded.
     """
     X, y = load_digits_tensors()
     ref = reference_run(X, y, steps)
     initial = initial_flat()
+    all_reduced = not_scattered = None
     with restoring_world_size(group):
         for ws in world_sizes:
             group.resize(ws)
             try:
-                out = group.run(exercise_run, zero2_step, X, y, steps)
+                out, called = zip(*group.run(_exercise_run_counted, zero2_step, X, y, steps))
             except RankError as err:
                 message = raised_on_ranks(f"With world_size={ws},", err).message.rstrip()
                 if not message.endswith((".", "?", "!")):
@@ -468,6 +504,36 @@ def check_zero2_step(group: LocalGroup, zero2_step, world_sizes=EXERCISE_WORLD_S
                                            ref["grads"][step], before, rank, ws, k, step)
                     if why:
                         return failed(f"With world_size={ws}: {why}")
+            reduced = [r for r, names in enumerate(called) if "all_reduce" in names]
+            if reduced and all_reduced is None:       # named once the numbers are right everywhere
+                all_reduced = (ws, reduced[0], called[reduced[0]].count("all_reduce"))
+            unscattered = [r for r, names in enumerate(called)
+                           if not any(name in REDUCE_SCATTERS for name in names)]
+            if unscattered and not reduced and not_scattered is None:
+                r = unscattered[0]
+                not_scattered = (ws, r, sorted(set(called[r])))
+        if all_reduced is None and not_scattered is not None:
+            ws, rank, names = not_scattered
+            used = ", ".join(f"dist.{name}" for name in names) or "no collective we know"
+            return failed(
+                f"At world sizes {' and '.join(map(str, world_sizes))} the gradient shards and "
+                f"the parameters are right, but at world_size={ws} rank {rank} never called a "
+                f"reduce_scatter (it called {used}). A gradient that reaches the right shard "
+                f"without one travelled whole: every rank received every rank's gradient, all "
+                f"{NUMEL} elements of each, and summed them itself. ZeRO-2 uses the collectives "
+                f"of the bare step: a reduce_scatter, so that each rank receives only the k "
+                f"elements of its own shard, and an all_gather of the updated parameters.")
+        if all_reduced is not None:
+            ws, rank, calls = all_reduced
+            return failed(
+                f"At world sizes {' and '.join(map(str, world_sizes))} the gradient shards and "
+                f"the parameters are right, but at world_size={ws} rank {rank} called "
+                f"dist.all_reduce ({calls} time{'' if calls == 1 else 's'} in {steps} steps). "
+                f"An all_reduce gives every rank the whole mean gradient, all {NUMEL} "
+                f"elements, and sends 2(n-1)/n of the flat vector, what DDP sends and holds. "
+                f"ZeRO-2 uses the collectives of the bare step: a reduce_scatter, so that each "
+                f"rank receives only the k elements of its own shard, and an all_gather of the "
+                f"updated parameters.")
         worst = max(_worst(rec["params"], ref["params"][s]) for rec_list in out
                     for s, rec in enumerate(rec_list))
         sizes = " and ".join(map(str, world_sizes))

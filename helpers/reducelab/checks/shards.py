@@ -120,25 +120,62 @@ def torch_log(name: str):
 
 # --- the exercise -----------------------------------------------------------------------------
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "gather", "gather_object", "broadcast", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "send",
+               "recv", "isend", "irecv")
+"""``torch.distributed`` calls watched while the learner's ``global_grad_norm`` runs: one
+that carries more numbers than the model has parameter tensors moves gradient elements
+(the exercise: "Gather no gradient ... only a few numbers may cross the ranks")."""
+
+
+def _largest_tensor(value) -> int:
+    """Elements of the largest tensor in ``value`` (a tensor, or a list or tuple of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return max((_largest_tensor(v) for v in value), default=0)
+    return 0
+
+
 @contextlib.contextmanager
-def _counting_gathers(counts: dict):
+def _counting_gathers(counts: dict, few: int):
     """Count calls of ``DTensor.full_tensor`` and ``DTensor.redistribute`` inside the block
-    (each gathers or moves a gradient's elements between ranks)."""
+    (each gathers or moves a gradient's elements between ranks), and calls of the
+    :data:`COLLECTIVES` of ``torch.distributed`` made from outside torch with a tensor of
+    more than ``few`` elements, as ``counts["dist.<name>"]``, the largest such tensor's
+    number of elements."""
+    import os
+    import sys
     from torch.distributed.tensor import DTensor
     originals = {name: getattr(DTensor, name) for name in ("full_tensor", "redistribute")}
+    collectives = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    inside_torch = os.path.dirname(torch.__file__)
 
     def counted(name):
         def wrapper(self, *args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return originals[name](self, *args, **kwargs)
         return wrapper
+
+    def sized(name):
+        def wrapper(*args, **kwargs):
+            size = _largest_tensor(list(args) + list(kwargs.values()))
+            if size > few and not sys._getframe(1).f_code.co_filename.startswith(inside_torch):
+                counts[f"dist.{name}"] = max(size, counts.get(f"dist.{name}", 0))
+            return collectives[name](*args, **kwargs)
+        return wrapper
     for name in originals:
         setattr(DTensor, name, counted(name))
+    for name in collectives:
+        setattr(dist, name, sized(name))
     try:
         yield counts
     finally:
         for name, call in originals.items():
             setattr(DTensor, name, call)
+        for name, call in collectives.items():
+            setattr(dist, name, call)
 
 
 def _sum_over(value: torch.Tensor, group=None) -> float:
@@ -152,10 +189,12 @@ def exercise_run(global_grad_norm, X: torch.Tensor, y: torch.Tensor) -> dict:
     second ``Linear`` left alone (so ``clip_grad_norm_`` raises: its parameters live on
     the dp mesh, the first ``Linear``'s on the 2-D mesh), then the learner's
     ``global_grad_norm(model, mesh)``, with ``DTensor.full_tensor`` and
-    ``DTensor.redistribute`` counted.
+    ``DTensor.redistribute`` counted, and every collective that carries gradient elements
+    recorded (:func:`_counting_gathers`).
 
     Returns:
-        ``{"value": what the learner returned, "gathers": {method: calls}, "dp", "tp":
+        ``{"value": what the learner returned, "gathers": {method: calls, or for a
+        collective "dist.<name>": its largest tensor's elements}, "dp", "tp":
         this rank's coordinates, "squares": {way: float}}``, where ``squares`` are the sums of
         squared gradient elements that the usual mistakes compute: ``"local"`` (this
         rank's shard), ``"every rank"`` (summed over all ranks), ``"dp only"`` and ``"tp
@@ -183,7 +222,7 @@ def exercise_run(global_grad_norm, X: torch.Tensor, y: torch.Tensor) -> dict:
             "Replicate() added over every rank": over_all["split over tp"] + over_all["replicated over tp"]
             + over_dp["on the dp mesh"]}
     counts: dict = {}
-    with _counting_gathers(counts):
+    with _counting_gathers(counts, few=len(list(model.parameters()))):
         value = global_grad_norm(model, mesh)
     if isinstance(value, torch.Tensor):
         value = value.detach()
@@ -224,8 +263,10 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
         returned, values that differ between ranks, this rank's shard only, the copies
         over ``tp`` counted once per tp rank (NeMo-RL's bug), a sum over one mesh
         dimension only, a missing square root, an average instead of a sum, a right value
-        reached by gathering the gradients (``full_tensor``), or an error on the ranks,
-        quoted with what it means.
+        reached by gathering the gradients (``full_tensor``, or a call of
+        :data:`COLLECTIVES` with more elements than the model has parameter tensors, such
+        as a ``dist.all_gather`` of the local pieces), or an error on the ranks, quoted
+        with what it means.
     """
     X, y = load_digits_tensors()
     want = reference_run(X, y, 1)["grads"][0].double().norm().item()
@@ -250,12 +291,18 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
             f"Your function returns different norms on the ranks ({listed})")
     head += f"; one process's gradient on the whole global batch has norm {want:.4g}."
     if same and _near(values[0], want):
-        gathers = sum(sum(o["gathers"].values()) for o in out)
-        if gathers:
+        gathers = next((o["gathers"] for o in out if o["gathers"]), None)
+        if gathers and any(name in gathers for name in ("full_tensor", "redistribute")):
             return failed(f"{head} The value is right, but your function called full_tensor() or "
                           f"redistribute(): that gathers the gradients onto every rank, the memory "
                           f"FSDP2 saves. Only a few numbers need to cross the ranks: sums of squares "
                           f"of each rank's local piece.")
+        if gathers:
+            name, size = next(iter(gathers.items()))
+            return failed(f"{head} The value is right, but your function called {name} with a "
+                          f"tensor of {size:,} elements: gradient elements crossed the ranks, where "
+                          f"the exercise lets only a few numbers cross, sums of squares of each "
+                          f"rank's local piece.")
         return passed(f"{head} Every element counted once: the pieces split over dp and tp summed "
                       f"over all 4 ranks, the pieces the 2 tp ranks hold copies of summed over dp "
                       f"only. Two all_reduces of one number each, where gathering the gradients "
