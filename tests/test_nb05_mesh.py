@@ -661,7 +661,10 @@ def test_the_check_leaves_no_process_groups_behind(group):
     start = group.run(open_files_and_groups)
     check_mesh_sync(group, new_group_every_call)
     check_mesh_sync(group, load_solution().sync_grads)
-    assert group.run(open_files_and_groups) == start
+    after = group.run(open_files_and_groups)
+    # no more open files than before (a garbage collection may close some), the same groups
+    assert all(a <= b for (a, _), (b, _) in zip(after, start)), (start, after)
+    assert [groups for _, groups in after] == [groups for _, groups in start]
 
 
 MISTAKES = [
