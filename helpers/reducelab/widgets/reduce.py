@@ -175,7 +175,7 @@ class ReduceExplorer(Explorer):
                 dst.value = min(dst.value, dst.max)
             finally:
                 self._syncing = False
-        self.refresh()
+        self.request_refresh(change)
 
     def compute(self, world_size, dst, n, pattern) -> ReduceResult:
         self.group.resize(world_size)  # no-op when it already has that many ranks
