@@ -49,9 +49,9 @@ def cell_label(v: float) -> str:
 def _legend_handles() -> list[Patch]:
     handles = []
     for k in (UNCHANGED, PARTIAL, FULL):
+        # the hatch takes the edge's colour (matplotlib 3.10; 3.11 also has hatchcolor=)
         patch = Patch(facecolor=STATUS_COLOURS[k], hatch=STATUS_HATCHES[k],
-                      hatchcolor=HATCH_COLOUR, edgecolor=HATCH_COLOUR, linewidth=0.5,
-                      label=STATUS_NAMES[k])
+                      edgecolor=HATCH_COLOUR, linewidth=0.5, label=STATUS_NAMES[k])
         patch.set_hatch_linewidth(HATCH_WIDTH)
         handles.append(patch)
     return handles
@@ -61,9 +61,11 @@ def _hatch_layers(ax) -> dict[int, PatchCollection]:
     """One transparent, hatched collection per status on ``ax``, filled by :func:`_set_hatches`."""
     layers = {}
     for k in (PARTIAL, FULL):
-        layer = PatchCollection([], facecolor="none", linewidth=0, hatch=STATUS_HATCHES[k],
-                                zorder=2)
-        layer.set_hatchcolor(HATCH_COLOUR)
+        # no edge is drawn (linewidth 0); the edge colour sets the hatch's (matplotlib 3.10)
+        layer = PatchCollection([], facecolor="none", edgecolor=HATCH_COLOUR, linewidth=0,
+                                hatch=STATUS_HATCHES[k], zorder=2)
+        if hasattr(layer, "set_hatchcolor"):  # matplotlib 3.11
+            layer.set_hatchcolor(HATCH_COLOUR)
         layer.set_hatch_linewidth(HATCH_WIDTH)
         ax.add_collection(layer, autolim=False)
         layers[k] = layer
