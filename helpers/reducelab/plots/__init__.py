@@ -63,13 +63,73 @@ STYLE = {
 matplotlib.rcParams.update(STYLE)
 
 
-def new_figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float, layout_key=None) -> Figure:
     """A matplotlib ``Figure`` of ``width`` x ``height`` inches with an Agg canvas attached.
 
-    ``width`` is capped at :data:`MAX_WIDTH`, so the PNG fits a notebook's width."""
+    ``width`` is capped at :data:`MAX_WIDTH`, so the PNG fits a notebook's width.
+
+    ``layout_key`` (any hashable): for a figure an explorer draws anew on every change.
+    The first figure with a key is laid out by matplotlib's constrained layout when
+    :func:`png` draws it; a later figure with the same key, size and axes, whose tick
+    labels are as long and whose titles have as many lines (what sets the margins),
+    gets the positions it found and skips the layout engine (about 40 % of such a
+    redraw). Anything else that changes the layout (a legend's rows) belongs in the key."""
     fig = Figure(figsize=(min(width, MAX_WIDTH), height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
+    fig._reducelab_layout_key = layout_key
     return fig
+
+
+_LAYOUTS: dict = {}
+"""Positions found by constrained layout, by ``(layout_key, size)``: each axes' position
+and the suptitle's y, in figure coordinates."""
+
+
+def _layout_of(fig: Figure) -> tuple:
+    title = getattr(fig, "_suptitle", None)
+    return ([ax.get_position(original=False).frozen() for ax in fig.axes],
+            title.get_position() if title is not None else None)
+
+
+def _margins(fig: Figure) -> tuple:
+    """What sets constrained layout's margins, per axes: the longest tick label on each
+    axis, the lines of each title, and whether the axis labels are set."""
+    sig = []
+    for ax in fig.axes:
+        row = []
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = []
+            for ticker in (axis.major, axis.minor):
+                locs = ticker.locator()
+                if len(locs):
+                    labels += list(ticker.formatter.format_ticks(locs))
+            row.append(max((len(x) for x in labels), default=0))
+            row.append(bool(axis.label.get_text()))
+        row.extend(ax.get_title(loc).count("\n") + bool(ax.get_title(loc))
+                   for loc in ("left", "center", "right"))
+        sig.append(tuple(row))
+    return tuple(sig)
+
+
+def _layout_key(fig: Figure):
+    key = getattr(fig, "_reducelab_layout_key", None)
+    return None if key is None else (key, tuple(fig.get_size_inches()), _margins(fig))
+
+
+def _reuse_layout(fig: Figure, key) -> bool:
+    """Apply the cached layout of ``key`` to ``fig`` if there is one; True if it did."""
+    if key is None:
+        return False
+    cached = _LAYOUTS.get(key)
+    title = getattr(fig, "_suptitle", None)
+    if cached is None or len(cached[0]) != len(fig.axes) or (cached[1] is None) != (title is None):
+        return False
+    fig.set_layout_engine("none")
+    for ax, pos in zip(fig.axes, cached[0]):
+        ax.set_position(pos)
+    if title is not None:
+        title.set_position(cached[1])
+    return True
 
 
 AUDITS: list = []
@@ -85,10 +145,14 @@ def png(fig: Figure) -> bytes:
     control change.
     """
     from PIL import Image
+    key = _layout_key(fig)
+    reused = _reuse_layout(fig, key)
     for audit in AUDITS:
         audit(fig)
     canvas = fig.canvas
     canvas.draw()
+    if key is not None and not reused:
+        _LAYOUTS[key] = _layout_of(fig)
     rgb = np.asarray(canvas.buffer_rgba())[..., :3]
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="png", compress_level=1)
