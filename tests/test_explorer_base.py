@@ -97,3 +97,22 @@ def test_an_equal_result_reuses_its_figure():
     assert ex.image.value == first
     ex.controls["parity"].value = "even"      # another setting, the same result: n=0
     assert ex.drawn == [0, 5] and ex.image.value == first
+
+
+def test_going_back_to_a_world_size_restores_its_figure_without_building_it():
+    """RankHeatmaps, ReduceGrid and ShardingFigure keep one built figure per shape: a
+    shape seen before is drawn on its own figure again (the same bytes as before), not
+    built anew; a new shape is built."""
+    import numpy as np
+
+    from reducelab.plots import RankHeatmaps
+    heat = RankHeatmaps(("before", "after"))
+    builds = []
+    original = heat._build
+    heat._build = lambda ws, n: (builds.append((ws, n)), original(ws, n))
+    four = [np.arange(24.0).reshape(4, 6)] * 2
+    first = heat.draw(four, title="four ranks")
+    heat.draw([np.arange(30.0).reshape(5, 6)] * 2, title="five ranks")
+    again = heat.draw(four, title="four ranks")
+    assert builds == [(4, 6), (5, 6)]
+    assert again == first

@@ -23,6 +23,7 @@ Every figure follows three rules, checked by ``tests/test_figures.py``:
 """
 from __future__ import annotations
 
+import collections
 import io
 
 import matplotlib
@@ -166,6 +167,33 @@ def freeze_layout(fig: Figure) -> None:
     fig.set_layout_engine("none")
 
 
+class BuiltFigures:
+    """Mixin for a plot that keeps one persistent figure per shape (world size, number of
+    elements): :meth:`_use` makes the figure of a shape current, restoring the figure
+    and artists it built for that shape before, or building them. Going back to a world
+    size the learner saw then costs a redraw, not a new figure and layout (a few
+    hundred milliseconds). The last :data:`KEEP` shapes are kept (about 2 MB each)."""
+
+    KEEP = 6
+
+    def _use(self, shape, build) -> None:
+        """Make ``shape``'s figure current; ``build()`` makes it the first time (it sets
+        the instance's figure and artist attributes)."""
+        built = self.__dict__.setdefault("_built", collections.OrderedDict())
+        current = self.__dict__.get("_built_shape")
+        if current is not None:  # remember the current figure as it is now
+            built[current] = {k: v for k, v in self.__dict__.items()
+                              if k not in ("_built", "_built_shape")}
+            built.move_to_end(current)
+        if shape in built:
+            self.__dict__.update(built.pop(shape))
+        else:
+            build()
+        self._built_shape = shape
+        while len(built) > self.KEEP - 1:
+            built.popitem(last=False)
+
+
 def message_png(text: str, width_px: int = 600, height_px: int = 160) -> bytes:
     """A plain figure of ``width_px`` x ``height_px`` pixels that says ``text``: what an
     explorer shows instead of its figure when the ranks refused the controls' values,
@@ -193,7 +221,7 @@ def fmt_value(v: float) -> str:
     return f"{v:.3g}"
 
 
-class RankHeatmaps:
+class RankHeatmaps(BuiltFigures):
     """Side-by-side heatmaps of a per-rank tensor: one row per rank, one column per element.
 
     Used by notebook 01 (before/after ``all_reduce``) and notebook 02 (what each rank's
@@ -265,7 +293,7 @@ class RankHeatmaps:
             raise ValueError(f"expected {len(self.titles)} panels ({self.titles}), got {len(arrays)}")
         world_size, n = arrays[0].shape
         if self._shape != (world_size, n):
-            self._build(world_size, n)
+            self._use((world_size, n), lambda: self._build(world_size, n))
         finite = np.concatenate([a[np.isfinite(a)] for a in arrays]) if arrays else np.zeros(1)
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
         if lo == hi:

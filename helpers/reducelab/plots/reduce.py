@@ -18,7 +18,8 @@ from matplotlib.collections import PatchCollection
 from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm, Normalize
 from matplotlib.patches import Patch, Rectangle
 
-from . import CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, PANEL_GREY, new_figure, png
+from . import (CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, PANEL_GREY, BuiltFigures,
+               new_figure, png)
 
 UNCHANGED, PARTIAL, FULL = 0, 1, 2
 """Status codes of one element after reduce (see :func:`reducelab.widgets.reduce.buffer_status`)."""
@@ -89,7 +90,7 @@ def _value_norm(values: np.ndarray):
     return Normalize(lo, hi)
 
 
-class ReduceGrid:
+class ReduceGrid(BuiltFigures):
     """Two panels, one row per rank and one column per element: each rank's input
     ``x`` (coloured by value, with :data:`~reducelab.plots.CMAP`) and the same ``x``
     after ``dist.reduce`` (coloured and hatched by status: unchanged, partial sum, full
@@ -169,7 +170,7 @@ class ReduceGrid:
         if not 0 <= dst < world_size:
             raise ValueError(f"dst must be a rank from 0 to {world_size - 1}, got {dst}")
         if self._shape != (world_size, n):
-            self._build(world_size, n)
+            self._use((world_size, n), lambda: self._build(world_size, n))
         norm = _value_norm(before)
         self._input.set_norm(norm)
         self._input.set_data(before)
