@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from cycler import cycler  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.layout_engine import ConstrainedLayoutEngine  # noqa: E402
 
 from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: E402,F401
 
@@ -109,6 +110,9 @@ def _margins(fig: Figure) -> tuple:
         row.extend(ax.get_title(loc).count("\n") + bool(ax.get_title(loc))
                    for loc in ("left", "center", "right"))
         sig.append(tuple(row))
+    title = getattr(fig, "_suptitle", None)
+    text = title.get_text() if title is not None else ""
+    sig.append(text.count("\n") + bool(text))
     return tuple(sig)
 
 
@@ -148,6 +152,9 @@ def png(fig: Figure) -> bytes:
     from PIL import Image
     key = _layout_key(fig)
     reused = _reuse_layout(fig, key)
+    if key is not None and not reused and not isinstance(fig.get_layout_engine(),
+                                                         ConstrainedLayoutEngine):
+        fig.set_layout_engine("constrained")   # a persistent figure whose layout changed
     for audit in AUDITS:
         audit(fig)
     canvas = fig.canvas
@@ -174,7 +181,7 @@ class BuiltFigures:
     size the learner saw then costs a redraw, not a new figure and layout (a few
     hundred milliseconds). The last :data:`KEEP` shapes are kept (about 2 MB each)."""
 
-    KEEP = 6
+    KEEP = 4
 
     def _use(self, shape, build) -> None:
         """Make ``shape``'s figure current; ``build()`` makes it the first time (it sets
