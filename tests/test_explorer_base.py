@@ -116,3 +116,21 @@ def test_going_back_to_a_world_size_restores_its_figure_without_building_it():
     again = heat.draw(four, title="four ranks")
     assert builds == [(4, 6), (5, 6)]
     assert again == first
+
+
+def test_functions_explorers_send_to_ranks_come_from_light_modules():
+    """A rank imports the module of a function it is sent by reference. The explorers'
+    own rank functions live in modules that import neither ipywidgets nor matplotlib,
+    which would cost every new rank about 0.4 s of CPU at its first call."""
+    import subprocess
+    import sys
+
+    from reducelab.checks.disagree import record_on_rank
+    from reducelab.checks.mesh import run_and_release
+    from reducelab.checks.sharded import zero_train
+    from reducelab.widgets.loss import _on_rank
+    modules = sorted({f.__module__ for f in (record_on_rank, run_and_release, zero_train, _on_rank)})
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "print(sorted({'matplotlib', 'ipywidgets'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", (modules, out.stdout, out.stderr[-2000:])

@@ -74,6 +74,13 @@ def _import_later() -> None:
         _done.set()
 
 
+def _asked(signum, frame) -> None:
+    # Runs in the server's main thread before it serves the fork the kernel asks for
+    # next: from here on, every fork waits for the imports.
+    _started.set()
+    _now.set()
+
+
 def start() -> None:
     """Register the fork hooks and the signal, and start the importing thread (once, in
     the forkserver)."""
@@ -82,7 +89,7 @@ def start() -> None:
     start.started = True
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                         after_in_child=_after_fork_in_child)
-    signal.signal(SIGNAL, lambda signum, frame: _now.set())
+    signal.signal(SIGNAL, _asked)
     threading.Thread(target=_import_later, name="reducelab-forkserver-imports",
                      daemon=True).start()
 
