@@ -134,3 +134,28 @@ def test_functions_explorers_send_to_ranks_come_from_light_modules():
             + "print(sorted({'matplotlib', 'ipywidgets'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", (modules, out.stdout, out.stderr[-2000:])
+
+
+def test_a_figure_drawn_anew_reuses_the_layout_of_its_key_only_where_it_fits():
+    """new_figure(..., layout_key=k): the second figure with the same key and margins is
+    drawn without the layout engine and comes out pixel for pixel the same; one whose
+    tick labels are longer is laid out anew."""
+    from reducelab.plots import new_figure, png
+
+    def figure(top: float):
+        fig = new_figure(6, 3, layout_key="test figure")
+        ax = fig.subplots()
+        ax.plot([0, 1], [0, top])
+        ax.set_title("a title")
+        ax.set_ylabel("value")
+        return fig
+
+    first = figure(1.0)
+    a = png(first)
+    second = figure(1.0)
+    b = png(second)
+    assert a == b
+    assert first._reducelab_layout_reused is False and second._reducelab_layout_reused is True
+    wider = figure(123456.0)             # y tick labels like 120000: longer, wider margin
+    png(wider)
+    assert wider._reducelab_layout_reused is False

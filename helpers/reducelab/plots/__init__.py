@@ -33,7 +33,6 @@ import numpy as np  # noqa: E402
 from cycler import cycler  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.layout_engine import ConstrainedLayoutEngine  # noqa: E402
 
 from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: E402,F401
 
@@ -152,9 +151,9 @@ def png(fig: Figure) -> bytes:
     from PIL import Image
     key = _layout_key(fig)
     reused = _reuse_layout(fig, key)
-    if key is not None and not reused and not isinstance(fig.get_layout_engine(),
-                                                         ConstrainedLayoutEngine):
-        fig.set_layout_engine("constrained")   # a persistent figure whose layout changed
+    if not reused and getattr(fig, "_reducelab_layout_reused", False):
+        fig.set_layout_engine("constrained")   # a persistent figure whose margins changed
+    fig._reducelab_layout_reused = reused
     for audit in AUDITS:
         audit(fig)
     canvas = fig.canvas
@@ -169,8 +168,9 @@ def png(fig: Figure) -> bytes:
 
 def freeze_layout(fig: Figure) -> None:
     """Compute ``fig``'s constrained layout once, then keep it: later draws skip the
-    layout engine (the costliest part of redrawing a persistent figure)."""
-    fig.canvas.draw()
+    layout engine (the costliest part of redrawing a persistent figure). The layout
+    engine runs on its own, without rendering the figure (a quarter less than a draw)."""
+    fig.get_layout_engine().execute(fig)
     fig.set_layout_engine("none")
 
 

@@ -94,7 +94,7 @@ def timeline_figure(rows: list[TimelineRow], title: str = "", hit: int | None = 
     n = max(len(rows), 1)
     slots = max(MIN_SLOTS, max((len(r.entries) for r in rows), default=0))
     height = min(4.5, 1.55 + 0.62 * n)
-    fig = new_figure(MAX_WIDTH, height, layout_key=("timeline", n, slots))
+    fig = new_figure(MAX_WIDTH, height)
     grid = fig.add_gridspec(1, 2, width_ratios=[3.1, 2.0], wspace=0.02)
     ax = fig.add_subplot(grid[0, 0])
     side = fig.add_subplot(grid[0, 1], sharey=ax)

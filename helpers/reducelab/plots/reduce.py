@@ -19,7 +19,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm, Normalize
 from matplotlib.patches import Patch, Rectangle
 
 from . import (CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, PANEL_GREY, BuiltFigures,
-               new_figure, png)
+               freeze_layout, new_figure, png)
 
 UNCHANGED, PARTIAL, FULL = 0, 1, 2
 """Status codes of one element after reduce (see :func:`reducelab.widgets.reduce.buffer_status`)."""
@@ -141,8 +141,7 @@ class ReduceGrid(BuiltFigures):
         # reserve room for the widest y labels and a title, then keep that layout
         axes[0].set_yticks(range(world_size), [f"rank {r} (dst)" for r in range(world_size)])
         self.fig.suptitle("dist.reduce")
-        self.fig.canvas.draw()
-        self.fig.set_layout_engine("none")
+        freeze_layout(self.fig)
         self._cell_px = axes[0].get_window_extent().width / n
         self._shape = (world_size, n)
 
