@@ -35,7 +35,7 @@ def _jsonable(v):
 _refresh = explorer.refresh
 def _reported_refresh():
     _refresh()
-    _bench.send({"refreshes": explorer.refreshes, "seconds": explorer.seconds,
+    _bench.send({"refreshes": getattr(explorer, "refreshes", None), "seconds": explorer.seconds,
                  "values": {k: _jsonable(v) for k, v in explorer.values.items()}})
 explorer.refresh = _reported_refresh
 
