@@ -7,7 +7,7 @@
 # the same with torch on other CPU kernels), make test-spawn (the
 # LocalGroup tests and notebook 01 with the spawn start method), make notebooks
 # (re-execute every notebook top to bottom and save), make bench, make workshop-bench,
-# make clean.
+# make mutation (mutation testing of the core modules, slow), make clean.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -20,7 +20,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 PORT ?= 8888
 LAB_DIR ?= reducelab-notebooks
 
-.PHONY: install browser lab test test-spawn unit nbval nbval-other-cpu notebooks bench workshop-bench wheel clean
+.PHONY: install browser lab test test-spawn unit nbval nbval-other-cpu notebooks bench workshop-bench mutation wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing Reduce Lab into $(VENV): torch (CPU), JupyterLab, ipywidgets, matplotlib"
@@ -102,6 +102,16 @@ bench: install
 # The first start in a fresh kernel, and a class of K learners on one machine.
 workshop-bench: install
 	$(BIN)/python benchmarks/workshop.py
+
+# Mutation testing (Cosmic Ray) of the core modules, each with the tests that reach it
+# (benchmarks/mutation.toml); survivors go to benchmarks/results/mutation-latest.md. Hours
+# on 2 cores, so not part of make test: MODULES="capture cli" runs some, SAMPLE=4 every
+# 4th mutant.
+MODULES ?=
+SAMPLE ?= 1
+mutation: install
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[mutation]"
+	$(BIN)/python benchmarks/mutation.py $(MODULES) --sample $(SAMPLE)
 
 clean:
 	rm -rf $(VENV) helpers/*.egg-info

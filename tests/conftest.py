@@ -100,4 +100,15 @@ def gone(pids, within: float) -> bool:
     return False
 
 
+CALLS = 0
+
+
+def count_calls() -> int:
+    """A module function with state: sent to a rank by reference, it runs with its own
+    module's globals, so a ``global`` it rebinds persists across calls (test_group)."""
+    global CALLS
+    CALLS += 1
+    return CALLS
+
+
 os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -107,7 +107,9 @@ def test_rank_that_never_joins_a_collective_is_reported_within_timeout():
         with pytest.raises(RankError) as info:
             g.run(skip_on_one)
         elapsed = time.monotonic() - t0
-        assert elapsed < 3 + 2.5
+        # the 3 s timeout, then the report: measured 0.03 to 0.81 s past it in 10 runs on
+        # 2 cores under load (load average 5 to 9); a report twice as slow fails
+        assert 3 <= elapsed < 3 + 1.5
         text = str(info.value)
         assert "did not finish within 3 s" in text
         assert "rank 0: was waiting in all_reduce" in text
@@ -124,7 +126,9 @@ def test_dead_rank_is_reported_not_waited_on():
         t0 = time.monotonic()
         with pytest.raises(RankError) as info:
             g.run(exits_on_zero)
-        assert time.monotonic() - t0 < 10
+        # timeout 60 s; a death is reported at once: measured 0.34 to 1.15 s (with a
+        # 0.3 s sleep) on 2 cores under load in test_faults' twin; twice that fails
+        assert time.monotonic() - t0 < 2.0
         assert info.value.ranks[0] == 0
         assert "exited with code 7" in str(info.value)
         assert g.run(rank_and_size) == [(0, 3), (1, 3), (2, 3)]
@@ -137,7 +141,8 @@ def test_keyboard_interrupt_reaches_the_caller_and_the_group_runs_again():
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             g.run(lambda: time.sleep(30))
-        assert time.monotonic() - t0 < 3
+        # signal at 0.5 s; measured 0.52 to 0.62 s in all (10 runs, 2 cores under load)
+        assert time.monotonic() - t0 < 0.5 + 0.5
         assert g.run(rank_and_size) == [(0, 2), (1, 2)]
 
 
@@ -189,7 +194,33 @@ def test_close_is_idempotent_and_leaves_no_process_or_directory():
 def test_repr_shows_backend_world_size_and_state(group):
     text = repr(group)
     assert "world_size=4" in text and "'gloo'" in text and "alive=4/4" in text
-    assert "idle" in group._repr_html_()
+    html = group._repr_html_()
+    assert "idle" in html and "ranks alive 4/4" in html
+    assert html.count("●") == 4 and "✕" not in html and "–" not in html   # a dot per rank
+    g = LocalGroup(world_size=2, timeout=10)
+    g.close()
+    assert "ranks alive 0/2 –" in g._repr_html_() and "closed" in g._repr_html_()
+
+
+def test_joining_is_bounded_by_the_timeout_and_importing_torch_is_not(monkeypatch):
+    """The deadline of the wait for the ranks to join is the call's own (timeout from the
+    call's start), moved on by the time the ranks took to import torch, never more."""
+    seen = []
+    original = LocalGroup._gather
+
+    def gather(self, deadline, *args, **kwargs):
+        seen.append((kwargs.get("until", "reply"), time.monotonic(), deadline))
+        return original(self, deadline, *args, **kwargs)
+    monkeypatch.setattr(LocalGroup, "_gather", gather)
+    from reducelab import processes
+    processes.warm(processes.context())       # the forkserver's first start: not this call's
+    t0 = time.monotonic()
+    with LocalGroup(world_size=2, timeout=5) as g:
+        assert g.run(rank_and_size) == [(0, 2), (1, 2)]
+    boot, join = seen[0], seen[1]
+    assert boot[0] == "booted" and join[0] == "reply"
+    booted_for = join[1] - boot[1]
+    assert join[2] <= t0 + 5 + booted_for + 0.5, "joining may wait longer than the timeout"
 
 
 def test_progress_reports_each_rank_joining_on_start_and_resize():
@@ -307,3 +338,54 @@ def test_the_current_group_is_the_newest_open_one():
         assert current_group() is main              # the learner's group again
     finally:
         main.close()
+
+
+def test_resize_to_the_same_size_is_a_no_op_and_to_another_restarts(group):
+    group.run(lambda: None)
+    pids, restarts = group.pids, group.restarts
+    group.resize(4)
+    assert group.pids == pids and group.restarts == restarts     # the same idle ranks
+    group.resize(3)
+    assert group.world_size == 3 and len(group.pids) == 3 and group.restarts == restarts + 1
+    assert not set(group.pids) & set(pids)
+    group.resize(4)
+
+
+def test_a_remote_traceback_shows_the_cells_own_source_line(group):
+    """A function defined in a notebook cell has no file on disk: the kernel sends the
+    cell's source with the job, so the rank's traceback shows the line (README,
+    "Faults tried": the traceback starts at the learner's function)."""
+    import linecache
+    name = "<ipython-input-reducelab-test>"
+    source = "def from_a_cell():\n    return 1 / (dist.get_rank() - 2)   # the learner's line\n"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    try:
+        namespace = {"dist": dist}
+        exec(compile(source, name, "exec"), namespace)
+        with pytest.raises(RankError) as info:
+            group.run(namespace["from_a_cell"])
+        assert "return 1 / (dist.get_rank() - 2)   # the learner's line" in info.value.tracebacks[2]
+    finally:
+        linecache.cache.pop(name, None)
+
+
+class _FailsToUnpickle:
+    """An argument that pickles in the kernel and fails to unpickle on a rank (as an
+    object of a module the rank cannot import would)."""
+    def __reduce__(self):
+        return (eval, ("1 / 0",))
+
+
+def test_a_job_that_cannot_be_unpickled_on_the_ranks_is_named_and_the_group_kept(group):
+    with pytest.raises(RankError) as info:
+        group.run(lambda x: x, _FailsToUnpickle())
+    assert info.value.first_summary == "could not unpickle the job: ZeroDivisionError: division by zero"
+    assert info.value.ranks == [0, 1, 2, 3]
+    assert group.run(rank_and_size)[1] == (1, 4)
+
+
+def test_a_function_imported_from_a_module_keeps_its_modules_globals(group):
+    import conftest
+    first = group.run(conftest.count_calls)
+    second = group.run(conftest.count_calls)
+    assert [b - a for a, b in zip(first, second)] == [1] * 4

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import conftest
 from reducelab.plots import message_png
-from reducelab.checks.reduce import SIZES, check_reduce_keep_input, exercise_input
+from reducelab.checks.reduce import check_reduce_to_owners, exercise_input, expected_sums
 from reducelab.plots.reduce import (FULL, PARTIAL, STATUS_HATCHES, UNCHANGED, ReduceGrid,
                                     cell_label, sweep_figure)
 from reducelab.widgets.reduce import (PATTERNS, ReduceExplorer, buffer_status,
@@ -33,7 +33,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def load_solution():
-    return conftest.load_solution("02_reduce_keep_input")
+    return conftest.load_solution("02_reduce_to_owners")
 
 
 def gloo_reduce_reference(inputs: list[np.ndarray], dst: int) -> list[np.ndarray]:
@@ -377,57 +377,166 @@ def test_values_on_the_hatched_panel_sit_on_a_white_box():
 # --- the exercise check and its solution --------------------------------------------------
 def test_solution_passes(group):
     group.resize(4)
-    verdict = check_reduce_keep_input(group, load_solution().reduce_keep_input)
+    verdict = check_reduce_to_owners(group, load_solution().reduce_to_owners)
     assert verdict, verdict.message
     assert group.world_size == 4                 # the check put the world size back
     group.resize(1)
-    assert check_reduce_keep_input(group, load_solution().reduce_keep_input, world_sizes=(3,))
+    assert check_reduce_to_owners(group, load_solution().reduce_to_owners, world_sizes=(3,))
     assert group.world_size == 1
     group.resize(4)
 
 
-def stub(x, dst):
-    dist.reduce(x, dst=dst)
-    return x
+def clone_per_chunk(x):                          # another right answer: a clone per chunk
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        part = x[c * k:(c + 1) * k].clone()
+        dist.reduce(part, dst=c)
+        if c == rank:
+            mine = part
+    return mine
 
 
-def clone_but_return_x(x, dst):
-    out = x.clone()
-    dist.reduce(out, dst=dst)
-    return x
+def test_a_clone_per_chunk_passes_too(group):
+    assert check_reduce_to_owners(group, clone_per_chunk, world_sizes=(3,))
 
 
-def returns_nothing(x, dst):
-    dist.reduce(x.clone(), dst=dst)
+def notebook_stub(x):                            # the notebook's def cell, as committed
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // world_size
+    return x[rank * k:(rank + 1) * k]
 
 
-def test_check_explains_wrong_answers_without_giving_the_solution(group):
+def in_place(x):                                 # x itself through every reduce
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        dist.reduce(x, dst=c)
+    return x[rank * k:(rank + 1) * k]
+
+
+def slices_of_x(x):                              # views of x: x changes
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = x.tensor_split(n)
+    for c, chunk in enumerate(chunks):
+        dist.reduce(chunk, dst=c)
+    return chunks[rank].clone()
+
+
+def one_copy_for_all(x):                         # one buffer through every reduce
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    buffer = x.clone()
+    for c in range(n):
+        dist.reduce(buffer, dst=c)
+    return buffer[rank * k:(rank + 1) * k]
+
+
+def last_reduce_kept(x):                         # the buffer of the last reduce, on every rank
+    n = dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        part = x[c * k:(c + 1) * k].clone()
+        dist.reduce(part, dst=c)
+    return part
+
+
+def whole_tensor_each_time(x):                   # right sums, world_size times the bytes
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        buffer = x.clone()
+        dist.reduce(buffer, dst=c)
+        if c == rank:
+            mine = buffer[rank * k:(rank + 1) * k]
+    return mine
+
+
+def with_reduce_scatter(x):                      # the collective the exercise builds
+    out = torch.empty(x.numel() // dist.get_world_size())
+    dist.reduce_scatter_single(out, x.clone())
+    return out
+
+
+def with_all_reduce(x):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total = x.clone()
+    dist.all_reduce(total)
+    return total.tensor_split(n)[rank]
+
+
+def whole_sum(x):                                # returns the buffer, not the chunk
+    buffer = x.clone()
+    for c, chunk in enumerate(buffer.tensor_split(dist.get_world_size())):
+        dist.reduce(chunk, dst=c)
+    return buffer
+
+
+def returns_nothing(x):
+    dist.reduce(x.clone(), dst=0)
+
+
+def raises(x):
+    raise ValueError("not written yet")
+
+
+MISTAKES = [
+    (notebook_stub, "That is this rank's own chunk of x, with nothing reduced into it."),
+    (in_place, "That is what reducing x itself does"),
+    (slices_of_x, "a slice such as x[a:b] is a view"),
+    (one_copy_for_all, "one buffer sent through every reduce"),
+    (last_reduce_kept, "That is the tensor of the last reduce, whose dst was another rank"),
+    (whole_tensor_each_time, "passed a tensor of 4 elements to dist.reduce, where one chunk has 2"),
+    (with_reduce_scatter, "your function called dist.reduce_scatter_single"),
+    (with_all_reduce, "your function called dist.all_reduce"),
+    (whole_sum, "rank 0 returned 4 elements; expected 2"),
+    (returns_nothing, "rank 0 returned None"),
+    (raises, "ValueError: not written yet"),
+]
+
+
+@pytest.mark.parametrize("fn, says", MISTAKES, ids=[fn.__name__ for fn, _ in MISTAKES])
+def test_each_likely_mistake_is_named(group, fn, says):
     group.resize(4)
-    v = check_reduce_keep_input(group, stub)
-    assert not v
-    assert "With world_size=2" in v.message and "x changed on ranks" in v.message
-    assert "On rank 1 (not dst)" in v.message
-    assert "[10.0, 10.0, 10.0, 10.0] before" in v.message
-    assert "clone" not in v.message and "out =" not in v.message   # no solution code
+    verdict = check_reduce_to_owners(group, fn)
+    assert not verdict
+    assert says in verdict.message, verdict.message
+    assert verdict.message.startswith("With world_size=2 and k=2"), verdict.message
     assert group.world_size == 4
 
-    v = check_reduce_keep_input(group, clone_but_return_x)
-    assert not v and "dst's own input" in v.message
-    assert str([11.0] * SIZES[0]) in v.message  # says what was expected (world_size 2)
 
-    v = check_reduce_keep_input(group, returns_nothing)
-    assert not v and "returned None" in v.message
+def test_no_check_message_prints_the_solution(group):
+    code = [line.strip() for line in
+            (conftest.SOLUTIONS / "02_reduce_to_owners.py").read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", "def ", '"', "import"))]
+    for fn, _ in MISTAKES:
+        message = check_reduce_to_owners(group, fn).message
+        assert not [line for line in code if line.split("#")[0].strip() in message], fn.__name__
 
-    v = check_reduce_keep_input(group, lambda x, dst: 1 / 0)
-    assert not v and "ZeroDivisionError" in v.message
 
+def test_bad_settings_are_refused_with_the_valid_choices(group):
     with pytest.raises(ValueError, match="2 or more ranks"):
-        check_reduce_keep_input(group, stub, world_sizes=(1, 2))
+        check_reduce_to_owners(group, notebook_stub, world_sizes=(1, 2))
+    with pytest.raises(ValueError, match="1 or more elements"):
+        check_reduce_to_owners(group, notebook_stub, chunk_sizes=(0,))
+    with pytest.raises(ValueError, match="k >= 1"):
+        exercise_input(0, 4, 0)
 
 
-def test_exercise_input():
-    assert exercise_input(2, 3).tolist() == [100.0] * 3
-    assert exercise_input(0, 1).dtype == torch.float32
+def test_exercise_input_reads_by_the_digits_rule():
+    assert exercise_input(2, 3, 2).tolist() == [100.0, 100.0, 200.0, 200.0, 300.0, 300.0]
+    assert exercise_input(0, 1, 1).dtype == torch.float32
+    assert [s.tolist() for s in expected_sums(4, 1)] == [[1111.0], [2222.0], [3333.0], [4444.0]]
+    assert expected_sums(2, 3)[1].tolist() == [22.0] * 3
+
+
+def test_one_buffer_counts_ranks_twice_as_the_message_says(group):
+    """The message for one buffer through every reduce says some ranks are counted more
+    than once: at 2 ranks, rank 0's chunk comes back as 21 (rank 1 counted twice)."""
+    group.resize(2)
+    out = group.run(lambda: one_copy_for_all(exercise_input(dist.get_rank(), 2, 2)))
+    assert out[0].tolist() == [21.0, 21.0]
+    group.resize(4)
 
 
 # --- the notebook itself ------------------------------------------------------------------
@@ -474,3 +583,21 @@ def test_the_notebook_asks_before_it_explains():
     assert "To make" not in cells[q3 - 1] and "not guaranteed" not in cells[q3 + 1]
     race = next(c for c in cells if "def write_before_wait" in c)
     assert "2 ** 18" in race
+
+
+def test_the_notebooks_exercise_cell_is_the_stub_the_check_names(group):
+    """The def cell as committed fails with the own-chunk message, and its text asks for
+    what the check checks."""
+    cells = notebook_cells()
+    i = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/02_reduce_to_owners.py"))
+    namespace = {"__name__": "__main__", "dist": dist, "torch": torch}
+    exec(cells[i], namespace)
+    verdict = check_reduce_to_owners(group, namespace["reduce_to_owners"])
+    assert not verdict and "own chunk of x, with nothing reduced into it" in verdict.message
+    assert cells[i + 1].strip() == "check_reduce_to_owners(group, reduce_to_owners)"
+    text = cells[i - 1]
+    for rule in ("`dist.reduce` only", "`dst=c`", "not the whole tensor", "unchanged on every rank",
+                 "world sizes 2, 3 and 4, with 2 and 3 elements per chunk", "reads 3333"):
+        assert rule in text, rule
+    assert expected_sums(4, 1)[2].item() == 3333.0     # the number the text gives
+    assert "reduce_to_owners" not in cells[0] and "reduce_scatter" not in cells[0]

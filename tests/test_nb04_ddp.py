@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import conftest
 from reducelab import plots
-from reducelab.checks.ddp import (CHECK_WORLD_SIZES, check_loss_scale, compare_gradients,
-                                  expected_factor, explain)
+from reducelab.checks.ddp import (CHECK_WORLD_SIZES, PENALTY, check_ddp_loss, compare_gradients,
+                                  expected_factor, explain, full_gradients)
 from reducelab.data import batch_order, load_digits_tensors, local_slice, split_sizes
 from reducelab.plots import message_png
 from reducelab.plots.ddp import GAP_FLOOR, GradientScatter, loss_curves, sample_weights
@@ -42,7 +42,7 @@ def batch():
 
 
 def load_solution():
-    return conftest.load_solution("04_loss_scale")
+    return conftest.load_solution("04_ddp_loss")
 
 
 # --- rank functions, as in the notebook -------------------------------------------------
@@ -353,63 +353,136 @@ def test_explorer_rejects_bad_initial_values(group, batch):
 
 def test_solution_passes_and_the_world_size_is_restored(group, batch):
     group.resize(2)
-    v = check_loss_scale(group, load_solution().loss_scale, *batch)
+    v = check_ddp_loss(group, load_solution().ddp_loss, *batch)
     assert v, v.message
     assert "world_size 4 and 3" in v.message
     assert group.world_size == 2
 
 
-def test_stub_fails_and_says_why(group, batch):
-    v = check_loss_scale(group, lambda reduction, world_size, local_batch, global_batch: 1.0, *batch)
+def _scale(reduction, world_size, local_batch, global_batch):
+    return world_size if reduction == "sum" else world_size * local_batch / global_batch
+
+
+def notebook_stub(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return data_loss + penalty
+
+
+def scales_everything(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return (data_loss + penalty) * _scale(reduction, world_size, local_batch, global_batch)
+
+
+def divides_the_penalty(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return data_loss * _scale(reduction, world_size, local_batch, global_batch) + penalty / world_size
+
+
+def drops_the_penalty(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return data_loss * _scale(reduction, world_size, local_batch, global_batch)
+
+
+def fixes_sum_only(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return data_loss * world_size + penalty
+
+
+def fixes_mean_only(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return data_loss * world_size * local_batch / global_batch + penalty
+
+
+def hard_codes_four(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return data_loss * (4 if reduction == "sum" else 4 * local_batch / global_batch) + penalty
+
+
+def returns_a_number(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+    return (data_loss + penalty).item()
+
+
+def raises(*args):
+    raise ZeroDivisionError("oops")
+
+
+MISTAKES = [
+    (notebook_stub, "reduction='mean', world_size=4, uneven",
+     "The data term's gradient is not a multiple of one process's (element-wise ratios 0.21 to 1.70)"),
+    (scales_everything, "reduction='sum', world_size=4, equal",
+     "The penalty's gradient came out 4 x one process's; expected 1 x. That is the penalty "
+     "scaled like the data term, by world_size=4."),
+    (divides_the_penalty, "reduction='mean', world_size=4, equal",
+     "The penalty's gradient came out 0.25 x one process's; expected 1 x. That is the penalty "
+     "divided by world_size=4."),
+    (drops_the_penalty, "reduction='mean', world_size=4, equal", "The penalty's gradient is missing"),
+    (fixes_sum_only, "reduction='mean', world_size=4, equal",
+     "The data term's gradient came out 4 x one process's; expected 1 x."),
+    (fixes_mean_only, "reduction='sum', world_size=4, equal",
+     "The data term's gradient came out 0.25 x one process's; expected 1 x."),
+    (hard_codes_four, "reduction='mean', world_size=3, equal",
+     "The data term's gradient came out 1.3333 x one process's"),
+    (returns_a_number, "reduction='mean', world_size=4, equal",
+     "ddp_loss must return the loss to call backward() on"),
+    (raises, "reduction='mean', world_size=4, equal", "ZeroDivisionError: oops"),
+]
+
+
+@pytest.mark.parametrize("fn, case, says", MISTAKES, ids=[fn.__name__ for fn, _, _ in MISTAKES])
+def test_each_likely_mistake_is_named(group, batch, fn, case, says):
+    v = check_ddp_loss(group, fn, *batch)
     assert not v
-    assert "reduction='mean'" in v.message and "uneven" in v.message
-    assert "expected exactly 1 x" in v.message and "local_batch" in v.message
-
-
-def test_scale_that_only_fixes_sum_fails_on_mean(group, batch):
-    v = check_loss_scale(group, lambda r, w, n, N: float(w), *batch)
-    assert not v
-    assert "reduction='mean'" in v.message and "4 x the full-batch gradient" in v.message
-
-
-def test_scale_right_for_mean_only_fails_on_sum_with_factor(group, batch):
-    v = check_loss_scale(group, lambda r, w, n, N: w * n / N, *batch)
-    assert not v
-    assert "reduction='sum'" in v.message and "0.25 x the full-batch gradient" in v.message
-    assert "world_size=4" in v.message
-
-
-def test_a_scale_that_hard_codes_four_ranks_fails_at_three(group, batch):
-    def hard_coded(reduction, world_size, local_batch, global_batch):
-        return 4.0 if reduction == "sum" else 4 * local_batch / global_batch
-    v = check_loss_scale(group, hard_coded, *batch)
-    assert not v and "world_size=3" in v.message
-    assert CHECK_WORLD_SIZES == (4, 3)
-
-
-def test_check_reports_none_exceptions_and_rank_errors(group, batch):
-    v = check_loss_scale(group, lambda *a: None, *batch)
-    assert not v and "TODO" in v.message
-
-    def boom(*a):
-        raise ZeroDivisionError("oops")
-    v = check_loss_scale(group, boom, *batch)
-    assert not v and "ZeroDivisionError: oops" in v.message
-    assert not check_loss_scale(group, "not a function", *batch)
-    v = check_loss_scale(group, lambda *a: torch.tensor([1.0, 2.0]), *batch)  # not a number
-    assert not v and "finite number" in v.message
-    with pytest.raises(ValueError, match="divisible"):
-        check_loss_scale(group, boom, batch[0][:10], batch[1][:10])
+    assert f"For {case}" in v.message, v.message
+    assert says in v.message, v.message
     assert group.world_size == 4
 
 
+def test_only_the_wrong_part_is_named(group, batch):
+    """Scaling everything is right for the data term, so only the penalty is named; a
+    missing scale on the data term leaves the penalty unnamed."""
+    v = check_ddp_loss(group, scales_everything, *batch)
+    assert "The data term" not in v.message
+    v = check_ddp_loss(group, fixes_sum_only, *batch)
+    assert "penalty" not in v.message
+
+
+def test_bad_input_is_refused(group, batch):
+    assert not check_ddp_loss(group, "not a function", *batch)
+    with pytest.raises(ValueError, match="divisible"):
+        check_ddp_loss(group, raises, batch[0][:10], batch[1][:10])
+    with pytest.raises(ValueError, match="2 or more"):
+        check_ddp_loss(group, raises, *batch, world_sizes=(1,))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        full_gradients(*batch, "max")
+    assert group.world_size == 4
+    assert CHECK_WORLD_SIZES == (4, 3)             # a loss that hard-codes 4 ranks fails at 3
+
+
+def test_the_penalty_matters_beside_either_reduction(batch):
+    """The exercise's λ makes the penalty's gradient a sizeable part of each full-batch
+    gradient, so a penalty off by world_size is far outside the check's tolerance."""
+    for reduction in ("mean", "sum"):
+        data, penalty = full_gradients(*batch, reduction)
+        assert 0.05 < penalty.abs().max() / data.abs().max() < 20, reduction
+        assert penalty[-10:].abs().max() == 0                   # no penalty on the bias
+    assert PENALTY["sum"] == 840 * PENALTY["mean"] and len(batch[0]) == 840
+
+
 def test_check_messages_never_print_the_solution(group, batch):
-    solution = [line.strip() for line in
-                (conftest.SOLUTIONS / "04_loss_scale.py").read_text().splitlines()
-                if line.strip().startswith("return")]
-    for fn in (lambda *a: 1.0, lambda r, w, n, N: float(w), lambda r, w, n, N: w * n / N):
-        message = check_loss_scale(group, fn, *batch).message
-        assert not any(line in message for line in solution)
+    solution = [line.split("#")[0].strip() for line in
+                (conftest.SOLUTIONS / "04_ddp_loss.py").read_text().splitlines()
+                if len(line.strip()) > 12 and not line.strip().startswith(("#", "def ", '"'))]
+    for fn, _, _ in MISTAKES:
+        message = check_ddp_loss(group, fn, *batch).message
+        assert not [line for line in solution if line in message], fn.__name__
+
+
+def test_the_exercise_cells_as_committed(group, batch):
+    cells = json.loads((pathlib.Path(conftest.SOLUTIONS).parent / "04_ddp_gradients.ipynb").read_text())["cells"]
+    src = ["".join(c["source"]) for c in cells]
+    i = next(i for i, s in enumerate(src) if s.startswith("# %load solutions/04_ddp_loss.py"))
+    namespace = {"__name__": "__main__"}
+    exec(src[i], namespace)
+    v = check_ddp_loss(group, namespace["ddp_loss"], *batch)
+    shown = "".join(t for o in cells[i + 1]["outputs"] for t in o.get("data", {}).get("text/plain", []))
+    assert not v and v.message in shown
+    assert src[i + 1].strip() == "check_ddp_loss(group, ddp_loss, X, y)"
+    for rule in ("λ·Σw²", "the same on every rank", "λ is 0.5", "840 times", "4 and then 3 ranks",
+                 "Run the def cell, then the check"):
+        assert rule in src[i - 1], rule
 
 
 # --- pure helpers ------------------------------------------------------------------------

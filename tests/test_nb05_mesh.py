@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 import conftest
 from reducelab import RankError
-from reducelab.checks.mesh import (check_mesh_sync, global_batch, live_process_groups,
-                                   local_batch, local_grads, reference_grads, run_and_release,
-                                   tiny_model)
+from reducelab.checks.mesh import (LENGTHS, check_mesh_sync, global_batch, live_process_groups,
+                                   local_batch, local_grads, local_token_grads, local_tokens,
+                                   reference_grads, reference_token_grads, run_and_release,
+                                   tiny_model, token_counts, token_mask)
 from reducelab.plots import MIN_FONT, PALETTE, RANK_COLOURS
 from reducelab.plots.mesh import (GROUP_COLOURS, SYNC_STYLES, MeshGrid, group_index,
                                   sync_cost_figure)
@@ -33,13 +34,13 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 PNG = b"\x89PNG\r\n\x1a\n"
 MESH_3D = (2, 2, 1)  # (dp, tp, cp), as in the notebook
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "05_device_mesh_sync.ipynb"
-MY_FILES = [NOTEBOOK, NOTEBOOK.parent / "solutions" / "05_mesh_sync.py"] + [
+MY_FILES = [NOTEBOOK, NOTEBOOK.parent / "solutions" / "05_token_weighted_sync.py"] + [
     NOTEBOOK.parents[1] / "helpers" / "reducelab" / pkg / "mesh.py"
     for pkg in ("plots", "widgets", "checks")]
 
 
 def load_solution():
-    return conftest.load_solution("05_mesh_sync")
+    return conftest.load_solution("05_token_weighted_sync")
 
 
 pytestmark = pytest.mark.usefixtures("keep_four_ranks")
@@ -220,61 +221,146 @@ def ddp_then_cp(sync_cp):
     return out
 
 
-# answers to the exercise
-def no_sync(model, mesh):
+# answers to the exercise: sync_grads(model, mesh, n_tokens)
+def no_sync(model, mesh, n_tokens):
     pass
 
 
-def dp_only(model, mesh):
+def plain_mean(model, mesh, n_tokens):               # the mean of means
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def plain_mean_sum_divide(model, mesh, n_tokens):    # the same, with SUM then divide
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+        dist.all_reduce(p.grad, group=mesh["cp"].get_group())
+        p.grad /= mesh.size()
+
+
+def dp_only(model, mesh, n_tokens):
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
 
 
-def cp_only(model, mesh):
+def cp_only(model, mesh, n_tokens):
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mesh["cp"].get_group())
 
 
-def sum_only(model, mesh):
+def _count(n_tokens, group=None):
+    total = torch.tensor(float(n_tokens))
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def weighted_over(group_name):
+    def sync(model, mesh, n_tokens):
+        g = mesh[group_name].get_group()
+        total = _count(n_tokens, g)
+        for p in model.parameters():
+            p.grad.mul_(n_tokens)
+            dist.all_reduce(p.grad, group=g)
+            p.grad.div_(total)
+    sync.__name__ = f"weighted_over_{group_name}"
+    return sync
+
+
+def sum_only(model, mesh, n_tokens):
     for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        dist.all_reduce(p.grad)
 
 
-def reduce_a_copy(model, mesh):
+def weighted_not_divided(model, mesh, n_tokens):
+    for p in model.parameters():
+        p.grad.mul_(n_tokens)
+        dist.all_reduce(p.grad)
+
+
+def weighted_over_world_size(model, mesh, n_tokens):
+    for p in model.parameters():
+        p.grad.mul_(n_tokens)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def weighted_over_own_count(model, mesh, n_tokens):
+    for p in model.parameters():
+        p.grad.mul_(n_tokens)
+        dist.all_reduce(p.grad)
+        p.grad /= n_tokens
+
+
+def weighted_over_every_slot(model, mesh, n_tokens):  # the padding counted
+    slots = torch.tensor(float(32 // dist.get_world_size()))
+    dist.all_reduce(slots)
+    for p in model.parameters():
+        p.grad.mul_(n_tokens)
+        dist.all_reduce(p.grad)
+        p.grad /= slots
+
+
+def not_weighted(model, mesh, n_tokens):
+    total = _count(n_tokens)
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= total
+
+
+def count_only(model, mesh, n_tokens):               # weighted, never summed
+    total = _count(n_tokens)
+    for p in model.parameters():
+        p.grad.mul_(n_tokens / total)
+
+
+def reduce_a_copy(model, mesh, n_tokens):
     for p in model.parameters():
         g = p.grad.clone()
         dist.all_reduce(g, op=dist.ReduceOp.AVG)
 
 
-def raises(model, mesh):
+def integer_count_with_avg(model, mesh, n_tokens):   # gloo's AVG refuses int64
+    count = torch.tensor(n_tokens)
+    dist.all_reduce(count, op=dist.ReduceOp.AVG)
+
+
+def raises(model, mesh, n_tokens):
     raise ValueError("not written yet")
 
 
-def new_group_every_call(model, mesh):
-    """The notebook's old solution: right gradients, one new process group per call."""
+def new_group_every_call(model, mesh, n_tokens):
+    """Right gradients, one new process group per call."""
     ranks = mesh.mesh.flatten().tolist()
     dp_cp = dist.new_group(ranks)
+    total = _count(n_tokens, dp_cp)
     for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=dp_cp)
-        p.grad /= len(ranks)
+        p.grad.mul_(n_tokens)
+        dist.all_reduce(p.grad, group=dp_cp)
+        p.grad /= total
 
 
-def new_group_once(model, mesh):
+def new_group_once(model, mesh, n_tokens):
     """A group made on the first call and reused on the next ones is fine."""
     cache = globals().setdefault("_groups", {})
     ranks = tuple(mesh.mesh.flatten().tolist())
     if ranks not in cache:
         cache[ranks] = dist.new_group(list(ranks))
+    total = _count(n_tokens, cache[ranks])
     for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=cache[ranks])
-        p.grad /= len(ranks)
+        p.grad.mul_(n_tokens)
+        dist.all_reduce(p.grad, group=cache[ranks])
+        p.grad /= total
 
 
-def whole_world(model, mesh):
-    """The default group is every dp x cp rank here (no tp): right, and makes no group."""
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
+def whole_world_one_call(model, mesh, n_tokens):
+    """The default group is every dp x cp rank here (no tp): right, and makes no group;
+    the count travels with the gradients, one all_reduce for all."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([p.grad.flatten() * n_tokens for p in params] + [torch.tensor([float(n_tokens)])])
+    dist.all_reduce(flat)
+    grads = flat[:-1] / flat[-1]
+    for p, g in zip(params, grads.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p.grad))
 
 
 # --- the layout, in one process --------------------------------------------------------------
@@ -506,7 +592,32 @@ def test_ddp_over_dp_needs_the_manual_cp_sync(group):
 
 
 # --- the exercise check ------------------------------------------------------------------------
-def test_exercise_data_mean_of_local_grads_is_the_reference():
+def test_exercise_data_hold_uneven_real_tokens_and_the_weighted_mean_is_the_reference():
+    """The exercise's data: 22 real tokens of 32 slots; on every mesh of the check the
+    ranks hold different counts, at least one each; the count-weighted sum of local
+    gradients over 22 is the reference, and the plain mean is not."""
+    assert token_mask().sum().item() == sum(LENGTHS) == 22
+    assert token_mask()[2].tolist() == [True] * 3 + [False] * 5
+    ref = reference_token_grads()
+    for dp, cp in [(2, 2), (1, 4), (4, 1)]:
+        counts = token_counts(dp, cp)
+        assert sum(counts) == 22 and min(counts) >= 1 and len(set(counts)) > 1, counts
+        grads = [local_token_grads(i, j, dp, cp) for i in range(dp) for j in range(cp)]
+        for k, v in ref.items():
+            weighted = sum(n * g[k] for n, g in zip(counts, grads)) / 22
+            torch.testing.assert_close(weighted, v, atol=1e-6, rtol=1e-5)
+        plain = {k: torch.stack([g[k] for g in grads]).mean(0) for k in ref}
+        assert max((plain[k] - v).abs().max().item() for k, v in ref.items()) > 1e-2
+    assert token_counts(2, 2) == [8, 5, 7, 2]
+    x, y = local_tokens(1, 1, 2, 2)
+    assert x.shape == (2, 4) and y.shape == (2, 2)
+    torch.testing.assert_close(x, global_batch()[0][3, 4:6])
+    with pytest.raises(ValueError, match="dp must divide"):
+        token_counts(3, 1)
+
+
+def test_the_notebooks_data_are_unpadded_for_the_myth_cells():
+    """Steps and myth cells use every slot (local_batch), where the plain mean is right."""
     ref = reference_grads()
     for dp, cp in [(2, 2), (1, 4), (4, 1)]:
         grads = [local_grads(i, j, dp, cp) for i in range(dp) for j in range(cp)]
@@ -529,10 +640,10 @@ def test_solution_passes_and_makes_no_process_group(group):
     verdict = check_mesh_sync(group, solution)
     assert verdict, verdict.message
     assert "(2, 2), (1, 4), (4, 1)" in verdict.message
-    assert "no new process group" in verdict.message
+    assert "all 22 real tokens" in verdict.message and "no new process group" in verdict.message
 
 
-@pytest.mark.parametrize("fn", [new_group_once, whole_world])
+@pytest.mark.parametrize("fn", [new_group_once, whole_world_one_call])
 def test_other_right_answers_pass(group, fn):
     verdict = check_mesh_sync(group, fn)
     assert verdict, verdict.message
@@ -553,27 +664,41 @@ def test_the_check_leaves_no_process_groups_behind(group):
     assert group.run(open_files_and_groups) == start
 
 
-@pytest.mark.parametrize("fn, says", [
-    (no_sync, "own local gradients"),
-    (reduce_a_copy, "own local gradients"),
-    (dp_only, "mean over the dp group only"),
-    (cp_only, "mean over the cp group only"),
-    (sum_only, "SUM over all 4 ranks"),
+MISTAKES = [
+    (no_sync, "own local gradients: nothing was summed"),
+    (reduce_a_copy, "own local gradients: nothing was summed"),
+    (plain_mean, "plain mean of the 4 ranks' local gradients"),
+    (plain_mean_sum_divide, "plain mean of the 4 ranks' local gradients"),
+    (dp_only, "plain mean over the dp group only (ranks of cp index 0)"),
+    (cp_only, "plain mean over the cp group only (ranks of dp index 0)"),
+    (weighted_over("dp"), "token-weighted mean over the dp group only"),
+    (weighted_over("cp"), "token-weighted mean over the cp group only"),
+    (sum_only, "SUM of the 4 ranks' local gradients"),
+    (weighted_not_divided, "gradient of the SUM of the loss over all 22 real tokens"),
+    (weighted_over_world_size, "divided by the number of ranks, 4"),
+    (weighted_over_own_count, "divided by this rank's own n_tokens, 8"),
+    (weighted_over_every_slot, "divided by 32, every token slot of the batch, padding included"),
+    (not_weighted, "sum of the ranks' local gradients divided by the 22 real tokens"),
+    (count_only, "scaled by n_tokens / 22, and never summed across ranks"),
+    (integer_count_with_avg, "result type Float can't be cast to the desired output type Long"),
     (raises, "raised on the ranks"),
-])
-def test_wrong_answers_fail_with_an_explanation(group, fn, says):
+]
+
+
+@pytest.mark.parametrize("fn, says", MISTAKES, ids=[fn.__name__ for fn, _ in MISTAKES])
+def test_each_likely_mistake_is_named(group, fn, says):
     verdict = check_mesh_sync(group, fn)
     assert not verdict
-    assert says in verdict.message
-    if fn is not raises:
-        assert "Expected every rank to hold the mean over all 4 ranks" in verdict.message
+    assert says in verdict.message, verdict.message
+    if "raised" not in verdict.message:
+        assert "On the mesh (dp=2, cp=2), whose ranks hold 8, 5, 7, 2 real tokens" in verdict.message
 
 
 def test_no_check_message_prints_the_solution(group):
-    code = [line.strip() for line in
-            (NOTEBOOK.parent / "solutions" / "05_mesh_sync.py").read_text().splitlines()
-            if len(line.strip()) > 12 and not line.strip().startswith(("#", "def "))]
-    for fn in (no_sync, dp_only, sum_only, new_group_every_call, raises):
+    code = [line.split("#")[0].strip() for line in
+            (NOTEBOOK.parent / "solutions" / "05_token_weighted_sync.py").read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", "def ", "import"))]
+    for fn, _ in MISTAKES + [(new_group_every_call, "")]:
         message = check_mesh_sync(group, fn).message
         assert not [line for line in code if line in message], fn.__name__
 
@@ -762,8 +887,21 @@ def test_the_fixes_are_run_in_a_cell_and_the_prose_follows_the_runs():
 
 
 def test_the_exercise_shows_the_model_and_the_data():
-    cell = next(c for c in _cells() if "inspect.getsource(train_step)" in _src(c))
-    printed = "".join(t for o in cell["outputs"] for t in o.get("text", []))
-    assert "def train_step" in printed
+    cells = _cells()
+    i = next(i for i, c in enumerate(cells) if "inspect.getsource(token_train_step)" in _src(c))
+    printed = "".join(t for o in cells[i]["outputs"] for t in o.get("text", []))
+    assert "def token_train_step" in printed and "n_tokens = len(x)" in printed
     assert "Linear(in_features=4, out_features=8" in printed and "Tanh()" in printed
-    assert "x (8, 4), y (8, 2)" in printed
+    for dp, cp in [(2, 2), (1, 4), (4, 1)]:
+        assert f"mesh (dp={dp}, cp={cp}): real tokens on ranks 0 to 3: {token_counts(dp, cp)}" in printed
+    assert "x (2, 4), y (2, 2)" in printed
+    text = _src(cells[i - 1])
+    assert "**8, 5, 3 and 6 real tokens**" in text and tuple(LENGTHS) == (8, 5, 3, 6)
+    assert "all 22 real tokens" in text and "Run the def cell, then the check" in text
+    assert _src(cells[i + 1]).startswith("# %load solutions/05_token_weighted_sync.py")
+    assert _src(cells[i + 2]).strip() == "check_mesh_sync(group, sync_grads)"
+    stub = "".join(t for o in cells[i + 2]["outputs"] for t in o.get("data", {}).get("text/plain", []))
+    assert "own local gradients: nothing was summed" in stub
+    myth = next(c for c in cells if _src(c).startswith("def dp_only(model, mesh, n_tokens):"))
+    shown = "".join(t for o in myth["outputs"] for t in o.get("data", {}).get("text/plain", []))
+    assert "plain mean over the dp group only" in shown

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import conftest
 from reducelab import LocalGroup, RankError
-from reducelab.checks.ring import (HANG_TIMEOUT, check_ring_all_gather, contributors,
-                                   exercise_input, naive_bytes_per_rank, ring_bytes_per_rank,
-                                   root_bytes)
+from reducelab.checks.ring import (EXERCISE_NUMEL, EXERCISE_PIECES, HANG_TIMEOUT,
+                                   check_chain_broadcast, contributors, exercise_input,
+                                   naive_bytes_per_rank, ring_bytes_per_rank, root_bytes)
 from reducelab.group import MARGIN
 from reducelab.plots.ring import RingStepsPlot, bytes_figure, cell_label, cyclic_run
 from reducelab.widgets.ring import RingExplorer, phase_of, run_from_traces
@@ -57,7 +57,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def load_solution():
-    return conftest.load_solution("06_ring_all_gather")
+    return conftest.load_solution("06_chain_broadcast")
 
 
 pytestmark = pytest.mark.usefixtures("keep_four_ranks")
@@ -300,9 +300,10 @@ def test_bytes_figure_is_a_png():
 INDEX_FORMULA = re.compile(
     r"%\s*[A-Za-z(]"                                              # "... % n", "% N"
     r"|\bmod\b"
-    r"|\b(?:r|s|i|k|n|rank|step)\s*[-+]\s*(?:r|s|i|k|n|1|rank|step)\b")   # "r - s", "r - 1"
-"""An index formula in a check message: "which slice at step s" is the exercise's solution,
-so a message may name concrete slices, ranks and steps, never the rule."""
+    r"|\b(?:r|s|i|k|n|rank|step|src|place)\s*[-+]\s*(?:r|s|i|k|n|1|rank|step|src)\b")
+"""An index formula in a check message: which rank a rank sends to and whether it is the
+last of the chain is the exercise's solution, so a message names concrete ranks and
+pieces, never the rule."""
 
 
 def assert_no_formula(message: str) -> None:
@@ -311,193 +312,229 @@ def assert_no_formula(message: str) -> None:
 
 
 def test_the_formula_guard_catches_the_formulas_of_the_solution():
-    """The guard would have caught the old messages, and catches the solution's own lines."""
-    for old in ("At step s rank r sends the slice it received at step s - 1 (its own at step "
-                "0), that is slice (r - s) % n, and receives slice (r - s - 1) % n from rank "
-                "r - 1.", "receive it into slice (r - s - 1) % n", "slice (r - s) % n"):
-        assert INDEX_FORMULA.search(old), old
-    solution = (ROOT / "notebooks" / "solutions" / "06_ring_all_gather.py").read_text()
-    assert INDEX_FORMULA.search(solution.split("def ring_all_gather")[1])
-    assert not INDEX_FORMULA.search("rank 2 sent slice 0 at step 1; with world_size=3 it "
-                                    "takes 2 ring steps")
+    solution = (ROOT / "notebooks" / "solutions" / "06_chain_broadcast.py").read_text()
+    assert INDEX_FORMULA.search(solution.split("def chain_broadcast")[1])
+    for formula in ("place = (rank - src) % n", "send to rank + 1", "src=(rank - 1) % n"):
+        assert INDEX_FORMULA.search(formula), formula
+    assert not INDEX_FORMULA.search("rank 2 sent to rank 0; in the chain a rank sends only "
+                                    "to its right neighbour, rank 3. (N - 1) x S")
 
 
 def test_solution_passes(group):
-    verdict = check_ring_all_gather(load_solution().ring_all_gather)
+    verdict = check_chain_broadcast(load_solution().chain_broadcast)
     assert verdict, verdict.message
     assert_no_formula(verdict.message)
+    assert "each sent S = 48 bytes" in verdict.message
     assert group.world_size == 4 and group.state != "closed"    # the learner's group untouched
 
 
-def stub(x):
+def chain(x, src, pieces, *, order="pipeline", start_at_zero=False, close=False,
+          buffer=False, zeros_first=False, nonblocking=False):
+    """A chain broadcast with one mistake switched on (none: a right answer)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel(), dtype=x.dtype)
-    out.tensor_split(n)[rank].copy_(x)
-    return out
+    head = 0 if start_at_zero else src
+    place = (rank - head) % n
+    parts = [x] if order == "one piece" else list(x.tensor_split(pieces))
+    targets = [p.clone() for p in parts] if buffer else parts
+
+    def receive(p):
+        if place > 0:
+            (dist.irecv(p, src=(rank - 1) % n).wait() if nonblocking
+             else dist.recv(p, src=(rank - 1) % n))
+
+    def send(p):
+        if place < n - 1 or close:
+            (dist.isend(p, dst=(rank + 1) % n).wait() if nonblocking
+             else dist.send(p, dst=(rank + 1) % n))
+
+    if order == "store and forward":
+        for p in targets:
+            receive(p)
+        for p in targets:
+            send(p)
+        return
+    for p in targets:
+        if zeros_first and place not in (0, n - 1):
+            send(p)
+            receive(p)
+        else:
+            receive(p)
+            send(p)
 
 
-def test_the_notebook_stub_fails_and_says_what_is_missing():
-    verdict = check_ring_all_gather(stub)
-    assert not verdict
-    assert "slice 1 is still zero" in verdict.message
-    assert "Rank 0 made 0 ring steps" in verdict.message
-    assert "Which slice does a rank pass on at each step" in verdict.message
-    assert_no_formula(verdict.message)
+def right(x, src, pieces):
+    chain(x, src, pieces)
 
 
-def test_the_check_message_stored_in_the_notebook_gives_no_formula():
-    check = _cells()[_index_of("check_ring_all_gather(ring_all_gather)")]
-    shown = "".join(t for o in check["outputs"] for t in o.get("data", {}).get("text/plain", []))
-    assert "made 0 ring steps" in shown
-    assert_no_formula(shown)
+def right_nonblocking(x, src, pieces):
+    chain(x, src, pieces, nonblocking=True)
 
 
-def make_ring(send_recv, send_index, recv_index, own_buffer=False, copy_x=True):
-    """A ring all_gather whose step s sends slice send_index(rank, step, n) and receives into
-    slice recv_index(rank, step, n) (straight into it, or into a buffer of its own that is
-    then copied there)."""
-    def ring(x):
-        rank, n = dist.get_rank(), dist.get_world_size()
-        out = torch.zeros(n * x.numel())
-        slices = out.tensor_split(n)
-        if copy_x:
-            slices[rank].copy_(x)
-        for step in range(n - 1):
-            target = slices[recv_index(rank, step, n)]
-            if own_buffer:
-                incoming = torch.empty_like(x)
-                send_recv(slices[send_index(rank, step, n)], incoming)
-                target.copy_(incoming)
-            else:
-                send_recv(slices[send_index(rank, step, n)], target)
-        return out
-    return ring
-
-
-def right_send(rank, step, n):
-    return (rank - step) % n
-
-
-def right_recv(rank, step, n):
-    return (rank - step - 1) % n
-
-
-def test_a_wrong_send_index_is_named_as_the_send():
-    wrong = make_ring(NB["send_recv"], lambda r, s, n: (r + s) % n, right_recv)
-    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
-    assert not verdict
-    assert "send at step 1 is off" in verdict.message
-    assert re.search(r"at step 1 it sends slice \d", verdict.message)   # this rank, this step
-    assert "receive at step" not in verdict.message and "sends are right" not in verdict.message
-    assert_no_formula(verdict.message)
-
-
-def test_a_wrong_first_send_is_named_without_a_formula():
-    wrong = make_ring(NB["send_recv"], lambda r, s, n: (r + 1) % n, right_recv)
-    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
-    assert not verdict
-    assert "send at step 0 is off" in verdict.message
-    assert "the only slice a rank holds is its own" in verdict.message
-    assert_no_formula(verdict.message)
-
-
-def test_a_wrong_receive_slice_is_named_as_the_receive():
-    wrong = make_ring(NB["send_recv"], right_send, lambda r, s, n: (r + s + 1) % n)
-    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
-    assert not verdict
-    assert "sends are right" in verdict.message
-    assert "receive at step 0 is off" in verdict.message
-    assert re.search(r"belongs in slice \d", verdict.message)
-    assert_no_formula(verdict.message)
-
-
-def test_a_wrong_copy_from_a_buffer_of_its_own_is_named():
-    wrong = make_ring(NB["send_recv"], right_send, lambda r, s, n: (r + s + 1) % n,
-                      own_buffer=True)
-    verdict = check_ring_all_gather(wrong, world_sizes=(3,))
-    assert not verdict
-    assert "sends are right" in verdict.message and "did not land there" in verdict.message
-    assert_no_formula(verdict.message)
-
-
-def test_forgetting_the_own_slice_is_named():
-    wrong = make_ring(NB["send_recv"], right_send, right_recv, copy_x=False)
-    verdict = check_ring_all_gather(wrong, world_sizes=(2,))
-    assert not verdict
-    assert "copy x into slice" in verdict.message
-    assert_no_formula(verdict.message)
-
-
-def test_sending_too_many_bytes_is_caught():
-    send_recv = NB["send_recv"]
-
-    def whole_output(x):     # right answer, but sends the whole output at each step
-        rank, n = dist.get_rank(), dist.get_world_size()
-        out = torch.zeros(n * x.numel())
-        out.tensor_split(n)[rank].copy_(x)
-        for _ in range(n - 1):
-            incoming = torch.empty_like(out)
-            send_recv(out, incoming)
-            out = torch.maximum(out, incoming)   # inputs are positive, zeros are "missing"
-        return out
-
-    verdict = check_ring_all_gather(whole_output, world_sizes=(3,))
-    assert not verdict
-    assert "bytes" in verdict.message and str(2 * 3 * 4) in verdict.message
-    assert_no_formula(verdict.message)
-
-
-def test_using_the_real_collective_is_refused():
-    def cheat(x):
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x)
-        return torch.cat(parts)
-
-    verdict = check_ring_all_gather(cheat, world_sizes=(2,))
-    assert not verdict
-    assert "dist.all_gather" in verdict.message
-
-
-def blocking(x):
+def right_all_irecvs_first(x, src, pieces):     # posts every receive, then waits piece by piece
     rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel())
-    dist.send(x, dst=(rank + 1) % n)
-    dist.recv(out[: x.numel()], src=(rank - 1) % n)
-    return out
+    place = (rank - src) % n
+    parts = x.tensor_split(pieces)
+    works = [dist.irecv(p, src=(rank - 1) % n) for p in parts] if place else []
+    for j, p in enumerate(parts):
+        if works:
+            works[j].wait()
+        if place < n - 1:
+            dist.send(p, dst=(rank + 1) % n)
 
 
-def receiving_first(x):
+@pytest.mark.parametrize("fn", [right, right_nonblocking, right_all_irecvs_first])
+def test_other_right_answers_pass(fn):
+    verdict = check_chain_broadcast(fn, world_sizes=(3,))
+    assert verdict, verdict.message
+
+
+def notebook_stub(x, src, pieces):
     rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(n * x.numel())
-    dist.recv(out[: x.numel()], src=(rank - 1) % n)
-    dist.send(x, dst=(rank + 1) % n)
-    return out
 
 
-@pytest.mark.parametrize("fn, expected", [(blocking, "waiting in a blocking dist.send"),
-                                          (receiving_first, "waiting in dist.recv")])
-def test_a_ring_that_hangs_is_stopped_within_seconds_and_explained(fn, expected):
+def star(x, src, pieces):                       # the root sends to every rank itself
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for p in x.tensor_split(pieces):
+        if rank == src:
+            for r in range(n):
+                if r != src:
+                    dist.send(p, dst=r)
+        else:
+            dist.recv(p, src=src)
+
+
+def starts_at_zero(x, src, pieces):
+    chain(x, src, pieces, start_at_zero=True)
+
+
+def store_and_forward(x, src, pieces):
+    chain(x, src, pieces, order="store and forward")
+
+
+def one_piece(x, src, pieces):
+    chain(x, src, pieces, order="one piece")
+
+
+def own_buffers(x, src, pieces):
+    chain(x, src, pieces, buffer=True)
+
+
+def forwards_before_receiving(x, src, pieces):
+    chain(x, src, pieces, zeros_first=True)
+
+
+def closes_the_ring(x, src, pieces):             # the last rank sends back to src: a hang
+    chain(x, src, pieces, close=True)
+
+
+def with_broadcast(x, src, pieces):
+    dist.broadcast(x, src=src)
+
+
+def raises(x, src, pieces):
+    raise ValueError("my bug")
+
+
+MISTAKES = [
+    (notebook_stub, (2,), "]. Rank 0 (src) never sent, so rank 1"),
+    (notebook_stub, (2,), "zeros in every piece, as before the call"),
+    (star, (3,), "rank 0 (src) sent to ranks 1, 2 itself: that is the root of reduce-then-broadcast"),
+    (starts_at_zero, (2,), "Rank 1 (src) called recv: src holds the data from the start"),
+    (store_and_forward, (3,), "rank 1 received all 4 pieces before it sent the first: store and forward"),
+    (one_piece, (2,), "rank 0 sent 1 tensor (all); expected the 4 pieces of x.tensor_split(4)"),
+    (own_buffers, (2,), "received 4 times but its x still holds zeros: it received into a tensor of its own"),
+    (forwards_before_receiving, (3,), "Rank 1 sent a tensor of zeros: it passed a piece on before"),
+    (with_broadcast, (2,), "your function called dist.broadcast"),
+    (raises, (2,), "ValueError: my bug"),
+]
+
+
+@pytest.mark.parametrize("fn, sizes, says", MISTAKES, ids=[f"{fn.__name__}-{i}" for i, (fn, _, _) in enumerate(MISTAKES)])
+def test_each_likely_mistake_is_named(fn, sizes, says):
+    verdict = check_chain_broadcast(fn, world_sizes=sizes)
+    assert not verdict
+    assert says in verdict.message, verdict.message
+    assert_no_formula(verdict.message)
+
+
+def test_a_chain_that_closes_into_a_ring_hangs_and_is_explained_within_seconds():
     start = time.monotonic()
-    verdict = check_ring_all_gather(fn)
+    verdict = check_chain_broadcast(closes_the_ring, world_sizes=(3,))
     elapsed = time.monotonic() - start
     assert not verdict
-    assert expected in verdict.message
     assert f"after {HANG_TIMEOUT:g} s" in verdict.message
+    assert "Rank 2 is the last rank of the chain, and it was waiting in send" in verdict.message
+    assert re.search(r"rank 2: waiting in send, called from \w+ line \d+", verdict.message)
+    assert "wrapper" not in verdict.message                      # the learner's line, not ours
     assert_no_formula(verdict.message)
     # bounded by the check's own group (its timeout + LocalGroup's margin), not 30 s
-    assert elapsed < HANG_TIMEOUT + MARGIN + 5, elapsed
+    assert elapsed < HANG_TIMEOUT + MARGIN + 10, elapsed
 
 
-def test_a_raising_function_is_reported_with_the_ranks_error():
-    def broken(x):
-        raise ValueError("my bug")
+def test_a_ring_of_blocking_receives_is_explained():
+    def everyone_receives(x, src, pieces):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        dist.recv(x, src=(rank - 1) % n)
 
-    verdict = check_ring_all_gather(broken, world_sizes=(2,))
-    assert not verdict and "my bug" in verdict.message
+    verdict = check_chain_broadcast(everyone_receives, world_sizes=(2,))
+    assert not verdict and "Every waiting rank was in recv" in verdict.message
 
 
-def test_exercise_inputs_are_distinct_per_rank():
-    assert exercise_input(2).tolist() == [21.0, 22.0, 23.0]
+def test_no_check_message_prints_the_solution():
+    code = [line.split("#")[0].strip() for line in
+            (ROOT / "notebooks" / "solutions" / "06_chain_broadcast.py").read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", "def ", "import"))]
+    for fn, sizes, _ in MISTAKES:
+        message = check_chain_broadcast(fn, world_sizes=sizes).message
+        assert not [line for line in code if line in message], fn.__name__
+
+
+def test_bad_arguments_are_refused_with_the_valid_choices():
+    assert not check_chain_broadcast("chain_broadcast")
+    with pytest.raises(ValueError, match="2 or more ranks"):
+        check_chain_broadcast(right, world_sizes=(1,))
+    with pytest.raises(ValueError, match="pieces <= numel"):
+        check_chain_broadcast(right, numel=3, pieces=4)
+    with pytest.raises(ValueError, match="src >= 0"):
+        exercise_input(-1)
+
+
+def test_exercise_input_says_which_elements_a_piece_holds():
+    assert exercise_input(0)[:3].tolist() == [101.0, 102.0, 103.0]
+    assert exercise_input(3).tolist()[-1] == 400.0 + EXERCISE_NUMEL
+    assert [p.numel() for p in exercise_input(0).tensor_split(EXERCISE_PIECES)] == [3, 3, 3, 3]
+
+
+def test_the_chain_sends_s_per_rank_where_the_root_sends_n_minus_1_times_s(group):
+    """The fact the exercise rests on, counted on real ranks: in the solution's chain
+    every rank but the last sends S, the last nothing; the star root sends (N - 1) S."""
+    solution = load_solution().chain_broadcast
+
+    def bytes_sent(fn, src):
+        sent = []
+        original = dist.send
+
+        def counting(tensor, *args, **kwargs):
+            sent.append(tensor.numel() * tensor.element_size())
+            return original(tensor, *args, **kwargs)
+
+        dist.send = counting
+        try:
+            x = exercise_input(src) if dist.get_rank() == src else torch.zeros(EXERCISE_NUMEL)
+            fn(x, src, EXERCISE_PIECES)
+        finally:
+            dist.send = original
+        return sum(sent), x
+
+    group.resize(4)
+    size = EXERCISE_NUMEL * 4
+    for src in (0, 2):
+        chained = group.run(bytes_sent, solution, src)
+        assert [b for b, _ in chained] == [0 if r == (src - 1) % 4 else size for r in range(4)]
+        assert all(torch.equal(x, exercise_input(src)) for _, x in chained)
+        starred = group.run(bytes_sent, star, src)
+        assert starred[src][0] == 3 * size == root_bytes(4, size)
+    group.resize(4)
 
 
 # --- the ring's direction ---------------------------------------------------------------------
@@ -572,11 +609,30 @@ def test_question_2_comes_before_the_byte_formula():
 
 
 def test_the_text_says_why_the_check_takes_no_group():
-    params = list(inspect.signature(check_ring_all_gather).parameters)
+    params = list(inspect.signature(check_chain_broadcast).parameters)
     assert params[0] == "fn"
-    check = _index_of("check_ring_all_gather(ring_all_gather)")
+    check = _index_of("check_chain_broadcast(chain_broadcast)")
     before = "\n".join(_src(c) for c in _cells()[:check] if c["cell_type"] == "markdown")
     assert "takes no `group`" in before and "3 seconds" in before
+
+
+def test_the_exercise_cells_as_committed():
+    """The def cell fails with the message stored under the check, which names the rank
+    that never sent and gives no formula; the text names the rules the check checks."""
+    cells = _cells()
+    i = _index_of("# %load solutions/06_chain_broadcast.py")
+    namespace = {"__name__": "__main__", "dist": dist, "torch": torch}
+    exec(_src(cells[i]), namespace)
+    verdict = check_chain_broadcast(namespace["chain_broadcast"], world_sizes=(2,))
+    shown = "".join(t for o in cells[i + 1]["outputs"] for t in o.get("data", {}).get("text/plain", []))
+    assert not verdict and verdict.message in shown
+    assert_no_formula(shown)
+    text = _src(cells[i - 1])
+    for rule in ("**chain**", "only receives", "as soon as it has arrived", "x.tensor_split(pieces)",
+                 "more than `S` bytes", "world sizes 2, 3 and 4", "12 elements in 4 pieces",
+                 "Can a chain of blocking sends hang?", "Run the def cell, then the check"):
+        assert rule in text, rule
+    assert (EXERCISE_NUMEL, EXERCISE_PIECES) == (12, 4)
 
 
 def test_the_text_says_the_ring_direction_is_a_choice():

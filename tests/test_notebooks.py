@@ -238,3 +238,47 @@ def test_a_question_sets_the_world_size_it_needs(path):
             resize = src.find("group.resize(")
             assert 0 <= resize < run.start(), f"question cell without group.resize first: " \
                                               f"{src.splitlines()[0][:80]}"
+
+
+HEADER = re.compile(r"^\*About (\d+) min to study · about (\d+) s to run top to bottom[ ,·]",
+                    re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_the_header_gives_the_study_time_and_the_run_time_the_readme_gives(path):
+    """One study unit of 30 to 45 minutes, with its run time; the README's table agrees."""
+    header = source(load(path)["cells"][0])
+    match = HEADER.search(header)
+    assert match, f"{path.name}: the header's second line must read '*About N min to study · " \
+                  f"about S s to run top to bottom · ...*'"
+    study, run = int(match.group(1)), int(match.group(2))
+    assert 30 <= study <= 45, f"{path.name}: {study} min is not one study unit (30 to 45 min)"
+    row = next((line for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("| ") and f"`{path.name}`" in line), None)
+    assert row, f"README.md's notebook table has no row for {path.name}"
+    assert row.rstrip().endswith(f"| about {run} s |"), \
+        f"README.md gives another run time for {path.name} than its header ({run} s): {row[-40:]}"
+
+MOVED = {"08": ("15", re.compile(r"FSDP2|fully_shard|reshard_after_forward")),
+         "10": ("16", re.compile(r"bucket|overlap|hides?\b|\bhooks?\b|powerSGD"))}
+"""Material that left a notebook when it was split: notebook 08's FSDP2 is in 15, notebook
+10's buckets, overlap and communication hooks are in 16 (issue 21, 4)."""
+
+
+def test_pointers_to_split_notebooks_name_where_the_material_went():
+    """A sentence that sends the learner to notebook 08 for FSDP2, or to notebook 10 for
+    DDP's buckets, overlap or hooks, names the notebook that now holds it (15, 16)."""
+    wrong = []
+    for path in NOTEBOOKS + [ROOT / "README.md"]:
+        if path.suffix == ".ipynb":
+            prose = [source(c) for c in load(path)["cells"] if c["cell_type"] == "markdown"]
+        else:
+            prose = [path.read_text()]
+        for sentence in re.split(r"(?<=[.;:])\s+|\n", "\n".join(prose)):
+            for old, (new, topic) in MOVED.items():
+                if path.name.startswith(new):
+                    continue              # the notebook that holds the material
+                pointer = re.search(rf"\b[Nn]otebooks?\b[^.]*?\b{old}\b", sentence)
+                if pointer and topic.search(sentence) and f" {new}" not in sentence:
+                    wrong.append(f"{path.name}: {sentence.strip()[:160]}")
+    assert not wrong, "pointers to material that moved:\n" + "\n".join(wrong)

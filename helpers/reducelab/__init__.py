@@ -41,6 +41,23 @@ def _prewarm() -> None:
 _prewarm()
 
 
+def _join_workshop() -> None:
+    """Join the workshop whose join address is in ``REDUCELAB_WORKSHOP``, in the
+    background (:mod:`reducelab.workshop`): in a Jupyter kernel's main process only,
+    never in a rank or a process torchrun starts."""
+    import os
+    import sys
+    if not os.environ.get("REDUCELAB_WORKSHOP") or "ipykernel" not in sys.modules:
+        return
+    import multiprocessing as mp
+    if mp.parent_process() is None and "multiprocessing.forkserver" not in sys.modules:
+        from .workshop import start_from_env
+        start_from_env()
+
+
+_join_workshop()
+
+
 def load_ipython_extension(ipython) -> None:
     """``%load_ext reducelab``: registers the ``%%ranks`` cell magic (see reducelab.magic)."""
     from .magic import load_ipython_extension as load

@@ -1,5 +1,7 @@
 """The ``reducelab`` command: ``reducelab lab [DIR]`` copies the notebooks for a learner
-and opens JupyterLab on that copy; ``reducelab doctor`` checks that they can run here.
+and opens JupyterLab on that copy; ``reducelab doctor`` checks that they can run here;
+``reducelab workshop serve`` starts an instructor's workshop server
+(:mod:`reducelab.workshop`).
 
 The notebooks a learner runs are a working copy, never the ones the project ships:
 JupyterLab saves every notebook it has open, so running the shipped ones would change
@@ -8,6 +10,11 @@ their ``solutions/`` into ``DIR`` (default ``./reducelab-notebooks``) the first 
 and after that only adds files that are missing: a learner's edited copy is never
 overwritten. For a fresh copy of one notebook, delete it (or pass ``--fresh NAME``,
 which first keeps the edited one as ``NAME.<time>.ipynb``), then run the command again.
+
+In workshop mode (``--workshop JOIN_ADDRESS``, or ``REDUCELAB_WORKSHOP`` set), the copy
+has no ``solutions/``: the def cells' ``%load`` lines fetch each solution from the
+instructor's server once it is opened there. JupyterLab's kernels then join the
+workshop by themselves.
 
 ``make lab`` runs ``python -m reducelab lab`` from the repository.
 """
@@ -46,12 +53,14 @@ def shipped_notebooks() -> pathlib.Path:
 
 
 def copy_notebooks(target: pathlib.Path, source: pathlib.Path | None = None,
-                   fresh: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Copy the notebooks and ``solutions/*.py`` from ``source`` into ``target``.
+                   fresh: tuple[str, ...] = (), solutions: bool = True) -> dict[str, list[str]]:
+    """Copy the notebooks and ``solutions/*.py`` from ``source`` into ``target``
+    (the solutions only with ``solutions``; a workshop copy goes without them).
 
     Files missing in ``target`` are copied; files already there are kept as they are.
     A name in ``fresh`` (``"01_all_reduce.ipynb"``) is copied again, after the existing
-    copy is renamed to ``01_all_reduce.<YYYYmmdd-HHMMSS>.ipynb``.
+    copy is renamed to ``01_all_reduce.<YYYYmmdd-HHMMSS>.ipynb`` (``...-2.ipynb`` and so on
+    if that name is taken: a kept copy is never replaced).
 
     Returns:
         ``{"copied": [...], "kept": [...], "renamed": [...]}``, relative paths.
@@ -62,7 +71,8 @@ def copy_notebooks(target: pathlib.Path, source: pathlib.Path | None = None,
     """
     source = source or shipped_notebooks()
     files = sorted(p.relative_to(source) for p in
-                   list(source.glob("[0-9][0-9]_*.ipynb")) + list(source.glob("solutions/*.py")))
+                   list(source.glob("[0-9][0-9]_*.ipynb")) +
+                   (list(source.glob("solutions/*.py")) if solutions else []))
     names = {str(f) for f in files}
     unknown = [n for n in fresh if n not in names]
     if unknown:
@@ -75,6 +85,10 @@ def copy_notebooks(target: pathlib.Path, source: pathlib.Path | None = None,
         dest = target / rel
         if dest.exists() and str(rel) in fresh:
             old = dest.with_name(f"{dest.stem}.{stamp}{dest.suffix}")
+            k = 1
+            while old.exists():  # a --fresh within the same second: never replace a kept copy
+                k += 1
+                old = dest.with_name(f"{dest.stem}.{stamp}-{k}{dest.suffix}")
             dest.rename(old)
             report["renamed"].append(str(old.relative_to(target)))
         if dest.exists():
@@ -224,11 +238,30 @@ def _doctor(args) -> int:
 
 def _lab(args) -> int:
     target = pathlib.Path(args.dir).resolve()
+    env = dict(os.environ)
+    workshop = args.workshop or env.get("REDUCELAB_WORKSHOP", "").strip()
+    if workshop:
+        from .workshop.client import parse_address
+        try:
+            parse_address(workshop)
+        except ValueError as e:
+            print(f"reducelab lab: {e}", file=sys.stderr)
+            return 2
+        env["REDUCELAB_WORKSHOP"] = workshop
+        if args.name:
+            env["REDUCELAB_WORKSHOP_NAME"] = args.name
     try:
-        report = copy_notebooks(target, fresh=tuple(args.fresh))
+        report = copy_notebooks(target, fresh=tuple(args.fresh), solutions=not workshop)
     except (ValueError, FileNotFoundError) as e:
         print(f"reducelab lab: {e}", file=sys.stderr)
         return 2
+    if workshop:
+        print(f"Workshop mode: the notebooks come without their solutions (your instructor "
+              f"opens each one when the class is ready); the kernels report to "
+              f"{workshop.split('/join/')[0]}.")
+        if (target / "solutions").is_dir():
+            print(f"Note: {target / 'solutions'} is from an earlier copy; %load reads those "
+                  f"files first.")
     for old in report["renamed"]:
         print(f"Kept your edited copy as {old}.")
     if report["copied"]:
@@ -248,7 +281,19 @@ def _lab(args) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=env)
+
+
+def _workshop(args) -> int:
+    from .workshop.server import serve
+    try:
+        serve(args.host, args.port, args.data)
+    except OSError as e:
+        print(f"reducelab workshop serve: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def main(argv=None) -> int:
@@ -266,9 +311,34 @@ def main(argv=None) -> int:
                      help="copy notebook NAME again, keeping the edited one under a new name")
     lab.add_argument("--dry-run", action="store_true",
                      help="copy the notebooks, print the JupyterLab command, do not start it")
+    lab.add_argument("--workshop", metavar="JOIN_ADDRESS", default="",
+                     help="workshop mode: copy the notebooks without their solutions and "
+                          "have every kernel join the workshop at JOIN_ADDRESS (default: "
+                          "$REDUCELAB_WORKSHOP, if set)")
+    lab.add_argument("--name", default="",
+                     help="your name on the instructor's dashboard (default: your login name)")
     doctor = sub.add_parser("doctor", help="check that Reduce Lab can run here")
     doctor.add_argument("--quick", action="store_true", help="skip starting a real group")
+    workshop = sub.add_parser("workshop", help="run a workshop: the instructor's server")
+    wsub = workshop.add_subparsers(dest="action", required=True)
+    serve = wsub.add_parser(
+        "serve", help="start the workshop server; it prints the join address for the "
+                      "learners and the dashboard address for you",
+        description="Start the instructor's workshop server. It prints two addresses: the "
+                    "join address (with the join code) to hand out to learners, and the "
+                    "dashboard address (with your secret token) to keep to yourself. "
+                    "Stop it with Ctrl-C; started again with the same --data, it has lost "
+                    "nothing.")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; "
+                            "0.0.0.0 for learners on the room's network)")
+    serve.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    serve.add_argument("--data", default="reducelab-workshop", metavar="DIR",
+                       help="folder of the server's state, a SQLite file (default "
+                            "./reducelab-workshop)")
     args = parser.parse_args(argv)
+    if args.command == "workshop":
+        return _workshop(args)
     return _doctor(args) if args.command == "doctor" else _lab(args)
 
 

@@ -98,3 +98,19 @@ class GroupClosedError(RuntimeError):
 class GroupBusyError(RuntimeError):
     """Another thread's call on the same :class:`~reducelab.LocalGroup` did not finish
     within the group's ``timeout``; nothing was run. One call runs at a time per group."""
+
+
+listeners: list = []
+"""Callables ``listener(event, **fields)`` told of events in the kernel; today one event,
+``"timeout"`` (``seconds=``): a :meth:`reducelab.LocalGroup.run` call did not finish within
+its timeout. :mod:`reducelab.workshop` listens while the kernel is in a workshop."""
+
+
+def notify(event: str, **fields) -> None:
+    """Tell every listener of ``event``; a listener that raises is ignored, so that
+    telling never changes what the caller raises."""
+    for listener in list(listeners):
+        try:
+            listener(event, **fields)
+        except Exception:  # noqa: BLE001 - a listener never breaks a group call
+            pass

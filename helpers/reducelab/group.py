@@ -1,9 +1,21 @@
 """LocalGroup: a gloo process group of local ranks, driven from notebook cells.
 
-Introduced in notebook 01; every notebook builds on it. This module is the kernel side
-of the group's lifecycle: start the ranks, send them work, collect results, report
-failures, stop them. The loop each rank runs is in :mod:`reducelab.rank_loop`; starting
-and stopping processes is in :mod:`reducelab.processes`.
+Introduced in notebook 01; every notebook builds on it. ``LocalGroup`` keeps the public
+API and delegates to one room per concern; this module is its **lifecycle**: starting
+the ranks under a deadline (and again after a failure), resizing, closing, and the
+registry of open groups that explorers follow (:func:`current_group`). The other rooms,
+kernel side:
+
+* :mod:`reducelab.launch`: the settings checked, one process and one pipe per rank;
+* :mod:`reducelab.dispatch`: one call at a time, the job sent to every rank, the
+  replies gathered under one deadline, large return values moved in chunks;
+* :mod:`reducelab.reports`: the wording of every failure and restart note;
+* :mod:`reducelab.display`: the group's ``repr`` and HTML line;
+* :mod:`reducelab.processes`: the forkserver, and stopping a rank with all it started.
+
+On each rank: :mod:`reducelab.rank_loop` (the loop), :mod:`reducelab.rank_env` (what
+makes a rank behave like torchrun's processes), :mod:`reducelab.rank_reports` (its
+tracebacks, and where a stuck rank stands).
 
 Design, and the failures of the usual tools it avoids:
 
@@ -14,9 +26,6 @@ Design, and the failures of the usual tools it avoids:
   (Windows) ranks are started with ``spawn``.
 * Functions travel by value with **cloudpickle**, so functions, lambdas and closures
   defined in cells work (``torch.multiprocessing.spawn`` cannot pickle them).
-* Ranks behave like torchrun's processes (see :mod:`reducelab.rank_loop`): they may
-  start processes, classes defined in cells pickle by reference, and a function may
-  destroy and re-create the default process group.
 * Rendezvous is a **FileStore** in a private (0700) temporary directory, and gloo is
   pinned to the loopback interface: nothing listens beyond 127.0.0.1, and the only
   channel into a rank is a socket pair whose other end the kernel holds.
@@ -34,142 +43,32 @@ Design, and the failures of the usual tools it avoids:
 from __future__ import annotations
 
 import atexit
-import contextlib
-import html
-import linecache
 import multiprocessing as mp
 import multiprocessing.util
 import os
-import pickle
-import re
-import signal
 import sys
 import tempfile
-import threading
 import time
 import weakref
-from multiprocessing.connection import wait as mp_wait
 
-import cloudpickle
-import psutil
-
-from . import processes
+from . import display, processes, reports
 from .capture import print_rank_outputs
-from .palette import RIGHT, TEXT_GREY, WAIT
-from .errors import GroupBusyError, GroupClosedError, RankError, RankReport
+from .dispatch import Call, CallGate, new_sources, outputs, pack
+from .launch import BACKENDS, MAX_WORLD_SIZE, _Proc, loopback_interface, start_ranks, validate, \
+    validate_env
 from .progress import StartProgress
 from .reaper import Reaper
 
-BACKENDS = ("gloo",)
-"""Backends LocalGroup can start. gloo is the one torch backend that runs on any CPU."""
-
-MAX_WORLD_SIZE = 64
 MARGIN = 3.0
 """Seconds a call may take beyond its ``timeout``: the other ranks' time to report a
-failure (``_GRACE``), the stuck ranks' time to say where they are (``_STACK_WAIT``),
-and stopping the ranks."""
-_GRACE = 1.0  # seconds the other ranks get to report once one rank has failed
-_DEATH_GRACE = 0.3  # seconds the other ranks get to report once a rank has died
-_STACK_WAIT = 1.0  # seconds to wait for stuck ranks to say where they are
+failure (:data:`reducelab.dispatch.GRACE`), the stuck ranks' time to say where they are
+(:data:`reducelab.dispatch.STACK_WAIT`), and stopping the ranks."""
 _POLITE_WAIT = 0.5  # seconds idle ranks get to leave the process group before being killed
 _CLOSE_WAIT = 5.0  # seconds close() waits for a run() in another thread to stop
 BOOT_LIMIT = 120.0
 """Seconds a starting rank may take to import torch before it is called stuck: a fraction
 of a second from the forkserver, a few seconds with the spawn start method (Windows);
 not counted against ``timeout``."""
-_CAN_WAKE = sys.platform != "win32"  # multiprocessing's wait() takes pipe fds on POSIX only
-
-def loopback_interface() -> str:
-    """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS).
-
-    Raises:
-        RuntimeError: if no interface holds 127.0.0.1.
-    """
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addrs):
-            return name
-    raise RuntimeError("no network interface holds 127.0.0.1; gloo cannot be kept on loopback")
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "died"
-    if code < 0:
-        try:
-            return f"died: killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"died: killed by signal {-code}"
-    return f"died: exited with code {code} without returning"
-
-
-def _error_kind(summary: str) -> str:
-    """``"ValueError"`` from ``"ValueError: bad"``; ``"an error"`` for a sentence."""
-    head = summary.split(":")[0]
-    return head if re.fullmatch(r"[A-Za-z_][\w.]*", head) else "an error"
-
-
-_RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME")
-
-
-def _validate_env(env) -> dict[str, str]:
-    if env is None:
-        return {}
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                            for k, v in env.items()):
-        raise TypeError(f"env must be a dict of str to str, such as "
-                        f"{{'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}}, got {env!r}")
-    taken = [k for k in env if k in _RESERVED_ENV]
-    if taken:
-        raise ValueError(f"env cannot set {', '.join(taken)}: LocalGroup sets "
-                         f"{', '.join(_RESERVED_ENV)} on every rank itself")
-    return dict(env)
-
-
-def _validate(world_size, backend, timeout) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int from 1 to {MAX_WORLD_SIZE}, "
-                        f"got {world_size!r} ({type(world_size).__name__})")
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be from 1 to {MAX_WORLD_SIZE}, got {world_size}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))} "
-                         f"(CPU only), got {backend!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if not timeout > 0 or timeout != timeout or timeout == float("inf"):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
-
-
-class _Proc:
-    """Kernel-side handle of one rank: its process, its pid, when it started (psutil's
-    ``create_time``, which tells a rank from a later process that reuses its pid) and its
-    end of the pipe."""
-
-    def __init__(self, rank: int, process, conn):
-        self.rank = rank
-        self.process = process
-        self.pid = process.pid
-        self.created = processes.create_time(process.pid)
-        self.conn = conn
-
-    def send(self, msg: dict) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self) -> dict:
-        return pickle.loads(self.conn.recv_bytes())
-
-    def exitcode(self) -> int | None:
-        try:
-            return self.process.exitcode
-        except ValueError:  # already closed
-            return None
-
-
-def _close_fds(*fds: int | None) -> None:
-    for fd in fds:
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
@@ -243,8 +142,8 @@ class LocalGroup:
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", timeout: float = 30.0,
                  progress=None, env: dict[str, str] | None = None):
-        _validate(world_size, backend, timeout)
-        self._env = _validate_env(env)
+        validate(world_size, backend, timeout)
+        self._env = validate_env(env)
         self._progress = progress
         self._world_size = world_size
         self._backend = backend
@@ -252,27 +151,15 @@ class LocalGroup:
         self._procs: list[_Proc] = []
         self._tmpdir: str | None = None
         self._state = "stopped"
-        self._closed = False
-        self._sent_sources: set[str] = set()
-        self._returned: dict[int, float] = {}  # rank -> when its fn returned (this call)
-        self._chunks: dict[int, list[bytes]] = {}  # rank -> chunks of its value (this call)
-        self._last_progress = 0.0  # when a chunk of a rank's value last arrived (this call)
+        self._sent_sources: set[str] = set()  # cells the ranks have seen (this start)
         self._restart_next = False  # the ranks disagree on the default process group
-        self._booted: set[int] = set()  # ranks whose imports are done (this start)
         self.restarts = 0
         """How many times the ranks were (re)started, the first start included."""
         self._finalizer = None
-        self._lock = threading.Lock()  # held by the one call in progress
-        self._owner: int | None = None  # the thread that holds it
-        self._flags = threading.Lock()  # guards _closed and the wake pipe
-        self._wake_r = self._wake_w = None
-        if _CAN_WAKE:  # close() wakes a run() waiting in another thread through it
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_w, False)
-        self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._gate = CallGate(self._timeout)  # one call at a time; close from any thread
         _LIVE.add(self)
         deadline = time.monotonic() + self._timeout
-        with self._exclusive("LocalGroup()", deadline):
+        with self._gate.exclusive("LocalGroup()", deadline, self._shutdown):
             self._start(deadline, announce=True)
         _STARTED[:] = [r for r in _STARTED if r() is not None] + [weakref.ref(self)]
 
@@ -313,7 +200,7 @@ class LocalGroup:
         return self._state
 
     def _set_state(self, state: str) -> None:
-        if not self._closed:  # once closed, always closed
+        if not self._gate.closed:  # once closed, always closed
             self._state = state
 
     def run(self, fn, *args, **kwargs) -> list:
@@ -358,41 +245,32 @@ class LocalGroup:
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
         deadline = time.monotonic() + self._timeout
-        with self._exclusive("run()", deadline):
+        with self._gate.exclusive("run()", deadline, self._shutdown):
             if self._state == "idle":
                 dead = {p.rank: p.exitcode() for p in self._procs if p.exitcode() is not None}
                 if dead:
-                    print(f"Note: {'; '.join(f'rank {r} {_describe_exit(c)}' for r, c in dead.items())}"
-                          f" while idle; starting {self._world_size} fresh ranks.", file=sys.stderr)
+                    print(reports.idle_deaths(dead, self._world_size), file=sys.stderr)
                     self._shutdown()
             if self._state != "idle":
                 deadline = self._start(deadline)
-            sources = self._new_sources()  # after any restart: fresh ranks need every cell
-            try:
-                payload = cloudpickle.dumps((fn, args, kwargs, os.getcwd(), sources),
-                                            protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as e:
-                raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its "
-                                f"arguments to the ranks: {type(e).__name__}: {e}") from None
-            self._check_open("run()")
+            # after any restart: fresh ranks need every cell
+            sources = new_sources(self._sent_sources)
+            payload = pack(fn, args, kwargs, sources)
+            self._gate.check_open("run()")
             self._sent_sources.update(sources)
             name = getattr(fn, "__name__", "fn")
             self._set_state("running")
-            self._returned, self._chunks = {}, {}
+            call = Call(self._procs, self._gate, self._timeout)
             try:
                 try:
                     with processes.interrupts_deferred():  # every rank gets the job
-                        for p in self._procs:
-                            try:
-                                p.send({"kind": "run", "payload": payload})
-                            except OSError:
-                                pass  # the rank died just now: _gather sees its sentinel
+                        call.send({"kind": "run", "payload": payload})
                 except BaseException:  # interrupted: the ranks run a job nobody waits for
                     self._shutdown()
                     raise
-                return self._collect_results(name, deadline)
+                return self._collect_results(name, call, deadline)
             finally:
-                self._chunks = {}  # a large value of a failed call is not kept
+                call.chunks.clear()  # a large value of a failed call is not kept
                 if self._state == "running":
                     self._set_state("idle")
 
@@ -409,9 +287,9 @@ class LocalGroup:
             RankError: the new ranks could not start (the group restarts at the next run).
             KeyboardInterrupt: interrupted while starting; likewise.
         """
-        _validate(world_size, self._backend, self._timeout)
+        validate(world_size, self._backend, self._timeout)
         deadline = time.monotonic() + self._timeout
-        with self._exclusive("resize()", deadline):
+        with self._gate.exclusive("resize()", deadline, self._shutdown):
             if world_size == self._world_size and self._state == "idle" and \
                     not self._restart_next:
                 return
@@ -428,24 +306,13 @@ class LocalGroup:
         Returns within about :data:`MARGIN` seconds (or 5 s if another thread's call is
         busy in the kernel, unpickling a large result, say).
         """
-        with self._flags:
-            if self._closed:
-                return
-            self._closed = True
-            self._state = "closed"
-            if self._wake_w is not None and self._fds.alive:
-                with contextlib.suppress(OSError):
-                    os.write(self._wake_w, b"x")  # wake a run() waiting in another thread
+        if not self._gate.close():  # wakes a run() waiting in another thread
+            return
+        self._state = "closed"
         _LIVE.discard(self)
-        if self._owner == threading.get_ident():
+        if self._gate.held_here():
             return  # inside this thread's own call: it stops everything when it returns
-        if self._lock.acquire(timeout=_CLOSE_WAIT):
-            try:
-                self._shutdown(polite=True)
-            finally:
-                self._lock.release()
-                self._fds()  # no call can be waiting on the wake pipe any more
-        else:
+        if not self._gate.when_free(lambda: self._shutdown(polite=True), _CLOSE_WAIT):
             # another thread's call is busy in the kernel: stop the ranks under it (its
             # next wait or send fails and it raises GroupClosedError), and let it clean up
             finalizer = self._finalizer
@@ -459,59 +326,12 @@ class LocalGroup:
         self.close()
 
     def __repr__(self) -> str:
-        env = f", env={self._env!r}" if self._env else ""
-        return (f"LocalGroup(world_size={self._world_size}, backend={self._backend!r}, "
-                f"timeout={self._timeout:g}{env}, state={self._state!r}, "
-                f"alive={self.alive}/{self._world_size})")
+        return display.group_repr(self._world_size, self._backend, self._timeout, self._env,
+                                  self._state, self.alive)
 
     def _repr_html_(self) -> str:
-        colour = {"idle": RIGHT, "running": WAIT}
-        dots = "".join(
-            f'<span title="rank {p.rank}: {"alive" if p.exitcode() is None else "dead"}">'
-            f'{"●" if p.exitcode() is None else "✕"}</span>'
-            for p in self._procs) or "–"
-        return (f'<div style="font-family:monospace"><b>LocalGroup</b> '
-                f'backend={html.escape(self._backend)} world_size={self._world_size} '
-                f'timeout={self._timeout:g}s ranks alive {self.alive}/{self._world_size} {dots} '
-                f'<span style="color:{colour.get(self._state, TEXT_GREY)}">{self._state}</span></div>')
-
-    # --- one call at a time -----------------------------------------------------------
-    def _check_open(self, what: str) -> None:
-        """Raise :class:`GroupClosedError` if :meth:`close` came meanwhile."""
-        if self._closed:
-            raise GroupClosedError(_CLOSED_DURING.format(what=what))
-
-    @contextlib.contextmanager
-    def _exclusive(self, what: str, deadline: float):
-        """Hold the group for one call: wait for another thread's call until ``deadline``
-        (the call's own bound), then run; stop everything if the group was closed."""
-        if self._owner == threading.get_ident():
-            raise RuntimeError(f"{what} was called while this thread is already inside a "
-                               f"call on the same LocalGroup (from a callback?); call it "
-                               f"after that call returns")
-        if self._closed:
-            raise GroupClosedError(_CLOSED)
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise GroupBusyError(f"{what} waited {self._timeout:g} s for another thread's "
-                                 f"call on this LocalGroup to finish, and it has not; "
-                                 f"nothing was run. Try again when it has returned.")
-        self._owner = threading.get_ident()
-        try:
-            if self._closed:
-                raise GroupClosedError(_CLOSED)
-            yield
-        except (OSError, ValueError, EOFError, IndexError, KeyError) as e:
-            if not self._closed:
-                raise
-            raise GroupClosedError(_CLOSED_DURING.format(what=what)) from e
-        finally:
-            self._owner = None
-            if self._closed:
-                self._shutdown()
-            self._lock.release()
-            if self._closed:
-                with self._flags:
-                    self._fds()
+        return display.group_html(self._world_size, self._backend, self._timeout, self._state,
+                                  [p.exitcode() is None for p in self._procs])
 
     # --- lifecycle --------------------------------------------------------------------
     def _start(self, deadline: float, announce: bool = False) -> float:
@@ -538,24 +358,8 @@ class LocalGroup:
                 # temporary directory holds the forkserver's socket: only then is it ours
                 # to remove).
                 Reaper.tell(f"dir {tmpdir}", f"dir {mp.util.get_temp_dir()}")
-                for rank in range(self._world_size):
-                    parent, child = ctx.Pipe(duplex=True)
-                    try:
-                        proc = ctx.Process(
-                            target=_rank_main, name=f"{processes.PROCESS_PREFIX}rank-{rank}",
-                            daemon=True,
-                            args=(rank, self._world_size, self._backend, tmpdir,
-                                  self._timeout + 5.0, child, ifname, list(sys.path), env))
-                        proc.start()
-                    except BaseException:
-                        parent.close()
-                        child.close()
-                        raise
-                    child.close()
-                    procs.append(_Proc(rank, proc, parent))
-                Reaper.tell(*[f"pg {p.pid} {p.created}" for p in procs])
-                if procs:
-                    processes.register_forkserver(procs[0].pid)
+                start_ranks(ctx, procs, self._world_size, self._backend, tmpdir,
+                            self._timeout + 5.0, ifname, env)
                 self._procs, self._tmpdir = procs, tmpdir
                 self._finalizer = weakref.finalize(self, processes.stop, procs, tmpdir)
         except BaseException:
@@ -566,14 +370,15 @@ class LocalGroup:
         self.restarts += 1
         progress = StartProgress(self._world_size, self._backend,
                                  self._progress if announce else False)
+        call = Call(procs, self._gate, self._timeout)
         try:
             booted_at = time.monotonic()
-            state = self._gather(booted_at + BOOT_LIMIT, stop_on_error=True, until="booted")
+            state = call.gather(booted_at + BOOT_LIMIT, stop_on_error=True, until="booted")
             deadline += time.monotonic() - booted_at  # importing torch (spawn) is not the call's
             replies, died, pending = state
             unbooted = set(pending)
             if not died:
-                replies, died, pending = self._gather(
+                replies, died, pending = call.gather(
                     deadline, stop_on_error=True, state=(replies, died, set(range(len(procs)))
                                                          - set(replies) - set(died)),
                     on_reply=progress.update)
@@ -584,17 +389,10 @@ class LocalGroup:
         errors = {r: m for r, m in replies.items() if m["kind"] != "ready"}
         progress.done(len(replies) - len(errors), ok=not (errors or died or pending))
         if errors or died or pending:
-            reports = [RankReport(r, "raised", m["summary"], m["traceback"])
-                       for r, m in errors.items()]
-            reports += [RankReport(r, "died", _describe_start_death(c, r in self._booted))
-                        for r, c in died.items()]
-            reports += [RankReport(r, "stuck", f"did not finish importing torch within "
-                                               f"{BOOT_LIMIT:g} s" if r in unbooted else
-                                               f"did not join within {self._timeout:g} s")
-                        for r in pending]
             self._shutdown()
-            raise RankError(f"the {self._world_size} ranks could not start a "
-                            f"{self._backend} process group", reports)
+            raise reports.start_failure(self._world_size, self._backend, self._timeout,
+                                        BOOT_LIMIT, errors, died, pending, unbooted,
+                                        call.booted)
         self._set_state("idle")
         return deadline
 
@@ -614,189 +412,31 @@ class LocalGroup:
             self._procs, self._tmpdir = [], None
             self._set_state("stopped")
 
-    def _new_sources(self) -> dict[str, list[str]]:
-        """Cell sources the ranks have not seen, so remote tracebacks show the code line.
-
-        The caller marks them as sent (``_sent_sources``) once the job is pickled."""
-        new = {}
-        for filename, entry in list(linecache.cache.items()):
-            if filename in self._sent_sources or len(entry) < 3:
-                continue
-            if entry[1] is None or not os.path.exists(filename):  # a cell, not a file
-                new[filename] = entry[2]
-        return new
-
-    # --- waiting ----------------------------------------------------------------------
-    def _wait_list(self, objects: list) -> list:
-        return objects + ([self._wake_r] if self._wake_r is not None else [])
-
-    def _gather(self, deadline: float, stop_on_error: bool, state=None, on_reply=None,
-                until: str = "reply"):
-        """Wait for one message from every rank, or until ``deadline`` (monotonic seconds).
-
-        Returns ``(replies, died, pending)``: messages by rank, exit codes of the ranks
-        that died, and the ranks that had not answered. Once a rank fails, the others
-        get ``_GRACE`` seconds; a death ends the wait soon after. Pass a previous return
-        value as ``state`` to go on waiting; ``on_reply(n)`` is called with the number of
-        ``ready`` replies after each one. With ``until="booted"`` the wait ends for a rank
-        once it has booted (its imports done); an error it sends first is a reply.
-
-        Only ``ready``, ``done`` and ``error`` are replies; ``returned`` and ``chunk``
-        record a value on its way; anything else (a late ``stack`` or ``closed``) is
-        ignored.
-
-        Raises:
-            GroupClosedError: :meth:`close` was called from another thread meanwhile.
-        """
-        if until == "booted":
-            self._booted = set()
-        replies, died, pending = state or ({}, {}, set(range(len(self._procs))))
-        cut = deadline
-        while pending:
-            left = cut - time.monotonic()
-            if left <= 0:
-                break
-            by_conn = {self._procs[r].conn: r for r in pending}
-            by_sentinel = {self._procs[r].process.sentinel: r for r in pending}
-            ready = mp_wait(self._wait_list(list(by_conn) + list(by_sentinel)), timeout=left)
-            self._check_open("the call")
-            for obj in ready:
-                r = by_conn.get(obj, by_sentinel.get(obj))
-                if r not in pending:
-                    continue
-                proc = self._procs[r]
-                if obj in by_conn or proc.conn.poll():
-                    try:
-                        msg = proc.recv()
-                    except (EOFError, OSError):
-                        msg = None
-                    if msg is not None:
-                        kind = msg["kind"]
-                        if kind in ("returned", "chunk"):
-                            self._value_moved(r, msg)  # its result is on its way
-                        elif kind == "booted":
-                            self._booted.add(r)
-                            if until == "booted":
-                                pending.discard(r)
-                        elif kind in ("ready", "done", "error"):
-                            replies[r] = msg
-                            pending.discard(r)
-                            if kind == "done" and msg.get("chunks"):
-                                self._last_progress = time.monotonic()
-                            if on_reply is not None:
-                                on_reply(sum(1 for m in replies.values() if m["kind"] == "ready"))
-                                self._check_open("the call")
-                            if stop_on_error and kind == "error":
-                                self._chunks.pop(r, None)
-                                cut = min(cut, time.monotonic() + _GRACE)
-                        continue
-                proc.process.join(0.5)
-                died[r] = proc.exitcode()
-                pending.discard(r)
-                # a dead rank: do not wait on the rest, but let the ranks it left inside a
-                # collective report the error gloo gives them (a closed connection)
-                cut = min(cut, time.monotonic() + _DEATH_GRACE)
-        return replies, died, pending
-
-    def _where(self, ranks: set[int]) -> tuple[dict[int, dict], dict[int, dict]]:
-        """Ask running ranks where they are.
-
-        Returns ``(stacks, late)``: ``{rank: stack message}`` and the ``done``/``error``
-        replies that arrived meanwhile (a rank that finished just then, or one whose big
-        return value was on its way); the caller counts those as replies."""
-        asked = {}
-        for r in ranks:
-            p = self._procs[r]
-            if p.exitcode() is None:
-                try:
-                    p.send({"kind": "stack"})
-                    asked[r] = p
-                except (OSError, ValueError):
-                    pass
-        answers, late = {}, {}
-        deadline = time.monotonic() + _STACK_WAIT
-        while asked and time.monotonic() < deadline:
-            ready = mp_wait(self._wait_list([p.conn for p in asked.values()]),
-                            timeout=max(0.0, deadline - time.monotonic()))
-            self._check_open("the call")
-            for conn in ready:
-                r = next((r for r, p in asked.items() if p.conn is conn), None)
-                if r is None:
-                    continue
-                try:
-                    msg = asked[r].recv()
-                except (EOFError, OSError):
-                    del asked[r]
-                    continue
-                if msg["kind"] in ("returned", "chunk"):
-                    self._value_moved(r, msg)
-                    continue
-                if msg["kind"] == "stack":
-                    answers[r] = msg
-                elif msg["kind"] in ("done", "error"):
-                    late[r] = msg  # its reply came first; its stack answer comes late
-                else:
-                    continue
-                del asked[r]
-        return answers, late
-
-    def _value_moved(self, rank: int, msg: dict) -> None:
-        """Record a ``returned`` or ``chunk`` message: the rank's value is on its way.
-
-        Only a chunk is progress: a value that is still being pickled when the timeout
-        ends gets no more time (a pickler that hangs must not extend the call)."""
-        now = time.monotonic()
-        self._returned.setdefault(rank, now)
-        if msg["kind"] == "chunk":
-            self._last_progress = now
-            self._chunks.setdefault(rank, []).append(msg["data"])
-
-    def _collect_results(self, name: str, deadline: float) -> list:
-        self._last_progress = 0.0
+    # --- what a run's outcome does to the group ---------------------------------------
+    def _collect_results(self, name: str, call: Call, deadline: float) -> list:
+        """Wait for the ranks' replies to ``call``'s job until ``deadline``, print what
+        they printed, and return their values; or raise the failure, having stopped the
+        ranks when fresh ones must start."""
         try:
-            state = self._gather(deadline, True)
-            while True:
-                replies, died, pending = state
-                stacks = {}
-                if pending:
-                    stacks, late = self._where(pending)
-                    replies.update(late)
-                    pending -= set(late)
-                arriving = pending and not died and set(pending) <= set(self._returned) \
-                    and all(m["kind"] == "done" for m in replies.values())
-                # fn returned everywhere in time and large values are still arriving in
-                # chunks: go on while they arrive, each chunk within a timeout of the last
-                if not arriving or time.monotonic() - self._last_progress >= self._timeout:
-                    break
-                state = self._gather(self._last_progress + self._timeout, True,
-                                     (replies, died, pending))
-            stacks = {r: m for r, m in stacks.items() if r in pending}
+            replies, died, pending, stacks = call.wait(deadline)
         except KeyboardInterrupt:
             self._shutdown()
-            print(f"Interrupted: the {self._world_size} ranks were stopped; they restart "
-                  f"at the next run().", file=sys.stderr)
+            print(reports.interrupted(self._world_size), file=sys.stderr)
             raise
-        self._check_open("run()")
-        outputs = {r: (m["out"], m["err"]) for r, m in {**replies, **stacks}.items()
-                   if "out" in m}
-        print_rank_outputs(outputs)
+        self._gate.check_open("run()")
+        print_rank_outputs(outputs(replies, stacks))
         failed = any(m["kind"] != "done" for m in replies.values()) or died or pending
         if not failed:
-            results, bad = [], []
-            for r in range(self._world_size):
-                data = b"".join(self._chunks.pop(r, [])) + replies[r]["result"]
-                try:
-                    results.append(cloudpickle.loads(data))
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as e:  # noqa: BLE001 - a __reduce__ may call sys.exit
-                    bad.append(RankReport(r, "raised", "its return value could not be "
-                                          f"unpickled in the kernel: {type(e).__name__}: {e}"))
-            if bad:
-                raise RankError(f"{name} returned a value the kernel cannot load", bad)
+            results, unloadable = call.results(replies)
+            if unloadable:
+                raise reports.unloadable(name, unloadable)
             self._check_default_groups(name, replies)
             return results
-        raise self._failure(name, replies, died, pending, stacks)
+        error, restart = reports.run_failure(name, self._world_size, self._timeout, replies,
+                                             died, pending, stacks, call.returned)
+        if restart:
+            self._shutdown()
+        raise error
 
     def _check_default_groups(self, name: str, replies: dict) -> None:
         """After a successful call: ranks that destroyed their default process group
@@ -806,71 +446,5 @@ class LocalGroup:
         if up and down:
             self._restart_next = True
             self._set_state("stopped")
-            print(f"Note: {name} destroyed the default process group on "
-                  f"rank{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} only; "
-                  f"{self._world_size} fresh ranks start at the next run().", file=sys.stderr)
+            print(reports.destroyed_on_some(name, down, self._world_size), file=sys.stderr)
 
-    def _failure(self, name, replies, died, pending, stacks) -> RankError:
-        reports = []
-        restart = bool(died or pending)
-        for r, m in replies.items():
-            if m["kind"] == "error":
-                reports.append(RankReport(r, "raised", m["summary"], m["traceback"]))
-                restart = restart or m["in_distributed"] or not m.get("pg", True)
-            else:
-                reports.append(RankReport(r, "returned", f"{name} returned"))
-        for r, code in died.items():
-            reports.append(RankReport(r, "died", _describe_exit(code)))
-        for r in pending:
-            if r in stacks:
-                m = stacks[r]
-                reports.append(RankReport(r, "stuck", m["summary"], m["traceback"],
-                                          m["collective"]))
-            elif r in self._returned:
-                reports.append(RankReport(r, "stuck", f"{name} returned; its return value was "
-                                                      f"still being pickled or sent"))
-            else:
-                reports.append(RankReport(r, "stuck", "was still running"))
-        raised = sorted(r for r, m in replies.items() if m["kind"] == "error")
-        if died:
-            r = min(died)
-            headline = f"rank {r} {_describe_exit(died[r])} during {name}"
-        elif raised:
-            kinds = sorted({_error_kind(replies[r]["summary"]) for r in raised})
-            who = f"rank {raised[0]}" if len(raised) == 1 else \
-                f"ranks {', '.join(map(str, raised))}"
-            named = [k for k in kinds if k != "an error"]
-            verb = f"raised {' / '.join(named)}" if named else "failed"
-            headline = f"{who} {verb} in {name}"
-        else:
-            collectives = {r: stacks[r]["collective"] for r in pending if r in stacks}
-            headline = (f"{name} did not finish within {self._timeout:g} s on "
-                        f"rank{'s' if len(pending) > 1 else ''} "
-                        f"{', '.join(map(str, sorted(pending)))}")
-            in_collective = {c for c in collectives.values() if c}
-            if in_collective and (len(set(collectives.values())) > 1 or any(
-                    m["kind"] == "done" for m in replies.values())):
-                headline += ": the ranks are not in the same collective"
-        hint = ""
-        if restart:
-            hint = (f"The ranks were stopped; {self._world_size} fresh ranks start at the "
-                    f"next run().")
-            self._shutdown()
-        return RankError(headline, reports, hint)
-
-
-_CLOSED = "this LocalGroup is closed; create a new one (in a notebook: run the setup cell again)"
-_CLOSED_DURING = ("this LocalGroup was closed while {what} was in progress; its ranks were "
-                  "stopped. Create a new one to go on (in a notebook: run the setup cell again).")
-
-
-def _describe_start_death(code: int | None, booted: bool) -> str:
-    if booted:
-        return f"{_describe_exit(code)} while joining the process group"
-    return (f"{_describe_exit(code)} before its imports were done; anything it printed "
-            f"went to the terminal that started this kernel")
-
-
-def _rank_main(*args) -> None:
-    from .rank_loop import main
-    main(*args)

@@ -240,7 +240,7 @@ def kill_trees(procs, wait: float = 1.0) -> None:
     """Kill the ranks ``procs`` (``_Proc`` objects, each with ``pid``, ``created`` and its
     ``multiprocessing.Process``) and all they started.
 
-    Each rank leads a process group (see :mod:`reducelab.rank_loop`): ``killpg`` stops
+    Each rank leads a process group (see :mod:`reducelab.rank_env`): ``killpg`` stops
     it and every process it started that stayed in the group; descendants that left the
     group are found with psutil first and killed by pid. A pid that another process has
     taken since is left alone (Linux does not reuse a pid while its process group has

@@ -74,6 +74,8 @@ PLANS = {
     "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 3")),
     "11_when_ranks_disagree.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
     "12_uneven_gathers_and_exact_metrics.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
+    "13_what_ddp_expects_of_a_model.ipynb": Plan(("answer_1 = None", "answer_1 = (True, False, False)")),
+    "14_clipping_and_checkpoints_across_shards.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
     "15_fsdp2.ipynb": Plan(("answer_1 = None", "answer_1 = 2")),
     "16_ddp_buckets_and_hooks.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
 }

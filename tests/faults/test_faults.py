@@ -51,7 +51,11 @@ def test_exception_inside_a_collective_is_reported_within_seconds(g3):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         g3.run(fails_inside)
-    assert time.monotonic() - t0 < 3.0          # not the 4 s timeout
+    # Not the 4 s timeout: the others get _GRACE (1 s) to report. Measured 1.05 to 1.23 s
+    # in 10 runs on the 2-core machine under load (load average 5 to 9); a report twice
+    # as slow (a doubled grace, say) fails this bound. (It was 3.0 s: a tripled grace
+    # passed it by 30 ms.)
+    assert time.monotonic() - t0 < 2.0
     err = info.value
     assert 1 in err.ranks and "rank 1 raised RuntimeError" in str(err)
     assert "BAND" in err.tracebacks[1] and "fails_inside" in err.tracebacks[1]
@@ -70,7 +74,10 @@ def test_mismatched_collectives_say_which_rank_was_in_which(g3):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         g3.run(mismatched)
-    assert time.monotonic() - t0 < 4 + 2.5
+    # the 4 s timeout, then the report: measured 0.04 to 0.28 s past it (10 runs, 2 cores
+    # under load, and up to 0.81 s for the same path in test_group); the README's bound
+    # is timeout + 3 s, this one fails a report twice as slow as the slowest measured
+    assert time.monotonic() - t0 < 4 + 1.5
     err = info.value
     by_rank = {r.rank: r for r in err.reports}
     assert by_rank[0].collective == "all_reduce"
@@ -93,7 +100,10 @@ def test_dead_rank_is_reported_within_seconds(how):
         t0 = time.monotonic()
         with pytest.raises(RankError) as info:
             g.run(dies)
-        assert time.monotonic() - t0 < 5            # the timeout is 60 s
+        # the timeout is 60 s; a death is reported at once: measured 0.34 to 1.15 s (the
+        # 0.3 s sleep included) in 10 runs of each kind on 2 cores under load (load
+        # average 5 to 9); twice the slowest fails it
+        assert time.monotonic() - t0 < 2.0
         text = str(info.value)
         assert "rank 2 died" in text
         assert ("SIGKILL" in text) if how == "sigkill" else ("exited with code 3" in text)
@@ -169,7 +179,9 @@ def test_interrupt_during_run_arrives_within_2_s_and_the_group_runs_again(work):
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             g.run(learner_code, work)
-        assert time.monotonic() - t0 < 0.5 + 2
+        # README: within 2 s. Measured 0.02 to 0.12 s after the signal (10 runs, 2 cores
+        # under load); 0.5 s after it leaves room for a slow day, not for a lost wake-up
+        assert time.monotonic() - t0 < 0.5 + 0.5
         assert ranks_of(g) == [(0, 2), (1, 2)]
 
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from ..palette import NEUTRAL, RIGHT, WRONG
 
 
+_observer = None
+"""Set by :mod:`reducelab.workshop` while this kernel is in a workshop: told of each
+:class:`Verdict` as it is created (``created``) and when it is first shown (``shown``)."""
+
 PROMPT = ("No prediction yet. Write yours in the answer cell above, then run both "
           "cells again: the real result stays folded until you do.")
 """What an unanswered predict-then-run question shows, in place of the result."""
@@ -29,11 +33,26 @@ class Verdict:
         answered: ``False`` for a question with no prediction yet: then nothing of
             ``message`` is shown unless the learner opens it on purpose (an HTML
             ``<details>``), and the plain-text form shows :data:`PROMPT` only.
+        mistake: optional, for a failing check: the kind of mistake it found, in a few
+            words (``"divided twice"``), as a workshop's dashboard shows it
+            (:mod:`reducelab.workshop`); ``None`` is reported as ``"wrong"``.
+
+    In a workshop (:mod:`reducelab.workshop`), a verdict is reported to the instructor's
+    server when it is first shown in the notebook; otherwise nothing happens.
     """
 
     passed: bool
     message: str
     answered: bool = True
+    mistake: str | None = None
+
+    def __post_init__(self) -> None:
+        if _observer is not None:
+            _observer.created(self)
+
+    def _shown(self) -> None:
+        if _observer is not None:
+            _observer.shown(self)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -44,12 +63,14 @@ class Verdict:
         return "unanswered" if not self.answered else "right" if self.passed else "wrong"
 
     def __repr__(self) -> str:
+        self._shown()
         if not self.answered:
             return f"🤔 {PROMPT}"
         mark = "✅ Correct." if self.passed else "❌ Not yet."
         return f"{mark} {self.message}"
 
     def _repr_html_(self) -> str:
+        self._shown()
         import html
         body = html.escape(self.message).replace("\n", "<br>")
         if not self.answered:
@@ -68,17 +89,20 @@ def passed(message: str) -> Verdict:
     return Verdict(True, message)
 
 
-def failed(message: str) -> Verdict:
-    """A failing :class:`Verdict` with an explanation."""
-    return Verdict(False, message)
+def failed(message: str, mistake: str | None = None) -> Verdict:
+    """A failing :class:`Verdict` with an explanation, and optionally the kind of mistake
+    in a few words (see :attr:`Verdict.mistake`)."""
+    return Verdict(False, message, mistake=mistake)
 
 
 def raised_on_ranks(context: str, err) -> Verdict:
     """A failing :class:`Verdict` for a learner's function that raised on the ranks:
     ``context`` (e.g. ``"With world_size=4"``), then the :class:`~reducelab.RankError`'s
     headline and the first rank's own error."""
+    hung = any(r.state == "stuck" for r in getattr(err, "reports", []))
     return failed(f"{context} your function raised on the ranks: {err.headline}. "
-                  f"{err.first_summary}")
+                  f"{err.first_summary}",
+                  mistake="hung past the timeout" if hung else "raised on the ranks")
 
 
 def _as_python(prediction, actual):

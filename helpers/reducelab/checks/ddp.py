@@ -137,10 +137,21 @@ def _validate(reduction, world_size, split) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-# --- the exercise: scale each local loss so that DDP gives the full-batch gradient ----
+# --- the exercise: a loss with a term every rank computes alike ---------------------
+PENALTY = {"mean": 0.5, "sum": 0.5 * 840}
+"""λ of the exercise's L2 penalty ``λ · Σ w²`` on the ``Linear``'s weight, per reduction:
+a ``"sum"`` loss over 840 samples is 840 times a ``"mean"`` one, and so is its λ, so
+that the penalty matters as much beside either."""
 
-def _scaled_ddp_gradient(X, y, reduction, split, scales):
-    """Rank function: DDP backward of ``scales[rank] * local loss``; returns the gradient."""
+
+def _penalty(model, reduction: str) -> torch.Tensor:
+    return PENALTY[reduction] * model.weight.pow(2).sum()
+
+
+def _ddp_loss_gradient(X, y, reduction, split, ddp_loss, keep="both"):
+    """Rank function: DDP backward of ``ddp_loss(data_loss, penalty, ...)``; returns the
+    gradient (weight, then bias, flattened). ``keep="data"`` or ``"penalty"`` zeroes the
+    other part before the call, so the gradient of each part can be told apart."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -148,107 +159,181 @@ def _scaled_ddp_gradient(X, y, reduction, split, scales):
     part = local_slice(len(X), world_size, rank, split)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(X.shape[1], 10))
-    loss = F.cross_entropy(model(X[part]), y[part], reduction=reduction)
-    (scales[rank] * loss).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+    data_loss = F.cross_entropy(model(X[part]), y[part], reduction=reduction)
+    penalty = _penalty(model.module, reduction)
+    if keep == "data":
+        penalty = penalty * 0.0
+    elif keep == "penalty":
+        data_loss = data_loss * 0.0
+    loss = ddp_loss(data_loss, penalty, reduction, world_size, len(X[part]), len(X))
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise TypeError(f"ddp_loss must return the loss to call backward() on: a tensor of "
+                        f"one element that requires grad; it returned {_short(loss)}")
+    loss.backward()
+    return _flat_grad(model.module)
 
 
-def _full_batch_gradient(X, y, reduction):
+def _flat_grad(model) -> torch.Tensor:
+    """Every parameter's gradient, flattened in order; zeros where a parameter has none."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in model.parameters()])
+
+
+def _short(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}" + (
+            "" if value.requires_grad else " that does not require grad")
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def full_gradients(X: torch.Tensor, y: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process on the whole global batch: the gradient of the cross entropy with
+    ``reduction`` and the gradient of the exercise's penalty, each flattened as weight
+    then bias (float32, ``(F * 10 + 10,)``; the penalty's bias part is zero).
+
+    Raises:
+        ValueError: an unknown reduction.
+    """
     import torch.nn.functional as F
-    torch.manual_seed(0)
-    model = torch.nn.Linear(X.shape[1], 10)
-    F.cross_entropy(model(X), y, reduction=reduction).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    grads = []
+    for part in ("data", "penalty"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(X.shape[1], 10)
+        loss = (F.cross_entropy(model(X), y, reduction=reduction) if part == "data"
+                else _penalty(model, reduction))
+        loss.backward()
+        grads.append(_flat_grad(model))
+    return grads[0], grads[1]
 
 
 CHECK_WORLD_SIZES = (4, 3)
-"""World sizes :func:`check_loss_scale` runs at (a scale that hard-codes 4 fails at 3)."""
+"""World sizes :func:`check_ddp_loss` runs at (a loss that hard-codes 4 fails at 3)."""
 
 
-def check_loss_scale(group, loss_scale, X: torch.Tensor, y: torch.Tensor,
-                     world_sizes=CHECK_WORLD_SIZES) -> Verdict:
-    """Check the exercise of notebook 04: a loss scale that makes DDP match one process.
+def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
+                   world_sizes=CHECK_WORLD_SIZES) -> Verdict:
+    """Check the exercise of notebook 04: a loss with a term every rank computes alike.
 
-    ``loss_scale(reduction, world_size, local_batch, global_batch) -> float`` is the
-    number each rank multiplies its local loss by before ``backward()``. For each world
-    size in ``world_sizes`` the check resizes ``group``, runs real DDP on every rank for
-    each loss reduction (``"mean"``, ``"sum"``) and split (``"equal"``, ``"uneven"``),
-    and compares the gradient with the single-process full-batch gradient of the same
-    reduction. The group's world size is restored afterwards.
+    ``ddp_loss(data_loss, penalty, reduction, world_size, local_batch, global_batch)``
+    returns the loss each rank calls ``backward()`` on; ``data_loss`` is the rank's
+    cross entropy over its local batch with ``reduction``, ``penalty`` is
+    ``PENALTY[reduction] · Σ w²`` over the ``Linear``'s weight, the same number on every
+    rank. DDP's gradient must equal one process's gradient of the cross entropy over
+    the whole global batch plus the penalty.
+
+    For each world size in ``world_sizes`` the check resizes ``group``, runs real DDP on
+    every rank for each reduction (``"mean"``, ``"sum"``) and split (``"equal"``,
+    ``"uneven"``), and compares with :func:`full_gradients`. Where it differs, it runs
+    the learner's function again with the penalty zeroed and with the data loss zeroed,
+    and names what each part's gradient came out as, times what one process gets, and
+    why. The group's world size is restored afterwards.
 
     Args:
         group: a running :class:`~reducelab.LocalGroup`.
-        loss_scale: the learner's function.
+        ddp_loss: the learner's function; it runs on the ranks.
         X, y: the global batch, ``float32 (N, F)`` and ``int64 (N,)``; ``N`` must be
             divisible by every world size in ``world_sizes``.
         world_sizes: ints of 2 or more.
 
     Returns:
-        A :class:`Verdict` that names the first failing case, the factor it found and
-        why; it never shows a solution.
+        A :class:`Verdict` that names the first failing case and, for each part of the
+        loss, the factor it found and why; it never shows a solution.
 
     Raises:
         ValueError: a world size below 2, or ``N`` not divisible by one.
     """
-    if not callable(loss_scale):
-        return failed(f"check_loss_scale needs your function loss_scale, got {loss_scale!r}.")
+    if not callable(ddp_loss):
+        return failed(f"check_ddp_loss needs your function ddp_loss, got {ddp_loss!r}.")
     N = len(X)
     for W in world_sizes:
         if W < 2:
-            raise ValueError(f"world sizes must be 2 or more (with one rank any scale of 1 "
+            raise ValueError(f"world sizes must be 2 or more (with one rank the plain sum "
                              f"passes), got {W}")
         split_sizes(N, W, "equal")  # raises ValueError when N is not divisible by W
     with restoring_world_size(group):
         for W in world_sizes:
             group.resize(W)
-            verdict = _check_at(group, loss_scale, X, y, W, N)
+            verdict = _check_at(group, ddp_loss, X, y, W, N)
             if verdict is not None:
                 return verdict
     sizes = " and ".join(str(w) for w in world_sizes)
-    return passed(f"With your scales DDP's gradient equals the single-process full-batch "
-                  f"gradient for 'mean' and 'sum', equal and uneven local batches, on "
-                  f"world_size {sizes}. DDP still divides by world_size; your scale undoes it.")
+    return passed(f"DDP's gradient equals one process's, penalty included, for 'mean' and "
+                  f"'sum', equal and uneven local batches, on world_size {sizes}. DDP "
+                  f"divides every gradient by world_size before it sums them: the data "
+                  f"term, different on every rank, needs your scale; the penalty, the same "
+                  f"on every rank, comes out of that average as it went in.")
 
 
-def _check_at(group, loss_scale, X, y, W: int, N: int) -> Verdict | None:
+def _check_at(group, ddp_loss, X, y, W: int, N: int) -> Verdict | None:
     """The failing :class:`Verdict` of the first wrong case at world size ``W``, or ``None``."""
     for reduction in REDUCTIONS:
-        full = _full_batch_gradient(X, y, reduction)
+        data_full, penalty_full = full_gradients(X, y, reduction)
         for split in SPLITS:
             sizes = split_sizes(N, W, split)
-            try:
-                scales = [loss_scale(reduction, W, n, N) for n in sizes]
-            except Exception as e:  # the learner's code: report, do not raise
-                return failed(f"loss_scale({reduction!r}, {W}, {sizes[0]}, {N}) raised "
-                              f"{type(e).__name__}: {e}")
-            bad = next((s for s in scales if isinstance(s, bool)
-                        or not isinstance(s, (int, float)) or not math.isfinite(s)), "ok")
-            if bad != "ok":
-                return failed(f"loss_scale must return a finite number; for "
-                              f"reduction={reduction!r} it returned {bad!r}"
-                              + (" (the TODO stub)." if bad is None else "."))
-            try:
-                ddp = group.run(_scaled_ddp_gradient, X, y, reduction, split, scales)[0]
-            except RankError as err:
-                return raised_on_ranks(f"With world_size={W} and reduction={reduction!r}", err)
-            cmp = compare_gradients(ddp, full)
-            if cmp.constant and abs(cmp.factor - 1) < TOLERANCE:
-                continue
-            case = (f"reduction={reduction!r}, world_size={W}, {split} local batches "
+            case = (f"For reduction={reduction!r}, world_size={W}, {split} local batches "
                     f"{sizes} (global batch {N})")
-            got = (f"the DDP gradient was {_fmt(cmp.factor)} x the full-batch gradient"
-                   if cmp.constant else
-                   f"the DDP gradient was not a multiple of the full-batch gradient "
-                   f"(element-wise ratios from {cmp.ratio_min:.2f} to {cmp.ratio_max:.2f})")
-            if reduction == "sum":
-                why = (f"DDP divides every rank's gradient by world_size={W} before it sums "
-                       f"them; the local sums already add up to the full-batch sum, so the "
-                       f"scale has to undo only that division.")
-            else:
-                why = (f"with 'mean' rank r's loss is divided by its own local_batch, the "
-                       f"full-batch loss by global_batch={N}, and DDP divides by "
-                       f"world_size={W} on top: each sample must end up weighted "
-                       f"1/global_batch, so the scale depends on local_batch.")
-            return failed(f"For {case} your scales {[_fmt(float(s)) for s in scales]} gave: "
-                          f"{got}; expected exactly 1 x. Why: {why}")
+            try:
+                ddp = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss)[0]
+            except RankError as err:
+                return raised_on_ranks(f"{case},", err)
+            want = data_full + penalty_full
+            if (ddp - want).abs().max().item() <= TOLERANCE * want.abs().max().item():
+                continue
+            try:
+                data = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss, "data")[0]
+                penalty = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss,
+                                    "penalty")[0]
+            except RankError as err:
+                return raised_on_ranks(f"{case}, with one part of the loss zeroed,", err)
+            parts = [_data_part(data, data_full, reduction, W, N),
+                     _penalty_part(penalty, penalty_full, W)]
+            said = [s for s in parts if s]
+            if not said:
+                said = ["each part alone comes out right, but not the two together: return "
+                        "a loss whose gradient is the sum of theirs."]
+            return failed(f"{case}, DDP's gradient differs from one process's. "
+                          + " ".join(said))
     return None
+
+
+def _data_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int, N: int) -> str:
+    cmp = compare_gradients(got, want)
+    if cmp.constant and abs(cmp.factor - 1) < TOLERANCE:
+        return ""
+    found = (f"came out {_fmt(cmp.factor)} x one process's" if cmp.constant else
+             f"is not a multiple of one process's (element-wise ratios "
+             f"{cmp.ratio_min:.2f} to {cmp.ratio_max:.2f})")
+    if reduction == "sum":
+        why = (f"DDP divides every rank's gradient by world_size={W} before it sums them, and "
+               f"the local sums already add up to the full-batch sum.")
+    else:
+        why = (f"with 'mean' rank r's loss is divided by its own local_batch, the full-batch "
+               f"loss by global_batch={N}, and DDP divides by world_size={W} on top: each "
+               f"sample must end up weighted 1/global_batch.")
+    return f"The data term's gradient {found}; expected 1 x. Why: {why}"
+
+
+def _penalty_part(got: torch.Tensor, want: torch.Tensor, W: int) -> str:
+    b = want.double()
+    k = (got.double() @ b / (b @ b)).item()
+    constant = (got.double() - k * b).abs().max().item() <= TOLERANCE * b.abs().max().item()
+    if constant and abs(k - 1) < TOLERANCE:
+        return ""
+    if constant and abs(k) < TOLERANCE:
+        return ("The penalty's gradient is missing: the loss you return must still contain "
+                "the penalty.")
+    found = f"came out {_fmt(k)} x one process's" if constant else "is not a multiple of one process's"
+    hint = ""
+    if constant and abs(k - W) < 1e-3 * W:
+        hint = f" That is the penalty scaled like the data term, by world_size={W}. "
+    elif constant and abs(k - 1 / W) < 1e-3:
+        hint = f" That is the penalty divided by world_size={W}. "
+    else:
+        hint = " "
+    return (f"The penalty's gradient {found}; expected 1 x.{hint}"
+            f"Every rank computes the same penalty from the same weights, so every rank's "
+            f"penalty gradient is the same, and DDP's divide-by-{W}-then-sum of {W} equal "
+            f"gradients gives that gradient back.")

@@ -1,10 +1,18 @@
 """Checks and exercise data for notebook 05 (syncing gradients by hand on a device mesh).
 
-The exercise: every rank of a (dp, cp) mesh holds a different slice of one global batch
-(data parallel: different sequences; context parallel: different tokens of the same
-sequences), runs forward and backward on its slice, and then the learner's
-``sync_grads(model, mesh)`` must leave every rank with the gradient that one process
-gets on the whole batch, without making a new process group on every call.
+The notebook's data: every rank of a (dp, cp) mesh holds a different slice of one global
+batch (data parallel: different sequences; context parallel: different tokens of the same
+sequences), all slices the same size (:func:`local_batch`, :func:`train_step`).
+
+The exercise applies the notebook's sync to a case it does not show: sequences padded to
+one length, so the ranks hold different numbers of **real** tokens (:data:`LENGTHS`,
+:func:`local_tokens`), and each rank's loss is a mean over its own real tokens. The
+learner's ``sync_grads(model, mesh, n_tokens)`` must leave every rank with the gradient
+of the mean over all real tokens of the batch, without making a new process group on
+every call. A plain mean over the ranks is then wrong (the mean of means of notebook 03,
+here in the gradients): huggingface/transformers#24725, "Sum loss instead of mean loss
+should be used if gradient accumulation step is larger than 1 when training a language
+model" (2023-07-10), is the same arithmetic over micro-batches.
 
 Source: ``torch.distributed.all_reduce`` and ``new_group``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce , and
@@ -32,6 +40,10 @@ SEQ_LEN = 8
 IN_FEATURES, OUT_FEATURES = 4, 2
 EXERCISE_SHAPES = ((2, 2), (1, 4), (4, 1))
 """The (dp, cp) meshes the exercise check runs on; each has world_size 4."""
+LENGTHS = (8, 5, 3, 6)
+"""Real tokens of each sequence of the exercise's global batch; the rest of its
+:data:`SEQ_LEN` token slots are padding. On every mesh of :data:`EXERCISE_SHAPES` each
+rank holds at least one real token, and the ranks hold different numbers of them."""
 ATOL = 1e-6
 
 
@@ -165,82 +177,223 @@ def train_step(sync_grads, dp: int, cp: int, steps: int = 2):
     return grads, made
 
 
+def token_mask() -> torch.Tensor:
+    """Which token slots of :func:`global_batch` are real: bool, shape ``(4, 8)``; slot
+    ``t`` of sequence ``s`` is real when ``t < LENGTHS[s]`` (padding at the end)."""
+    return torch.arange(SEQ_LEN) < torch.tensor(LENGTHS).unsqueeze(1)
+
+
+def local_tokens(dp_index: int, cp_index: int, dp: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real tokens of the slice of :func:`global_batch` that the rank at mesh
+    coordinate ``(dp_index, cp_index)`` of a ``(dp, cp)`` mesh holds: its
+    :func:`local_batch`, without the padding slots of :func:`token_mask`.
+
+    Returns:
+        ``(x, y)``, float32, shapes ``(n, 4)`` and ``(n, 2)``, ``n`` the rank's real tokens
+        (between 1 and ``32 / (dp * cp)`` on the meshes of :data:`EXERCISE_SHAPES`).
+
+    Raises:
+        ValueError: as :func:`local_batch`.
+    """
+    x, y = local_batch(dp_index, cp_index, dp, cp)
+    b, t = GLOBAL_BATCH // dp, SEQ_LEN // cp
+    real = token_mask()[dp_index * b:(dp_index + 1) * b, cp_index * t:(cp_index + 1) * t]
+    real = real.reshape(-1)
+    return x[real], y[real]
+
+
+def token_counts(dp: int, cp: int) -> list[int]:
+    """Real tokens per rank of a ``(dp, cp)`` mesh, in rank order (rank ``i * cp + j``
+    sits at ``(i, j)``): ``[8, 5, 7, 2]`` for ``(2, 2)``.
+
+    Raises:
+        ValueError: as :func:`local_batch`.
+    """
+    return [len(local_tokens(i, j, dp, cp)[0]) for i in range(dp) for j in range(cp)]
+
+
+def reference_token_grads() -> dict[str, torch.Tensor]:
+    """Single-process reference of the exercise: gradients of the mean squared error over
+    every real token of :func:`global_batch` (22 of its 32 slots),
+    ``{parameter name: tensor}``, float32."""
+    model = tiny_model()
+    x, y = global_batch()
+    real = token_mask()
+    F.mse_loss(model(x[real]), y[real]).backward()
+    return _grads(model)
+
+
+def local_token_grads(dp_index: int, cp_index: int, dp: int, cp: int) -> dict[str, torch.Tensor]:
+    """The gradients one rank of the exercise has after its own backward (the mean over
+    its own real tokens), before any sync, computed in one process."""
+    model = tiny_model()
+    x, y = local_tokens(dp_index, cp_index, dp, cp)
+    F.mse_loss(model(x), y).backward()
+    return _grads(model)
+
+
+def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2):
+    """Runs on every rank: build the (dp, cp) mesh, then ``steps`` times: backward on the
+    rank's real tokens and ``sync_grads(model, mesh, n_tokens)``.
+
+    The local loss is the mean over the rank's own real tokens, ``n_tokens`` of them,
+    and ``n_tokens`` differs from rank to rank.
+
+    Returns:
+        ``(grads, made)``: ``grads`` is ``{parameter name: gradient after the last
+        step}`` (``None`` for a parameter left without one); ``made[k]`` is how many new
+        process groups the rank holds after step ``k``'s ``sync_grads`` call
+        (:func:`live_process_groups`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    dp_index, cp_index = mesh.get_coordinate()
+    model = tiny_model()
+    x, y = local_tokens(dp_index, cp_index, dp, cp)
+    n_tokens = len(x)                        # this rank's real tokens
+    made = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        before = live_process_groups()
+        sync_grads(model, mesh, n_tokens)
+        made.append(live_process_groups() - before)
+    grads = {name: (p.grad.detach().clone() if p.grad is not None else None)
+             for name, p in model.named_parameters()}
+    return grads, made
+
+
 def _same(a: dict, b: dict, atol: float = ATOL) -> bool:
     return all(a.get(k) is not None and a[k].shape == v.shape
-               and torch.allclose(a[k].float(), v, atol=atol, rtol=1e-5) for k, v in b.items())
+               and torch.allclose(a[k].double(), v.double(), atol=atol, rtol=1e-5)
+               for k, v in b.items())
 
 
-def _mean(dicts: list[dict]) -> dict:
-    return {k: torch.stack([d[k] for d in dicts]).mean(0) for k in dicts[0]}
+def _combine(local: dict, coords, weights) -> dict:
+    """``sum over coords of weight * local gradient``, in float64."""
+    names = local[coords[0]].keys()
+    return {k: sum(w * local[c][k].double() for c, w in zip(coords, weights)) for k in names}
 
 
-def _diagnose(got: dict, rank: int, dp: int, cp: int, ref: dict, local: dict) -> str:
-    """Name what the rank's gradients equal, when they are not the reference."""
+def _likely_mistakes(rank: int, dp: int, cp: int, local: dict, counts: dict) -> list:
+    """``(gradients, what to say)`` for the wrong syncs a learner is likely to write, at
+    this rank, computed in one process from the local gradients and token counts."""
     i, j = divmod(rank, cp)
     world = dp * cp
+    everyone = [(a, b) for a in range(dp) for b in range(cp)]
     dp_ranks = [(a, j) for a in range(dp)]
     cp_ranks = [(i, b) for b in range(cp)]
-    dp_mean = _mean([local[c] for c in dp_ranks])
-    cp_mean = _mean([local[c] for c in cp_ranks])
-    scaled = lambda d, s: {k: v * s for k, v in d.items()}  # noqa: E731
-    if any(v is None for v in got.values()):
-        return " Some parameters have no gradient: did sync_grads set p.grad to None?"
-    if world > 1 and _same(got, scaled(ref, world), 1e-5):
-        return (f" That is the SUM over all {world} ranks, {world} times the mean: divide by "
-                f"the number of ranks you reduced over (or use ReduceOp.AVG).")
-    if _same(got, local[(i, j)]) and world > 1:
-        return (" These are the rank's own local gradients: nothing was averaged across "
-                "ranks. Either no all_reduce reached p.grad (all_reduce works in place; a "
-                "reduced copy that is never written back is lost), or the group held this "
-                "rank alone (a mesh dimension of size 1).")
-    if cp > 1 and dp > 1 and _same(got, dp_mean):
-        return (f" That is the mean over the dp group only (ranks of cp index {j}). The cp "
-                f"ranks hold other tokens of the same sequences, so they must be averaged too.")
-    if dp > 1 and cp > 1 and _same(got, cp_mean):
-        return (f" That is the mean over the cp group only (ranks of dp index {i}). The dp "
-                f"ranks hold other sequences, so they must be averaged too.")
-    if cp > 1 and _same(got, scaled(dp_mean, dp)) and dp > 1:
-        return " That is the SUM over the dp group only."
-    if dp > 1 and cp > 1 and _same(got, scaled(cp_mean, cp)):
-        return " That is the SUM over the cp group only."
-    return ""
+    n = [counts[c] for c in everyone]
+    total, mine = sum(n), counts[(i, j)]
+    shown = ", ".join(map(str, n))
+    weighted = _combine(local, everyone, n)                  # sum of n_r * g_r
+    mistakes = [
+        (_combine(local, [(i, j)], [1]),
+         "These are the rank's own local gradients: nothing was summed across ranks. Either "
+         "no all_reduce reached p.grad (all_reduce works in place; a reduced copy that is "
+         "never written back is lost), or the group held this rank alone."),
+        (_combine(local, everyone, [1 / world] * world),
+         f"That is the plain mean of the {world} ranks' local gradients, each rank weighted "
+         f"1/{world}. It is right only when every rank holds as many real tokens as every "
+         f"other; here they hold {shown}. Each local gradient is a mean over its own rank's "
+         f"tokens, so in a plain mean over ranks a token on a rank with few real tokens "
+         f"counts more than one on a rank with many."),
+        (_combine(local, everyone, [1] * world),
+         f"That is the SUM of the {world} ranks' local gradients, each a mean over its own "
+         f"rank's tokens: neither weighted by the tokens nor divided."),
+        ({k: v for k, v in weighted.items()},
+         f"That is the sum over ranks of n_tokens x local gradient, the gradient of the SUM "
+         f"of the loss over all {total} real tokens: divide it by the number of real tokens "
+         f"over all ranks, {total}."),
+        ({k: v / world for k, v in weighted.items()},
+         f"That is the sum over ranks of n_tokens x local gradient, divided by the number "
+         f"of ranks, {world}. Divide by the number of real tokens over all ranks, {total}, "
+         f"which no rank knows until the ranks add up their counts."),
+        ({k: v / mine for k, v in weighted.items()},
+         f"That is the sum over ranks of n_tokens x local gradient, divided by this rank's "
+         f"own n_tokens, {mine}: every rank must divide by the same number, the real "
+         f"tokens over all ranks ({total})."),
+        ({k: v / (GLOBAL_BATCH * SEQ_LEN) for k, v in weighted.items()},
+         f"That is the sum over ranks of n_tokens x local gradient divided by "
+         f"{GLOBAL_BATCH * SEQ_LEN}, every token slot of the batch, padding included. "
+         f"Count the real tokens only: {total}."),
+        (_combine(local, everyone, [1 / total] * world),
+         f"That is the sum of the ranks' local gradients divided by the {total} real "
+         f"tokens. A local gradient is already a mean over its rank's n_tokens tokens; "
+         f"weighted by n_tokens it becomes the gradient of their sum, and those add up."),
+        (_combine(local, [(i, j)], [mine / total]),
+         f"That is this rank's own gradient, scaled by n_tokens / {total}, and never summed "
+         f"across ranks: the other ranks' tokens are missing."),
+    ]
+    if dp > 1 and cp > 1:
+        for name, ranks, other in (("dp", dp_ranks, "cp"), ("cp", cp_ranks, "dp")):
+            held = "other tokens of the same sequences" if other == "cp" else "other sequences"
+            index = f"{other} index {j if name == 'dp' else i}"
+            m = [counts[c] for c in ranks]
+            mistakes += [
+                (_combine(local, ranks, [1 / len(ranks)] * len(ranks)),
+                 f"That is the plain mean over the {name} group only (ranks of {index}). The "
+                 f"{other} ranks hold {held}, so they must be in the sum too; and a plain "
+                 f"mean weights every rank the same."),
+                (_combine(local, ranks, [c / sum(m) for c in m]),
+                 f"That is the token-weighted mean over the {name} group only (ranks of "
+                 f"{index}). The {other} ranks hold {held}: their tokens belong in the "
+                 f"sum and in the count."),
+            ]
+    return mistakes
 
 
 def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Verdict:
-    """Exercise of notebook 05: ``sync_grads(model, mesh)`` must average every
-    ``p.grad`` in place over all dp x cp ranks, and must not make a new process group
-    on every call.
+    """Exercise of notebook 05: ``sync_grads(model, mesh, n_tokens)``, called on every
+    rank after ``backward()`` of the mean loss over the rank's ``n_tokens`` real tokens
+    (an int that differs between ranks), must leave in every ``p.grad`` the gradient of
+    the mean loss over all real tokens of all dp x cp ranks, and must not make a new
+    process group on every call.
 
-    Runs :func:`train_step` (two steps) with ``sync_grads`` on real ranks for each
+    Runs :func:`token_train_step` (two steps) with ``sync_grads`` on real ranks for each
     ``(dp, cp)`` in ``shapes`` (the group is resized to ``dp * cp`` if needed, then
-    restored) and compares every rank's gradients with :func:`reference_grads`
-    (absolute tolerance 1e-6, relative 1e-5). A process group made on the first call
-    and reused is fine; one made again on the second call is named.
+    restored) and compares every rank's gradients with :func:`reference_token_grads`
+    (absolute tolerance :data:`ATOL`, relative 1e-5). A wrong answer is compared with
+    the likely mistakes, computed in one process from :func:`local_token_grads` and
+    :func:`token_counts` (no sync, the plain mean of means, a sum, a division by the
+    number of ranks, by this rank's own count or by every slot with the padding, no
+    weighting, no sum of the weighted gradients, dp or cp alone). A process group made
+    on the first call and reused is fine; one made again on the second call is named.
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that says, for a wrong answer, which mesh and
-        rank disagree and what its gradients equal instead (unsynced, dp only, cp only,
-        a SUM), or how many process groups each call made.
+        rank disagree and what its gradients equal instead, or how many process groups
+        each call made. No message prints a line of the solution.
     """
-    ref = reference_grads()
+    ref = reference_token_grads()
     with restoring_world_size(group):
         for dp, cp in shapes:
             group.resize(dp * cp)  # a no-op when it already has that many ranks
             try:
-                out = group.run(run_and_release, train_step, sync_grads, dp, cp)
+                out = group.run(run_and_release, token_train_step, sync_grads, dp, cp)
             except RankError as e:
                 return raised_on_ranks(f"On the mesh (dp={dp}, cp={cp})", e)
-            local = {(i, j): local_grads(i, j, dp, cp) for i in range(dp) for j in range(cp)}
+            coords = [(i, j) for i in range(dp) for j in range(cp)]
+            local = {c: local_token_grads(*c, dp, cp) for c in coords}
+            counts = dict(zip(coords, token_counts(dp, cp)))
             for rank, (got, _) in enumerate(out):
-                if not _same(got, ref):
-                    diffs = [(got[k] - v).abs().max().item() for k, v in ref.items()
-                             if got.get(k) is not None and got[k].shape == v.shape]
-                    worst = f"largest difference {max(diffs):.3g}" if diffs else "no gradients"
-                    return failed(
-                        f"On the mesh (dp={dp}, cp={cp}), rank {rank}'s gradients differ from "
-                        f"the single-process full-batch gradient ({worst}; expected at most "
-                        f"{ATOL:g}). Expected every rank to hold the mean over all {dp * cp} "
-                        f"ranks' local gradients." + _diagnose(got, rank, dp, cp, ref, local))
+                if _same(got, ref):
+                    continue
+                if any(v is None for v in got.values()):
+                    return failed(f"On the mesh (dp={dp}, cp={cp}), rank {rank} has parameters "
+                                  f"without a gradient after sync_grads: did it set p.grad "
+                                  f"to None?")
+                diffs = [(got[k] - v).abs().max().item() for k, v in ref.items()
+                         if got[k].shape == v.shape]
+                worst = f"largest difference {max(diffs):.3g}" if diffs else "other shapes"
+                hint = next((" " + say for grads, say in _likely_mistakes(rank, dp, cp, local, counts)
+                             if _same(got, grads)), "")
+                return failed(
+                    f"On the mesh (dp={dp}, cp={cp}), whose ranks hold "
+                    f"{', '.join(map(str, counts.values()))} real tokens, rank {rank}'s "
+                    f"gradients differ from the single-process gradient of the mean over all "
+                    f"{sum(counts.values())} real tokens ({worst}; expected at most "
+                    f"{ATOL:g}).{hint}")
             made = out[0][1]
             if made[-1] > 0:
                 return failed(
@@ -255,11 +408,16 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
                     f"the other covers the whole grid), or make the group "
                     f"once, outside sync_grads.")
         listed = ", ".join(f"({dp}, {cp})" for dp, cp in shapes)
-        return passed(f"On the meshes {listed}, every rank's gradients match the single-process "
-                      f"full-batch gradient to {ATOL:g}, and a second call made no new process "
-                      f"group: averaging over all dp x cp ranks is right because each rank's "
-                      f"loss is a mean over equally many tokens.")
+        return passed(
+            f"On the meshes {listed}, every rank's gradients match the single-process gradient "
+            f"of the mean over all {int(token_mask().sum())} real tokens to "
+            f"{ATOL:g}, and a second call made no new process group. A local mean over "
+            f"n_tokens tokens, times n_tokens, is the gradient of their sum; summed over the "
+            f"ranks and divided by all their real tokens, it is the global mean, whatever "
+            f"each rank holds. With equal counts this is the plain mean over ranks.")
 
 
 __all__ = ["check_mesh_sync", "tiny_model", "global_batch", "local_batch", "reference_grads",
-           "local_grads", "train_step", "live_process_groups", "run_and_release", "EXERCISE_SHAPES"]
+           "local_grads", "train_step", "live_process_groups", "run_and_release",
+           "EXERCISE_SHAPES", "LENGTHS", "token_mask", "local_tokens", "token_counts",
+           "reference_token_grads", "local_token_grads", "token_train_step"]

@@ -1,5 +1,12 @@
 """Checks for notebook 02 (reduce, in-place buffers and aliasing).
 
+The exercise: build the reduce_scatter pattern (rank ``c`` ends with the sum over ranks
+of chunk ``c``) out of ``dist.reduce`` calls, one per chunk, without changing the input.
+It applies what the notebook shows about one reduce to several in a row: a reduce writes
+gloo's partial sums into the tensor it is given on the ranks other than ``dst``, so a
+buffer that goes through a second reduce adds those partial sums in again; and a slice
+of ``x`` is a view, so reducing it writes into ``x``.
+
 Source: ``torch.distributed.reduce``,
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce ("Input and
 output of the collective. The function operates in-place."); the learner question "Why
@@ -13,106 +20,278 @@ from ..errors import RankError
 from ..group import LocalGroup
 from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
-SIZES = (4, 16)
-"""Tensor sizes (elements) the exercise check tries; at both, gloo's reduce changes every
-non-dst rank's tensor at world_size 2..4, with dst 0 or the last rank."""
 WORLD_SIZES = (2, 3, 4)
 """World sizes the exercise check tries."""
+CHUNK_SIZES = (2, 3)
+"""Elements per chunk (``k``) the exercise check tries; ``x`` holds ``world_size * k``."""
+FORBIDDEN = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+             "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
+             "all_to_all", "all_to_all_single", "gather", "scatter")
+"""Collectives the exercise's function may not call: it builds the pattern from reduce."""
 
 
-def exercise_input(rank: int, n: int) -> torch.Tensor:
-    """The tensor rank ``rank`` passes to the learner's function: float32, shape ``(n,)``.
+def exercise_input(rank: int, world_size: int, k: int) -> torch.Tensor:
+    """The tensor rank ``rank`` passes to the learner's function: float32, shape
+    ``(world_size * k,)``.
 
-    Every element is ``10.0 ** rank`` (1, 10, 100, ...), so the digits of a sum say which
-    ranks are in it: 1101 holds ranks 0, 2 and 3.
+    Chunk ``c`` (elements ``c * k`` to ``c * k + k - 1``) holds ``(c + 1) * 10.0 ** rank``,
+    so by notebook 02's digits rule the sum of chunk ``c`` over 4 ranks reads
+    ``(c + 1)`` in every digit (chunk 2: 3333), and a digit that differs says how often
+    that rank was counted.
+
+    Raises:
+        ValueError: a negative rank, ``world_size < 1`` or ``k < 1``.
     """
-    return torch.full((n,), 10.0 ** rank)
+    if rank < 0 or world_size < 1 or k < 1:
+        raise ValueError(f"need rank >= 0, world_size >= 1 and k >= 1; got rank={rank}, "
+                         f"world_size={world_size}, k={k}")
+    chunk_index = torch.arange(world_size * k) // k
+    return (chunk_index + 1).to(torch.float32) * 10.0 ** rank
 
 
-def _on_rank(fn, n: int, dst: int):
-    # Runs on every rank: hand the learner's function a fresh input and report what happened.
+def expected_sums(world_size: int, k: int) -> list[torch.Tensor]:
+    """What each rank must return: entry ``r`` is the sum over ranks of chunk ``r`` of
+    :func:`exercise_input`, float32, shape ``(k,)``, computed in one process."""
+    total = sum(exercise_input(r, world_size, k) for r in range(world_size))
+    return [total[r * k:(r + 1) * k] for r in range(world_size)]
+
+
+# --- likely mistakes, run on the ranks to tell which one the learner made ----------------
+# Each takes x (this rank's input) and returns what it returns; the check compares the
+# learner's x afterwards and result with theirs. None of them is the solution.
+def _in_place(x):
     import torch.distributed as dist
-    x = exercise_input(dist.get_rank(), n)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        dist.reduce(x, dst=c)
+    return x[rank * k:(rank + 1) * k].clone()
+
+
+def _views_of_x(x):
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        dist.reduce(x[c * k:(c + 1) * k], dst=c)
+    return x[rank * k:(rank + 1) * k].clone()
+
+
+def _one_buffer(x):
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    buffer = x.clone()
+    for c in range(n):
+        dist.reduce(buffer, dst=c)
+    return buffer[rank * k:(rank + 1) * k]
+
+
+def _last_buffer(x):
+    import torch.distributed as dist
+    n = dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        buffer = x[c * k:(c + 1) * k].clone()
+        dist.reduce(buffer, dst=c)
+    return buffer
+
+
+def _own_chunk(x):
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    return x[rank * k:(rank + 1) * k].clone()
+
+
+_X_CHANGED = {
+    "in place": (
+        _in_place,
+        "That is what reducing x itself does: dist.reduce writes into the tensor it is "
+        "given, on every rank (the sum on dst, gloo's partial sums on the others), so x "
+        "no longer holds the input."),
+    "views of x": (
+        _views_of_x,
+        "That is what reducing slices of x does: a slice such as x[a:b] is a view, it "
+        "shares x's storage, so what dist.reduce writes into the slice lands in x."),
+}
+_WRONG_SUM = {
+    "one buffer": (
+        _one_buffer,
+        "That is what one buffer sent through every reduce gives. After a reduce, the "
+        "buffer holds gloo's partial sums on the ranks that were not its dst (Step 4), "
+        "and the next reduce adds them in again: some ranks are counted more than once "
+        "(read the digits). A buffer must go into one reduce only, or each reduce must "
+        "touch elements no earlier reduce wrote."),
+    "last buffer": (
+        _last_buffer,
+        "That is the tensor of the last reduce, whose dst was another rank: on a rank "
+        "that is not dst a reduce leaves partial sums (or the input), never the sum. "
+        "Return what the reduce whose dst was this rank left."),
+    "own chunk": (
+        _own_chunk,
+        "That is this rank's own chunk of x, with nothing reduced into it."),
+}
+
+
+def _on_rank(fn, k: int, record: bool):
+    # Runs on every rank: call fn on a fresh input, with the forbidden collectives
+    # refused and (when record) the number of elements of every dist.reduce recorded.
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = exercise_input(rank, n, k)
     before = x.clone()
-    result = fn(x, dst)
-    return before, x.clone(), result.clone() if isinstance(result, torch.Tensor) else result
+    saved = {name: getattr(dist, name) for name in FORBIDDEN + ("reduce",) if hasattr(dist, name)}
+    reduced: list[int] = []
+    called: list[str] = []
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            called.append(name)
+            raise RuntimeError(f"the exercise builds the pattern from dist.reduce; your "
+                               f"function called dist.{name}")
+        return refused
+
+    def recording(tensor, *args, **kwargs):
+        reduced.append(tensor.numel() if isinstance(tensor, torch.Tensor) else -1)
+        return saved["reduce"](tensor, *args, **kwargs)
+
+    try:
+        if record:
+            for name in FORBIDDEN:
+                if name in saved:
+                    setattr(dist, name, refuse(name))
+            dist.reduce = recording
+        try:
+            result = fn(x)
+        except RuntimeError:
+            if called:
+                return before, x.clone(), None, reduced, called
+            raise
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+    if isinstance(result, torch.Tensor):
+        result = result.detach().clone()
+    return before, x.clone(), result, reduced, called
 
 
-def check_reduce_keep_input(group: LocalGroup, fn, world_sizes=WORLD_SIZES) -> Verdict:
-    """Exercise of notebook 02: ``fn(x, dst)`` must return the sum over ranks of ``x`` on
-    rank ``dst`` and leave every rank's ``x`` as it was.
+def _matches(group: LocalGroup, candidates: dict, k: int, out, what: str) -> str:
+    """The message of the first candidate whose result (``what="result"``) or whose x
+    afterwards (``what="x"``) equals the learner's on every rank, else ``""``."""
+    for fn, message in candidates.values():
+        theirs = group.run(_on_rank, fn, k, False)
+        index = 2 if what == "result" else 1
+        if all(isinstance(o[index], torch.Tensor) and o[index].shape == t[index].shape
+               and torch.equal(o[index].float(), t[index]) for o, t in zip(out, theirs)):
+            return " " + message
+    return ""
 
-    Runs ``fn`` on the group's real ranks at each world size in ``world_sizes`` (the
-    group is resized, then put back), with ``x = exercise_input(rank, n)`` for ``n`` in
-    :data:`SIZES` and ``dst`` in ``{0, world_size - 1}``, and compares with a
-    single-process reference: on ``dst`` the returned tensor must equal
-    ``sum(exercise_input(r, n) for r in ranks)``; on every rank ``x`` must be unchanged.
-    What ``fn`` returns on other ranks is not checked (the docs promise nothing there).
-    A failing verdict explains what went wrong; it never shows the solution.
+
+def _values(t: torch.Tensor) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in t.tolist()) + "]"
+
+
+def check_reduce_to_owners(group: LocalGroup, fn, world_sizes=WORLD_SIZES,
+                           chunk_sizes=CHUNK_SIZES) -> Verdict:
+    """Exercise of notebook 02: ``fn(x)`` runs on every rank with ``x`` of
+    ``world_size * k`` elements, and rank ``r`` must return the sum over ranks of chunk
+    ``r`` (``k`` elements), using ``dist.reduce`` only, one call per chunk with
+    ``dst`` its owner, each carrying that chunk's ``k`` elements, and leaving ``x``
+    unchanged on every rank.
+
+    Runs ``fn`` on the group's real ranks at each world size in ``world_sizes`` and each
+    ``k`` in ``chunk_sizes`` (the group is resized, then put back), with
+    ``x = exercise_input(rank, world_size, k)``, and compares with
+    :func:`expected_sums`, computed in one process. While ``fn`` runs, the collectives
+    in :data:`FORBIDDEN` raise and every ``dist.reduce`` records its tensor's size. A
+    wrong answer is compared with likely mistakes run on the same ranks (reducing ``x``
+    itself, reducing slices of ``x``, one buffer through every reduce, the last reduce's
+    buffer returned, no reduce at all), so the verdict can name it; no message prints a
+    line of the solution.
 
     Args:
         group: the :class:`~reducelab.LocalGroup` to run on.
-        fn: the learner's function, run on every rank as ``fn(x, dst)`` with ``x`` a
-            float32 tensor of shape ``(n,)`` and ``dst`` an int.
+        fn: the learner's function, run on every rank as ``fn(x)`` with ``x`` a float32
+            tensor of shape ``(world_size * k,)``.
         world_sizes: ints of 2 or more.
+        chunk_sizes: ints of 1 or more.
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that says what was expected and why.
 
     Raises:
-        ValueError: a world size below 2 (with one rank reduce changes nothing to check).
+        ValueError: a world size below 2 (one rank has nothing to reduce) or a chunk
+            size below 1.
     """
     if not world_sizes or min(world_sizes) < 2:
         raise ValueError(f"world_sizes must be 2 or more ranks each, got {world_sizes!r}: "
-                         f"with one rank there is no other rank whose x could change")
+                         f"with one rank there is nothing to reduce")
+    if not chunk_sizes or min(chunk_sizes) < 1:
+        raise ValueError(f"chunk_sizes must be 1 or more elements each, got {chunk_sizes!r}")
     with restoring_world_size(group):
         for ws in world_sizes:
             group.resize(ws)
-            verdict = _check_at(group, fn, ws)
-            if verdict is not None:
-                return verdict
-    return passed(f"dst got the sum and every rank's x was unchanged, at world sizes "
-                  f"{', '.join(map(str, world_sizes))}, dst the first or the last rank, "
-                  f"and {' and '.join(map(str, SIZES))} elements. Keeping the input costs "
-                  f"one extra tensor of the same size on every rank.")
+            for k in chunk_sizes:
+                verdict = _check_at(group, fn, ws, k)
+                if verdict is not None:
+                    return verdict
+    return passed(
+        f"At world sizes {', '.join(map(str, world_sizes))}, with "
+        f"{' and '.join(map(str, chunk_sizes))} elements per chunk, every rank got the sum "
+        f"of its own chunk and x was unchanged everywhere. One reduce per chunk, each "
+        f"on elements no other reduce touched: that is a reduce_scatter, made of "
+        f"world_size collectives where dist.reduce_scatter_single makes one (notebook 08).")
 
 
-def _check_at(group: LocalGroup, fn, ws: int) -> Verdict | None:
-    """The failing verdict at world size ``ws``, or ``None`` when ``fn`` is right there."""
-    for n in SIZES:
-        want = sum(exercise_input(r, n) for r in range(ws))
-        for dst in sorted({0, ws - 1}):
-            try:
-                out = group.run(_on_rank, fn, n, dst)
-            except RankError as e:
-                return raised_on_ranks(f"With world_size={ws}, dst={dst} and {n} elements", e)
-            changed = [r for r, (before, after, _) in enumerate(out)
-                       if not torch.equal(before, after)]
-            if changed:
-                # show a non-dst rank first: that is the surprise this exercise is about
-                r = next((r for r in changed if r != dst), changed[0])
-                before, after, _ = out[r]
-                where = "dst" if r == dst else "not dst"
-                return failed(
-                    f"With world_size={ws}, dst={dst} and {n} elements, x changed on "
-                    f"{'rank' if len(changed) == 1 else 'ranks'} "
-                    f"{', '.join(map(str, changed))}; expected it unchanged everywhere. "
-                    f"On rank {r} ({where}) x was {before.tolist()} before your function "
-                    f"and {after.tolist()} after it. dist.reduce writes into the very "
-                    f"tensor you pass it, on every rank: the sum on dst, and gloo's "
-                    f"partial sums on the others. So x itself must not be the tensor that "
-                    f"goes into dist.reduce.")
-            got = out[dst][2]
-            if not isinstance(got, torch.Tensor):
-                return failed(f"With world_size={ws}, dst={dst}, rank {dst} (dst) returned "
-                              f"{got!r}; expected a tensor holding the sum over ranks, "
-                              f"{want.tolist()}. Return the tensor you reduced.")
-            if got.shape != want.shape or not torch.allclose(got.float(), want):
-                hint = ""
-                if got.shape == want.shape and torch.equal(got.float(), out[dst][0]):
-                    hint = (" That is dst's own input: the sum is in the tensor you passed "
-                            "to dist.reduce, so return that one.")
-                return failed(f"With world_size={ws}, dst={dst} and {n} elements, rank {dst} "
-                              f"(dst) returned {got.tolist()}; expected the sum over ranks, "
-                              f"{want.tolist()}.{hint}")
+def _check_at(group: LocalGroup, fn, ws: int, k: int) -> Verdict | None:
+    """The failing verdict at world size ``ws`` with ``k`` elements per chunk, or ``None``."""
+    at = f"With world_size={ws} and k={k} ({ws * k} elements, chunk c to rank c)"
+    try:
+        out = group.run(_on_rank, fn, k, True)
+    except RankError as e:
+        return raised_on_ranks(at, e)
+    called = sorted({name for o in out for name in o[4]})
+    if called:
+        return failed(f"{at}, your function called dist.{called[0]}. The exercise builds "
+                      f"the pattern from dist.reduce alone, one reduce per chunk.")
+    want = expected_sums(ws, k)
+    changed = [r for r, o in enumerate(out) if not torch.equal(o[0], o[1])]
+    if changed:
+        r = changed[0]
+        before, after = out[r][0], out[r][1]
+        return failed(
+            f"{at}, x changed on {'rank' if len(changed) == 1 else 'ranks'} "
+            f"{', '.join(map(str, changed))}; it must stay as it was, the caller still needs "
+            f"it. On rank {r} x was {_values(before)} before your function and "
+            f"{_values(after)} after it."
+            + _matches(group, _X_CHANGED, k, out, "x"))
+    for r, o in enumerate(out):
+        got = o[2]
+        if not isinstance(got, torch.Tensor):
+            return failed(f"{at}, rank {r} returned {got!r}; expected a tensor of {k} "
+                          f"elements, the sum over ranks of chunk {r}: {_values(want[r])}.")
+        if got.numel() != k:
+            return failed(f"{at}, rank {r} returned {got.numel()} elements; expected {k}: "
+                          f"chunk {r} of the sum only, {_values(want[r])}.")
+    wrong = [r for r, o in enumerate(out)
+             if not torch.equal(o[2].reshape(-1).float(), want[r])]
+    if wrong:
+        r = wrong[0]
+        return failed(
+            f"{at}, rank {r} returned {_values(out[r][2].reshape(-1))}; expected the sum "
+            f"over ranks of chunk {r}, {_values(want[r])}."
+            + _matches(group, _WRONG_SUM, k, out, "result"))
+    for r, o in enumerate(out):
+        big = [m for m in o[3] if m != k]
+        if big:
+            return failed(
+                f"{at}, every rank returned the right sum and x is unchanged, but rank {r} "
+                f"passed a tensor of {big[0]} elements to dist.reduce, where one chunk has "
+                f"{k}. A reduce of the whole tensor moves world_size times the bytes that "
+                f"the chunk needs; reduce only the chunk that goes to dst.")
     return None
+
+
+__all__ = ["check_reduce_to_owners", "exercise_input", "expected_sums", "WORLD_SIZES",
+           "CHUNK_SIZES", "FORBIDDEN"]

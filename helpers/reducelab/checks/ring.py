@@ -7,8 +7,11 @@ rank sends ``2 (N - 1) / N * S`` bytes for a tensor of ``S`` bytes on ``N`` rank
 Sources: Patarasuk & Yuan (2009), "Bandwidth optimal all-reduce algorithms for clusters
 of workstations", J. Parallel Distrib. Comput. 69(2), 117-124; Sergeev & Del Balso
 (2018), "Horovod: fast and easy distributed deep learning in TensorFlow",
-arXiv:1802.05799; ``torch.distributed.isend`` / ``recv`` / ``all_gather_into_tensor``,
-https://pytorch.org/docs/stable/distributed.html
+arXiv:1802.05799; ``torch.distributed.send`` / ``isend`` / ``recv`` / ``broadcast``,
+https://pytorch.org/docs/stable/distributed.html . The exercise's chain broadcast, piece by
+piece, is what NCCL's ring broadcast does: ``runRing`` in NVIDIA/nccl
+``src/device/broadcast.h`` (the root sends each chunk, every other rank receives it and
+sends it on, the rank before the root only receives).
 """
 from __future__ import annotations
 
@@ -86,79 +89,84 @@ def contributors(value: float, world_size: int) -> list[int]:
     return [r for r in range(world_size) if bits >> r & 1]
 
 
-# --- the exercise: all_gather from the ring's all-gather phase ------------------------
+# --- the exercise: a broadcast along a chain, piece by piece -------------------------
 EXERCISE_WORLD_SIZES = (2, 3, 4)
-EXERCISE_NUMEL = 3
+EXERCISE_NUMEL = 12
+EXERCISE_PIECES = 4
 HANG_TIMEOUT = 3.0
 """Seconds the check's own group waits for the ranks before it stops them and says where
-each was waiting (a ring that hangs costs this, not the learner's group's timeout)."""
+each was waiting (a chain that hangs costs this, not the learner's group's timeout)."""
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                 "broadcast", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object")
+                "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object",
+                "broadcast_object_list", "scatter_object_list")
 
 
-def exercise_input(rank: int, numel: int = EXERCISE_NUMEL) -> torch.Tensor:
-    """The tensor rank ``rank`` holds in notebook 06's exercise: float32, shape ``(numel,)``.
+def exercise_input(src: int, numel: int = EXERCISE_NUMEL) -> torch.Tensor:
+    """The tensor ``src`` broadcasts in notebook 06's exercise: float32, shape ``(numel,)``.
 
-    Element ``i`` is ``10 * rank + i + 1`` (rank 2 holds 21, 22, 23), so a gathered slice
-    says at a glance whose tensor it is.
+    Element ``i`` is ``100 * (src + 1) + i + 1`` (src 0 holds 101, 102, ...; src 3 holds
+    401, 402, ...), so any piece of it says at a glance which elements it is. Every other
+    rank starts with zeros in a tensor of the same shape.
+
+    Raises:
+        ValueError: ``src < 0`` or ``numel < 1``.
     """
-    return 10.0 * rank + torch.arange(1, numel + 1, dtype=torch.float32)
+    if src < 0 or numel < 1:
+        raise ValueError(f"need src >= 0 and numel >= 1; got src={src}, numel={numel}")
+    return 100.0 * (src + 1) + torch.arange(1, numel + 1, dtype=torch.float32)
 
 
-def _whose(slice_: torch.Tensor, world_size: int, numel: int):
-    """The rank whose exercise input ``slice_`` is, or ``None``."""
-    for r in range(world_size):
-        if slice_.shape == (numel,) and torch.equal(slice_.float(), exercise_input(r, numel)):
-            return r
-    return None
+def _peer(args, kwargs, name: str):
+    # dist.send(tensor, dst) / dist.recv(tensor, src), positional or by keyword
+    if name in kwargs:
+        return kwargs[name]
+    if f"group_{name}" in kwargs:
+        return kwargs[f"group_{name}"]
+    return args[0] if args else None
 
 
-def _slice_index(t: torch.Tensor, n: int, numel: int, input_storage: int):
-    """Which buffer ``t`` is: ``"x"`` (the input), the index of a slice of an ``n * numel``
-    buffer (the output, split into ``n`` slices), or ``None`` (some other buffer)."""
-    try:
-        storage = t.untyped_storage()
-    except Exception:  # noqa: BLE001 - not a plain dense tensor
-        return None
-    if storage.data_ptr() == input_storage:
-        return "x"
-    if (t.numel() == numel and t.is_contiguous() and t.storage_offset() % numel == 0
-            and storage.nbytes() == n * numel * t.element_size()):
-        return t.storage_offset() // numel
-    return None
+def _what(t: torch.Tensor, data: torch.Tensor, pieces: int) -> str:
+    """What a tensor passed to a send holds: ``"piece j"``, ``"all"``, ``"zeros"`` or
+    ``"other"``."""
+    flat = t.detach().reshape(-1).float()
+    if flat.shape == data.shape and torch.equal(flat, data):
+        return "all"
+    for j, piece in enumerate(data.tensor_split(pieces)):
+        if flat.shape == piece.shape and torch.equal(flat, piece):
+            return f"piece {j}"
+    return "zeros" if not bool(flat.any()) else "other"
 
 
-def _run_exercise(fn, numel):
-    """Runs on each rank: call ``fn(x)`` with collectives forbidden, and record every send
-    (its bytes, which buffer, whose data) and every receive (into which buffer)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    x = exercise_input(rank, numel)
-    mine = x.clone()
-    input_storage = mine.untyped_storage().data_ptr()
-    trace = {"bytes": 0, "sends": [], "recvs": []}
+def _run_chain(fn, src: int, numel: int, pieces: int):
+    """Runs on each rank: ``fn(x, src, pieces)`` with collectives refused, every send and
+    receive recorded in call order (its peer, its elements, what a send held, whether the
+    call blocks), then ``x`` as the function left it."""
+    rank = dist.get_rank()
+    data = exercise_input(src, numel)
+    x = data.clone() if rank == src else torch.zeros(numel)
+    events: list[dict] = []
     saved = {name: getattr(dist, name) for name in _COLLECTIVES + ("isend", "send", "recv", "irecv")
              if hasattr(dist, name)}
 
     def forbid(name):
         def refuse(*args, **kwargs):
-            raise RuntimeError(f"the exercise builds all_gather from send_recv; "
-                               f"your function called dist.{name}")
+            raise RuntimeError(f"the exercise builds broadcast from send and recv; your "
+                               f"function called dist.{name}")
         return refuse
 
-    def sending(original):
+    def sending(original, blocking):
         def wrapper(tensor, *args, **kwargs):
-            trace["bytes"] += tensor.numel() * tensor.element_size()
-            trace["sends"].append({
-                "buffer": _slice_index(tensor, n, numel, input_storage),
-                "whose": _whose(tensor.detach().reshape(-1), n, numel),
-                "zero": not bool(tensor.detach().any()), "numel": tensor.numel()})
+            events.append({"kind": "send", "peer": _peer(args, kwargs, "dst"),
+                           "numel": tensor.numel(), "held": _what(tensor, data, pieces),
+                           "blocking": blocking})
             return original(tensor, *args, **kwargs)
         return wrapper
 
-    def receiving(original):
+    def receiving(original, blocking):
         def wrapper(tensor, *args, **kwargs):
-            trace["recvs"].append({"buffer": _slice_index(tensor, n, numel, input_storage)})
+            events.append({"kind": "recv", "peer": _peer(args, kwargs, "src"),
+                           "numel": tensor.numel(), "blocking": blocking})
             return original(tensor, *args, **kwargs)
         return wrapper
 
@@ -166,180 +174,221 @@ def _run_exercise(fn, numel):
         for name in _COLLECTIVES:
             if name in saved:
                 setattr(dist, name, forbid(name))
-        dist.isend, dist.send = sending(saved["isend"]), sending(saved["send"])
-        dist.recv, dist.irecv = receiving(saved["recv"]), receiving(saved["irecv"])
-        out = fn(mine)
+        dist.send, dist.isend = sending(saved["send"], True), sending(saved["isend"], False)
+        dist.recv, dist.irecv = receiving(saved["recv"], True), receiving(saved["irecv"], False)
+        fn(x, src, pieces)
     finally:
         for name, original in saved.items():
             setattr(dist, name, original)
-    # the reference, with the real collective (after restoring it)
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x)
-    return out, torch.cat(parts), trace
+    return x.clone(), events
 
 
-def _held(send: dict, numel: int) -> str:
-    if send["numel"] != numel:
-        return f"a tensor of {send['numel']} elements, not one slice of {numel}"
-    if send["whose"] is not None:
-        return f"rank {send['whose']}'s tensor"
-    if send["zero"]:
-        return "zeros"
-    return "values that are no rank's tensor"
+def _where(report) -> str:
+    """Where a stuck rank waited, named by the learner's own line: the frame that called
+    the check's recording wrapper (the report's summary would name the wrapper)."""
+    import re
+    frames = re.findall(r'File "([^"]*)", line (\d+), in (\S+)', report.traceback or "")
+    for i, (path, _, name) in enumerate(frames):
+        if name == "wrapper" and path.endswith(("checks/ring.py", "checks\\ring.py")) and i:
+            _, line, caller = frames[i - 1]
+            return f"rank {report.rank}: waiting in {report.collective}, called from {caller} line {line}"
+    return f"rank {report.rank}: {report.summary}"
 
 
-def _buffer(name) -> str:
-    return ("its input x" if name == "x" else f"slice {name}" if isinstance(name, int)
-            else "a buffer of its own")
-
-
-def _diagnose(n: int, numel: int, traces: list[dict]) -> str:
-    """The first step at which a rank's send or receive differs from the ring's: one or two
-    sentences that name that mistake for that rank and step, or a question that points at
-    what is missing when none is found.
-
-    A message names concrete slices, ranks and steps, never an index formula: the formula
-    for "which slice at step s" is the exercise's solution."""
-    for s in range(n - 1):
-        for r in range(n):
-            sends, recvs = traces[r]["sends"], traces[r]["recvs"]
-            if s < len(sends):
-                send, want = sends[s], (r - s) % n
-                if send["whose"] != want or send["numel"] != numel:
-                    held = _held(send, numel)
-                    right_buffer = send["buffer"] == want or (send["buffer"] == "x" and want == r)
-                    if right_buffer and s == 0:
-                        return (f"At step 0 rank {r} sent its own slice, as it should, but the "
-                                f"slice held {held}: copy x into slice {r} before the first "
-                                f"step.")
-                    if right_buffer:
-                        return (f"Rank {r}'s sends are right: at step {s} it sent slice {want}. "
-                                f"But that slice held {held}, because at step {s - 1} the "
-                                f"data did not land there. Whose tensor arrived at step "
-                                f"{s - 1}, and which slice of the output is that rank's?")
-                    if s == 0:
-                        return (f"Rank {r}'s send at step 0 is off: it sent "
-                                f"{_buffer(send['buffer'])}, holding {held}. At step 0 the only "
-                                f"slice a rank holds is its own, slice {r}.")
-                    return (f"Rank {r}'s send at step {s} is off: it sent "
-                            f"{_buffer(send['buffer'])}, holding {held}. A rank passes on "
-                            f"what it received at the step before: at step {s - 1} rank {r} "
-                            f"received rank {want}'s tensor, so at step {s} it sends slice "
-                            f"{want}.")
-            if s < len(recvs) and isinstance(recvs[s]["buffer"], int):
-                into, want = recvs[s]["buffer"], (r - s - 1) % n
-                if into != want:
-                    return (f"Rank {r}'s sends are right, but its receive at step {s} is off: "
-                            f"it received into slice {into}. What arrives from rank "
-                            f"{(r - 1) % n} at step {s} is rank {want}'s tensor, so it belongs "
-                            f"in slice {want}.")
-    steps = [len(t["sends"]) for t in traces]
-    short = next((r for r, k in enumerate(steps) if k < n - 1), None)
-    if short is not None:
-        k = steps[short]
-        return (f"Rank {short} made {k} ring step{'' if k == 1 else 's'} (send_recv calls); "
-                f"with world_size={n} it takes {n - 1} ring step{'' if n == 2 else 's'} for "
-                f"every slice to arrive. Which slice "
-                f"does a rank pass on at each step, and into which slice does what it "
-                f"receives go?")
-    return ("Every send and receive went to the right slice, so the mistake is in what "
-            "the function returns: return the whole output, slice i holding rank i's x.")
-
-
-def _explain_hang(n: int, err: RankError, timeout: float) -> str:
+def _explain_hang(n: int, src: int, err: RankError, timeout: float) -> str:
+    head = (f"With world_size={n} and src={src} the ranks had not finished after "
+            f"{timeout:g} s, so the check stopped them.")
     stuck = [r for r in err.reports if r.state == "stuck"]
-    where = {r.collective for r in stuck}
-    head = (f"With world_size={n} the ranks had not finished after {timeout:g} s, so the "
-            f"check stopped them.")
-    if stuck and where == {"send"}:
-        return (f"{head} Every rank was waiting in a blocking dist.send. On gloo, send "
-                f"returns only once the receiver has called recv, so each rank waits for its "
-                f"right neighbour, which is itself waiting in send: no rank ever reaches its "
-                f"recv. Start the send with dist.isend (or use send_recv), then recv, then "
-                f"wait on the send.")
-    if stuck and where == {"recv"}:
-        return (f"{head} Every rank was waiting in dist.recv for its left neighbour, which "
-                f"was itself waiting in recv: nobody sent. Start the send with dist.isend "
-                f"first (or use send_recv), then recv.")
-    lines = "; ".join(f"rank {r.rank}: {r.summary}" for r in err.reports)
-    return (f"{head} The ranks wait for each other: every send needs a matching recv on "
-            f"the neighbour at the same step. Where each rank was: {lines}.")
+    where = "; ".join(_where(r) if r.state == "stuck" else f"rank {r.rank}: {r.summary}"
+                      for r in err.reports)
+    last = (src - 1) % n
+    if any(r.rank == last and r.collective == "send" for r in stuck):
+        return (f"{head} Where each rank was: {where}. Rank {last} is the last rank of the "
+                f"chain, and it was waiting in send: on gloo a send returns only once the "
+                f"receiver has called recv (step 1). Its right neighbour is src, which holds "
+                f"the data already and never receives, so the chain ends at rank {last}.")
+    if stuck and all(r.collective == "send" for r in stuck):
+        return (f"{head} Where each rank was: {where}. On gloo a send returns only once the "
+                f"receiver has called recv (step 1): which rank did each waiting send go to, "
+                f"and does that rank ever receive from it?")
+    if stuck and all(r.collective == "recv" for r in stuck):
+        return (f"{head} Where each rank was: {where}. Every waiting rank was in recv: nobody "
+                f"sent to it. Only src holds the data at the start, so the first send is "
+                f"src's.")
+    return (f"{head} Where each rank was: {where}. Every send needs a matching recv on the "
+            f"rank it goes to.")
 
 
-def check_ring_all_gather(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXERCISE_NUMEL,
-                          timeout: float = HANG_TIMEOUT) -> Verdict:
-    """Exercise of notebook 06: ``fn(x)`` is ``all_gather`` built from the ring.
+def _chain_order(n: int, src: int) -> list[int]:
+    return [(src + d) % n for d in range(n)]
 
-    On rank ``r``, ``fn`` gets ``x = exercise_input(r, numel)`` (float32, shape
-    ``(numel,)``) and must return a float32 tensor of shape ``(world_size * numel,)``
-    whose slice ``i`` is rank ``i``'s ``x``, the result of ``dist.all_gather``
-    concatenated, sending only with ``dist.isend``/``dist.send`` (each rank may send
-    ``(world_size - 1) * numel * 4`` bytes, as in the ring's all-gather phase).
-    Collectives are disabled on the ranks while ``fn`` runs; every send (bytes, which
-    slice, whose data) and every receive (into which slice) is recorded, so a wrong
-    answer is told which step's send or receive went wrong.
+
+def _diagnose_chain(n: int, src: int, numel: int, pieces: int, out) -> str | None:
+    """The first thing that differs from a chain broadcast, as one or two sentences that
+    name concrete ranks and pieces (never an index formula) and start with "Rank", or
+    ``None``."""
+    data = exercise_input(src, numel)
+    order = _chain_order(n, src)
+    last = order[-1]
+    for r in order:
+        x, events = out[r]
+        sends = [e for e in events if e["kind"] == "send"]
+        recvs = [e for e in events if e["kind"] == "recv"]
+        right, left = (r + 1) % n, (r - 1) % n
+        targets = sorted({e["peer"] for e in sends if e["peer"] is not None})
+        if r == src and len(targets) > 1:
+            return (f"Rank {src} (src) sent to ranks {', '.join(map(str, targets))} "
+                    f"itself: that is the root of reduce-then-broadcast, which sends "
+                    f"(N - 1) x S. In a chain src sends only to rank {right}, and every rank "
+                    f"passes the pieces on to its right neighbour.")
+        wrong = next((e["peer"] for e in sends if e["peer"] != right), None)
+        if sends and wrong is not None:
+            return (f"Rank {r} sent to rank {wrong}; in the chain a rank sends only to "
+                    f"its right neighbour, rank {right}.")
+        if r == src and recvs:
+            return (f"Rank {src} (src) called recv: src holds the data from the start "
+                    f"and only sends.")
+        came = next((e["peer"] for e in recvs if e["peer"] not in (left, None)), None)
+        if came is not None:
+            return (f"Rank {r} received from rank {came}; in the chain a rank receives "
+                    f"only from its left neighbour, rank {left}.")
+        if r == last and sends:
+            return (f"Rank {r}, the last rank of the chain, sent to rank {right}, which "
+                    f"is src and holds the data already: the chain ends at rank {r}.")
+        if r != src and not recvs:
+            return f"Rank {r} never called recv, so nothing reached its x."
+        if r != last and not sends:
+            return (f"Rank {r}{' (src)' if r == src else ''} never sent, so rank "
+                    f"{right} and the ranks after it in the chain get nothing.")
+        early = next((e for e in sends if e["held"] == "zeros"), None)
+        if early is not None:
+            return (f"Rank {r} sent a tensor of zeros: it passed a piece on before that "
+                    f"piece had arrived.")
+        if r != src and not torch.equal(x, data) and not x.any():
+            return (f"Rank {r} received {len(recvs)} time{'s' if len(recvs) != 1 else ''} "
+                    f"but its x still holds zeros: it received into a tensor of its own. A "
+                    f"piece of x from tensor_split is a view, so recv can write into x "
+                    f"directly.")
+    return None
+
+
+def _describe_x(x: torch.Tensor, data: torch.Tensor, pieces: int) -> str:
+    if not x.any():
+        return "zeros in every piece, as before the call"
+    parts = []
+    for j, (got, want) in enumerate(zip(x.tensor_split(pieces), data.tensor_split(pieces))):
+        if torch.equal(got, want):
+            continue
+        parts.append(f"piece {j} holds {'zeros' if not got.any() else got.tolist()}")
+    return "; ".join(parts)
+
+
+def check_chain_broadcast(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXERCISE_NUMEL,
+                          pieces: int = EXERCISE_PIECES, timeout: float = HANG_TIMEOUT) -> Verdict:
+    """Exercise of notebook 06: ``fn(x, src, pieces)`` is ``dist.broadcast`` along a chain.
+
+    On rank ``src``, ``x`` is ``exercise_input(src, numel)``; on the others, zeros of the
+    same shape (float32, ``(numel,)``). Afterwards every rank's ``x`` must hold src's
+    data (in place, as ``dist.broadcast`` leaves it), sent along the chain src, src + 1,
+    ... (mod ``world_size``): every rank receives only from its left neighbour and sends
+    only to its right one; the last rank of the chain sends nothing; each rank that sends
+    passes ``x`` on in ``pieces`` pieces of ``x.tensor_split(pieces)`` (``S`` bytes in
+    all, ``S = numel * 4``), and a rank in the middle of the chain forwards the first
+    piece before it receives the last (a pipeline, not store-and-forward; checked where
+    its receives are blocking ``dist.recv`` calls).
+
+    While ``fn`` runs, collectives are refused and every send and receive is recorded, so
+    a wrong answer is told which rank went where: a star from src, a send or receive to
+    the wrong neighbour, a chain that starts at rank 0 or closes into a ring, zeros
+    passed on before they arrived, a receive into another tensor than ``x``, the whole
+    tensor in one piece, or store-and-forward. No message gives an index formula.
 
     The check runs on a :class:`~reducelab.LocalGroup` of its own, created and closed
-    inside it, with a ``timeout`` of a few seconds: a ring that hangs (every rank in a
-    blocking ``send``) is stopped after ``timeout`` seconds and explained, and the
-    learner's own group is left as it was.
+    inside it, with a ``timeout`` of a few seconds: a chain that hangs is stopped after
+    ``timeout`` seconds and explained, and the learner's own group is left as it was.
 
     Args:
-        fn: the learner's function, called on every rank as ``fn(x)``.
-        world_sizes: the world sizes to try, in order (each an int from 2 up).
-        numel: elements per rank (int >= 1).
+        fn: the learner's function, called on every rank as ``fn(x, src, pieces)``.
+        world_sizes: the world sizes to try, in order (each an int from 2 up); at each,
+            src is the first rank, then the last.
+        numel: elements of ``x`` (int >= ``pieces``).
+        pieces: how many pieces to cut ``x`` into (int >= 1).
         timeout: seconds the check's group waits for the ranks (float > 0).
 
     Returns:
-        A :class:`~reducelab.checks.Verdict` that says, for a wrong answer, which rank's
-        slice holds what, and which send or receive made it so.
+        A :class:`~reducelab.checks.Verdict`.
+
+    Raises:
+        ValueError: a world size below 2, ``pieces < 1`` or ``numel < pieces``.
     """
     if not callable(fn):
-        return failed(f"check_ring_all_gather needs your function, ring_all_gather; got {fn!r}.")
+        return failed(f"check_chain_broadcast needs your function, chain_broadcast; got {fn!r}.")
+    if not world_sizes or min(world_sizes) < 2:
+        raise ValueError(f"world_sizes must be 2 or more ranks each, got {world_sizes!r}")
+    if pieces < 1 or numel < pieces:
+        raise ValueError(f"need 1 <= pieces <= numel; got pieces={pieces}, numel={numel}")
+    size = numel * 4
     with LocalGroup(world_size=world_sizes[0], timeout=timeout, progress=False) as own:
         for n in world_sizes:
             own.resize(n)
-            try:
-                out = own.run(_run_exercise, fn, numel)
-            except RankError as e:
-                if any(r.state == "stuck" for r in e.reports):
-                    return failed(_explain_hang(n, e, timeout))
-                return raised_on_ranks(f"With world_size={n}", e)
-            per_rank = (n - 1) * numel * 4
-            traces = [trace for _, _, trace in out]
-            for r, (got, want, trace) in enumerate(out):
-                if not isinstance(got, torch.Tensor):
-                    return failed(f"With world_size={n}, rank {r} returned {got!r}; expected a "
-                                  f"tensor of {n * numel} elements: {want}.")
-                if got.shape != want.shape:
-                    return failed(f"With world_size={n}, rank {r} returned shape "
-                                  f"{tuple(got.shape)}; expected {tuple(want.shape)}: "
-                                  f"world_size slices of {numel} elements, slice i from rank i.")
-                if not torch.equal(got.float(), want):
-                    problems = []
-                    for i, piece in enumerate(got.float().tensor_split(n)):
-                        if torch.equal(piece, exercise_input(i, numel)):
-                            continue
-                        holder = _whose(piece, n, numel)
-                        if holder is not None:
-                            problems.append(f"slice {i} holds rank {holder}'s tensor")
-                        elif not piece.any() and i == r:
-                            problems.append(f"slice {i}, rank {r}'s own, is still zero")
-                        elif not piece.any():
-                            problems.append(f"slice {i} is still zero (never received)")
-                        else:
-                            problems.append(f"slice {i} holds {piece.tolist()}")
-                    return failed(f"With world_size={n}, rank {r} returned {got}, expected "
-                                  f"{want}: {'; '.join(problems)}. "
-                                  f"{_diagnose(n, numel, traces)}")
-                if trace["bytes"] != per_rank:
-                    return failed(f"With world_size={n}, the result is right, but rank {r} "
-                                  f"passed {trace['bytes']} bytes to isend/send; the ring's "
-                                  f"all-gather phase sends {n - 1} slices of {numel * 4} bytes "
-                                  f"= {per_rank} bytes. Send one slice per step, not the whole "
-                                  f"output.")
-    return passed(f"At world sizes {', '.join(map(str, world_sizes))} every rank gathered "
-                  f"every rank's tensor in world_size - 1 ring steps, sending "
-                  f"(world_size - 1) x {numel * 4} bytes: the same as the real all_gather. "
-                  f"This is the ring's all-gather phase, started from each rank's own "
-                  f"slice instead of a reduced chunk.")
+            for src in sorted({0, n - 1}):
+                at = f"With world_size={n} and src={src}"
+                try:
+                    out = own.run(_run_chain, fn, src, numel, pieces)
+                except RankError as e:
+                    if any(r.state == "stuck" for r in e.reports):
+                        return failed(_explain_hang(n, src, e, timeout))
+                    return raised_on_ranks(at, e)
+                data = exercise_input(src, numel)
+                hint = _diagnose_chain(n, src, numel, pieces, out)
+                bad = next((r for r in _chain_order(n, src) if not torch.equal(out[r][0], data)), None)
+                if bad is not None:
+                    return failed(f"{at}, rank {bad}'s x afterwards: "
+                                  f"{_describe_x(out[bad][0], data, pieces)}; expected src's "
+                                  f"x, {data.tolist()}." + (f" {hint}" if hint else ""))
+                if hint:
+                    return failed(f"{at}, every rank ends with src's x, but "
+                                  f"{hint[0].lower()}{hint[1:]}")
+                verdict = _check_pieces(n, src, numel, pieces, size, out)
+                if verdict is not None:
+                    return verdict
+    return passed(
+        f"At world sizes {', '.join(map(str, world_sizes))}, with src the first or the last "
+        f"rank, every rank received src's x from its left neighbour in {pieces} pieces, and "
+        f"every rank but the last of the chain passed each piece on as soon as it had it: "
+        f"each sent S = {size} bytes, src too, where the root of reduce-then-broadcast sent "
+        f"(N - 1) x S. Counting bytes only, the last rank has all {pieces} pieces after "
+        f"N + {pieces} - 2 piece-times instead of (N - 1) x {pieces}. NCCL's ring broadcast "
+        f"does this (runRing in its src/device/broadcast.h).")
+
+
+def _check_pieces(n: int, src: int, numel: int, pieces: int, size: int, out) -> Verdict | None:
+    """The failing verdict for a chain that delivers the right data with the wrong pieces
+    or without a pipeline, or ``None``."""
+    at = f"With world_size={n} and src={src}, every rank ends with src's x, but"
+    order = _chain_order(n, src)
+    want = [f"piece {j}" for j in range(pieces)]
+    for r in order[:-1]:
+        sends = [e for e in out[r][1] if e["kind"] == "send"]
+        sent = sum(e["numel"] for e in sends) * 4
+        if sent != size:
+            return failed(f"{at} rank {r} sent {sent} bytes; x is S = {size} bytes, and each "
+                          f"rank of the chain but the last sends it once.")
+        if [e["held"] for e in sends] != want:
+            held = ", ".join(e["held"] for e in sends)
+            return failed(f"{at} rank {r} sent {len(sends)} tensor{'s' if len(sends) != 1 else ''} "
+                          f"({held}); expected the {pieces} pieces of x.tensor_split({pieces}), "
+                          f"piece 0 first. With one piece, rank {(r + 1) % n} can pass nothing "
+                          f"on until the whole of x has arrived.")
+    for r in order[1:-1]:
+        events = out[r][1]
+        recvs = [i for i, e in enumerate(events) if e["kind"] == "recv"]
+        sends = [i for i, e in enumerate(events) if e["kind"] == "send"]
+        blocking = all(events[i]["blocking"] for i in recvs)
+        if pieces > 1 and blocking and recvs and sends and sends[0] > recvs[-1]:
+            return failed(
+                f"{at} rank {r} received all {pieces} pieces before it sent the first: store "
+                f"and forward. Each rank then waits for the whole of x, and the last rank "
+                f"has it after (N - 1) x {pieces} piece-times; passing each piece on as soon "
+                f"as it arrives keeps every link busy at once.")
+    return None

@@ -1,0 +1,591 @@
+"""Tests of notebook 13 (what DDP expects of a model): every fact the notebook states, run
+with the notebook's own classes and rank functions (read from its code cells) on real gloo
+ranks, hangs under short timeouts; the timing claim re-derived from the stored output; the
+explorer driven headlessly through its settings; the exercise's check on the solution,
+the stub and each usual mistake; and the figures."""
+from __future__ import annotations
+
+import ast
+import html
+import json
+import pathlib
+import re
+import sys
+import types
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+
+import conftest
+from reducelab import LocalGroup, RankError
+from reducelab.checks.ddp_model import (BASE_SEEDS, MESHES, check_dropout_seeds, first_elements,
+                                        mask, stderr_during)
+from reducelab.plots import MAX_WIDTH, MIN_FONT
+from reducelab.plots.ddp_model import (StepFigure, buffers_figure, construction_figure,
+                                       mask_figure, same_as_rank0)
+from reducelab.widgets.ddp_model import (AUX_USED_ON, GROUPS, OPTIONS, SEEDINGS,
+                                         DDPStepExplorer, StepResult, describe_result)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "13_what_ddp_expects_of_a_model.ipynb"
+CELLS = json.loads(NOTEBOOK.read_text())["cells"]
+HANG = 4.0
+"""Timeout (s) of the groups that hang here: the notebook uses 3 s; a busy 2-core test
+machine needs a little more to start and restart four ranks."""
+KEEP = {"never", "rank_0_only", "every_other", "always", "SEEDINGS", "DDP_OPTIONS"}
+"""Module-level names the notebook assigns (lambdas, tables) that its functions need."""
+
+
+def notebook_functions() -> types.ModuleType:
+    """The notebook's imports, classes, ``def``s and the assignments in :data:`KEEP`
+    (nothing else of its cells runs), in a module of their own that the ranks cannot
+    import, so that its functions and classes travel by value as a notebook cell's do."""
+    module = types.ModuleType("nb13_cells")
+    sys.modules.pop("nb13_cells", None)
+    exec("from reducelab import LocalGroup, RankError, setup", module.__dict__)
+    for cell in CELLS:
+        if cell["cell_type"] != "code":
+            continue
+        tree = ast.parse("".join(cell["source"]))
+        keep = [node for node in tree.body
+                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+                or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id in KEEP)]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb13", "exec"), module.__dict__)
+    return module
+
+
+NB = notebook_functions()
+
+
+def source_with(text: str, kind: str = "code") -> str:
+    """The source of the one cell of ``kind`` that contains ``text``."""
+    hits = ["".join(c["source"]) for c in CELLS if c["cell_type"] == kind and text in "".join(c["source"])]
+    assert len(hits) == 1, f"{len(hits)} {kind} cells contain {text!r}"
+    return hits[0]
+
+
+def cell_with(text: str) -> dict:
+    hits = [c for c in CELLS if c["cell_type"] == "code" and text in "".join(c["source"])]
+    assert len(hits) == 1, f"{len(hits)} code cells contain {text!r}"
+    return hits[0]
+
+
+def stored_text(cell: dict) -> str:
+    """Everything a code cell shows as text: streams, and the folded verdicts' HTML."""
+    parts = []
+    for o in cell["outputs"]:
+        if o["output_type"] == "stream":
+            parts.append("".join(o["text"]))
+        elif "text/html" in o.get("data", {}):
+            page = "".join(o["data"]["text/html"]).replace("<br>", "\n")
+            parts.append(html.unescape(re.sub(r"<[^>]+>", "", page)))
+        elif "text/plain" in o.get("data", {}):
+            parts.append("".join(o["data"]["text/plain"]))
+    return "\n".join(parts)
+
+
+def markdown() -> str:
+    return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
+
+
+def same(a, b) -> bool:
+    return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """Four ranks whose calls end after HANG seconds: for the hangs the notebook shows."""
+    g = LocalGroup(world_size=4, timeout=HANG)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def info_group():
+    g = LocalGroup(world_size=2, timeout=60, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"})
+    yield g
+    g.close()
+
+
+@pytest.fixture(autouse=True)
+def four_ranks(group, quick):
+    group.resize(4)
+    quick.resize(4)
+    yield
+
+
+# --- step 1: construction --------------------------------------------------------------------
+def test_ddp_broadcasts_parameters_and_buffers_not_plain_attributes(group):
+    out = group.run(NB.build_and_wrap)
+    built = torch.stack([o[0] for o in out])
+    wrapped = torch.stack([o[1] for o in out])
+    assert not any(torch.equal(built[r], built[0]) for r in (1, 2, 3))     # each rank drew its own
+    assert all(torch.equal(w, built[0]) for w in wrapped)                  # rank 0's, everywhere
+    shifts = [after[0] for *_, after in out]
+    scales = [(before[1], after[1]) for *_, before, after in out]
+    assert shifts == [out[0][2][0]] * 4                                    # rank 0's buffer
+    assert all(b == a for b, a in scales) and len({a for _, a in scales}) == 4
+    assert "The real run gives (True, True, False)." in stored_text(cell_with("actual_1 = ("))
+
+
+def test_the_source_shown_is_the_construction_broadcast():
+    text = stored_text(cell_with('"if init_sync:" in line'))
+    assert "_verify_param_shape_across_processes(self.process_group, parameters)" in text
+    assert "_sync_module_states(" in text and "src=0," in text
+
+
+# --- step 2: buffers ---------------------------------------------------------------------------
+def test_batchnorm_running_mean_follows_rank_0(group):
+    synced = group.run(NB.bn_running_mean)
+    assert synced == pytest.approx([1.0, 1.2, 1.4, 1.6], abs=1e-6)         # (4 * 1 + (r + 1)) / 5
+    assert group.run(NB.bn_running_mean, forward_sync_buffers=False) == pytest.approx([1, 2, 3, 4])
+    averaged = group.run(NB.bn_running_mean, average_at_end=True, forward_sync_buffers=False)
+    assert averaged == pytest.approx([2.5] * 4)
+    assert "The real run gives 1.0." in stored_text(cell_with("synced = group.run(bn_running_mean)"))
+
+
+def test_broadcast_buffers_warns_and_skips_the_init_broadcast(group):
+    out = group.run(NB.wrap_with, {"broadcast_buffers": False})
+    assert [v for v, _ in out] == [0.0, 1.0, 2.0, 3.0]
+    assert out[0][1][0].startswith("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.")
+    out = group.run(NB.wrap_with, {"forward_sync_buffers": False})
+    assert [v for v, _ in out] == [0.0] * 4 and out[0][1] == []
+    doc = " ".join(NB.DDP.__doc__.split())
+    assert "deprecated:: 2.13 Use ``forward_sync_buffers`` instead" in doc
+    with pytest.raises(RankError, match="SyncBatchNorm layers only work with GPU modules"):
+        group.run(NB.sync_batchnorm)
+
+
+# --- step 3: unused parameters ---------------------------------------------------------------------
+def test_an_unused_branch_skips_the_average_then_raises(group):
+    out = group.run(NB.train, NB.never)
+    grads = [g[0] for g, _ in out]
+    assert [len(g) for g, _ in out] == [1] * 4                                # the error: step 2
+    assert not any(same(g, grads[0]) for g in grads[1:])                      # not averaged
+    assert all(g[-3:].isnan().all() for g in grads)                           # aux: no gradient
+    for rank, (_, error) in enumerate(out):
+        assert error.startswith("Expected to have finished reduction in the prior iteration "
+                                "before starting a new one.")
+        assert f"Parameter indices which did not receive grad for rank {rank}: 4 5" in error
+    assert "The real run gives False." in stored_text(cell_with("actual_3 = all("))
+    assert "Parameter indices which did not receive grad for rank 0: 4 5" in \
+        stored_text(cell_with('print(out[0][1])'))
+
+
+def test_info_names_the_parameters(info_group):
+    error = info_group.run(NB.train, NB.never)[0][1]
+    assert "Parameters which did not receive grad for rank 0: aux.bias, aux.weight" in error
+    assert "Parameters which did not receive grad for rank 0: aux.bias, aux.weight" in \
+        stored_text(cell_with("info_out = info_group.run"))
+
+
+def test_a_branch_on_some_ranks_only_hangs_rank_0_in_backward(quick):
+    with pytest.raises(RankError) as info:
+        quick.run(NB.train, NB.rank_0_only)
+    states = {r.rank: r.state for r in info.value.reports}
+    assert states == {0: "stuck", 1: "returned", 2: "returned", 3: "returned"}
+    assert "backward()" in source_with("def train(").splitlines()[15]         # "at train line 16"
+    assert "rank 0: was still running, at train line 16" in \
+        stored_text(cell_with("group.run(train, rank_0_only)\n"))
+
+
+def record_train(folder, train, aux_used):
+    import torch.distributed as dist
+    grads, error = train(aux_used)
+    with open(f"{folder}/rank_{dist.get_rank()}", "w") as f:
+        f.write(error or "no error")
+
+
+def test_the_ranks_that_skip_aux_raise_at_their_next_forward(quick, tmp_path):
+    """The text: ranks 1 to 3 went on to the next step, whose forward raised, and returned."""
+    with pytest.raises(RankError) as info:
+        quick.run(record_train, str(tmp_path), NB.train, NB.rank_0_only)
+    assert {r.rank: r.state for r in info.value.reports} == {0: "stuck", 1: "returned", 2: "returned", 3: "returned"}, str(info.value)
+    written = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert sorted(written) == ["rank_1", "rank_2", "rank_3"]
+    assert all(t.startswith("Expected to have finished reduction") for t in written.values())
+
+
+def test_each_option_handles_what_the_notebook_says(group):
+    for option, case, works in [({"find_unused_parameters": True}, NB.never, True),
+                                ({"find_unused_parameters": True}, NB.rank_0_only, True),
+                                ({"find_unused_parameters": True}, NB.every_other, True),
+                                ({"static_graph": True}, NB.never, True),
+                                ({"static_graph": True}, NB.rank_0_only, True),
+                                ({"static_graph": True}, NB.every_other, False)]:
+        out = group.run(NB.train, case, 3, **option)
+        text = NB.outcome(out)
+        if works:
+            assert text.startswith("3 steps; gradients the same on every rank: True"), (option, text)
+        else:
+            assert text.startswith("raises: Your training graph has changed in this iteration")
+    table = stored_text(cell_with("cases = {"))
+    assert table.count("gradients the same on every rank: True") == 5 and "raises" in table
+
+
+def test_aux_gradient_from_rank_0_alone_is_the_mean_loss_gradient(group):
+    grads = [g[0] for g, _ in group.run(NB.train, NB.rank_0_only, 1, find_unused_parameters=True)]
+    reference = NB.mean_loss_gradient(4, NB.rank_0_only)
+    assert max((g - reference).abs().max().item() for g in grads) <= 1e-6
+    assert not reference[-3:].isnan().any() and reference[-3:].abs().sum() > 0
+
+
+def test_find_unused_parameters_warns_once_per_process_with_torchs_words():
+    with LocalGroup(world_size=2, timeout=60) as g:
+        first = [t for _, t in g.run(stderr_during, NB.train, NB.always, 1, find_unused_parameters=True)]
+        again = [t for _, t in g.run(stderr_during, NB.train, NB.always, 1, find_unused_parameters=True)]
+    assert all("This flag results in an extra traversal of the autograd graph every iteration" in t
+               for t in first)
+    assert again == ["", ""]
+    stored = stored_text(cell_with("logs = [text for _, text in"))
+    assert stored.startswith("ranks that warned: 4 of 4")
+    assert "results in an extra traversal of the autograd graph every iteration" in stored
+    quote = "an extra traversal of the autograd graph every iteration, which can adversely affect performance"
+    assert quote in " ".join(first[0].lower().split()) and quote in " ".join(markdown().lower().split())
+
+
+def test_collectives_per_step(group):
+    default = group.run(NB.collectives_per_step)[0]
+    assert default == ["all_reduce of 58", "broadcast of 7, broadcast of 1, all_reduce of 58",
+                       "all_reduce of 58"]
+    unused = group.run(NB.collectives_per_step, find_unused_parameters=True)[0]
+    assert all(sorted(step.split(", ")) == ["all_reduce of 58", "all_reduce of 6"] for step in unused)
+    static = group.run(NB.collectives_per_step, static_graph=True)[0]
+    assert "all_reduce of 6" in static[0] and not any("of 6" in s for s in static[1:])
+    assert sum(p.numel() for p in NB.Net().parameters()) == 58 and len(list(NB.Net().parameters())) == 6
+
+
+def test_the_timing_claim_holds_in_the_stored_output():
+    """The prose: find_unused_parameters=True costs CPU time in most steps; static_graph=True
+    about what the default costs. Re-derived from the cell's stored output."""
+    cell = cell_with("def step_cpu_times(")
+    assert cell["metadata"].get("tags") == ["nbval-ignore-output"]
+    text = stored_text(cell)
+    m = re.search(r"find_unused_parameters=True\s+median ([\d.]+) ms; minus the default's, step by "
+                  r"step: median \+?(-?[\d.]+) ms \(quartiles \+?(-?[\d.]+) to \+?(-?[\d.]+)\), more CPU "
+                  r"in (\d+) of (\d+) steps", text)
+    assert m, text
+    median_extra, q1, more, n = float(m[2]), float(m[3]), int(m[5]), int(m[6])
+    assert n >= 15 and more > n / 2 and median_extra > 0        # "in most steps"
+    base = float(re.search(r"default\s+median ([\d.]+) ms", text)[1])
+    static = float(re.search(r"static_graph=True\s+median ([\d.]+) ms", text)[1])
+    assert abs(static - base) < median_extra + 0.1 * base         # "about what the default costs"
+    prose = source_with("The extra traversal and bookkeeping cost CPU time in most steps", "markdown")
+    assert "`static_graph=True` costs about what the default costs" in prose
+
+
+# --- step 5: randomness ------------------------------------------------------------------------------
+def test_dropout_masks_follow_the_seeds(group):
+    same_seed = torch.stack(group.run(NB.dropout_mask, NB.SEEDINGS["torch.manual_seed(0) on every rank"]))
+    per_rank = torch.stack(group.run(NB.dropout_mask, NB.SEEDINGS["torch.manual_seed(rank)"]))
+    assert all(torch.equal(m, same_seed[0]) for m in same_seed)
+    assert len({tuple(m.tolist()) for m in per_rank}) == 4
+
+
+def test_zero_gradient_rows(group):
+    one = group.run(NB.zero_rows, lambda rank: 0)
+    own = group.run(NB.zero_rows, lambda rank: 1000 + rank)
+    assert len(set(one)) == 1 and len(set(own)) == 1                  # DDP averaged: every rank agrees
+    assert abs(one[0] - 32) <= 10 and own[0] <= 10 and one[0] > 3 * own[0]
+    assert f"The real run gives ({one[0]}, {own[0]})." in stored_text(cell_with("counts = ("))
+
+
+def test_fresh_ranks_share_a_generator_and_dataloader_workers_follow_the_rank_seed(group):
+    with LocalGroup(world_size=2, timeout=60) as fresh:
+        assert len(set(fresh.run(torch.initial_seed))) == 1
+    same_seed = group.run(NB.worker_seeds, NB.SEEDINGS["torch.manual_seed(0) on every rank"])
+    own = group.run(NB.worker_seeds, NB.SEEDINGS["torch.manual_seed(rank)"])
+    assert all(s == same_seed[0] for s in same_seed) and len({tuple(s) for s in own}) == 4
+    assert all(len(set(s)) == 2 for s in own)                         # two workers, two seeds
+
+
+def test_replicated_masks_on_a_dp_tp_mesh(group):
+    out = group.run(NB.replicated_masks)
+    coords = [c for c, _ in out]
+    assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    m = {name: torch.stack([masks[name] for _, masks in out]) for name in out[0][1]}
+    by_dp = m["seed = dp rank"]
+    assert torch.equal(by_dp[0], by_dp[1]) and torch.equal(by_dp[2], by_dp[3])
+    assert not torch.equal(by_dp[0], by_dp[2])
+    assert not torch.equal(m["seed = rank"][0], m["seed = rank"][1])
+    assert all(torch.equal(x, m["seed 0 on every rank"][0]) for x in m["seed 0 on every rank"])
+
+
+# --- step 6: evaluation on rank 0 ------------------------------------------------------------------------
+def test_evaluating_through_the_wrapper_hangs_and_module_does_not(quick):
+    with pytest.raises(RankError) as info:
+        quick.run(NB.evaluate_on_rank_0, "model")
+    assert {r.rank: r.state for r in info.value.reports} == {0: "stuck", 1: "returned",
+                                                            2: "returned", 3: "returned"}
+    assert quick.run(NB.evaluate_on_rank_0, "model.module") == ["returned"] * 4
+    assert quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False) == ["returned"] * 4
+    with pytest.raises(RankError):
+        quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False, grad=True)
+    assert "The real run gives False." in stored_text(cell_with("actual_5 = "))
+
+
+# --- the explorer --------------------------------------------------------------------------------------
+@pytest.fixture()
+def explorer(quick):
+    return DDPStepExplorer(quick, NB.one_step)
+
+
+def test_explorer_default_shows_the_unaveraged_step(explorer):
+    r = explorer.result
+    assert explorer.error is None and (r.aux_used_on, r.option) == ("no rank", "default")
+    assert bytes(explorer.image.value[:8]) == PNG
+    assert StepResult.rows_equal(r.wrapped) and not StepResult.rows_equal(r.built)
+    assert not StepResult.rows_equal(r.grad) and not StepResult.rows_equal(r.after)
+    assert all(t.startswith("Expected to have finished reduction") for t in r.next_forward)
+    assert "The next forward raises on 4 of 4 ranks: RuntimeError: Expected to have finished " \
+           "reduction in the prior iteration before starting a new one." in explorer.message.value
+    assert explorer.text() in stored_text(cell_with("explorer = DDPStepExplorer("))
+
+
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph"])
+def test_explorer_options_average_and_leave_aux_without_gradient(explorer, option):
+    explorer.controls["option"].value = option
+    r = explorer.result
+    assert StepResult.rows_equal(r.grad) and StepResult.rows_equal(r.after)
+    assert np.isnan(r.grad[:, 4:]).all() and not np.isnan(r.grad[:, :4]).any()
+    assert r.next_forward == [""] * 4 and "The next forward runs." in explorer.message.value
+
+
+def test_explorer_rank_0_only(explorer):
+    explorer.controls["option"].value = "find_unused_parameters"
+    explorer.controls["aux_used_on"].value = "rank 0 only"
+    r = explorer.result
+    assert StepResult.rows_equal(r.grad) and not np.isnan(r.grad).any()
+    assert "rank 0's own divided by 4" in html.unescape(explorer.message.value)
+    explorer.controls["option"].value = "default"
+    assert explorer.result is None and explorer.error is not None
+    message = html.unescape(explorer.message.value)
+    assert "A hang, ended by the group's 4 s timeout: rank 0 used aux" in message
+    assert "ranks 1, 2, 3 did not use aux" in message
+    explorer.controls["aux_used_on"].value = "every rank"
+    assert explorer.error is None and StepResult.rows_equal(explorer.result.grad)
+
+
+def test_explorer_seeding_and_world_size(explorer, quick):
+    explorer.controls["seeding"].value = "same seed"
+    r = explorer.result
+    assert StepResult.rows_equal(r.built) and all(np.array_equal(m, r.dropped[0]) for m in r.dropped)
+    assert "Dropout drew the same mask on every rank." in explorer.message.value
+    explorer.controls["world_size"].value = 2
+    assert quick.world_size == 2 and explorer.result.world_size == 2
+    assert explorer.result.grad.shape == (2, 6)
+
+
+def test_explorer_rejects_bad_values_and_follows_a_new_group(quick):
+    with pytest.raises(ValueError, match="every rank, no rank, rank 0 only"):
+        DDPStepExplorer(quick, NB.one_step, aux_used_on="sometimes")
+    with pytest.raises(ValueError, match="default, find_unused_parameters, static_graph"):
+        DDPStepExplorer(quick, NB.one_step, option="gradient_as_bucket_view")
+    with pytest.raises(ValueError, match="from 2 to 4"):
+        DDPStepExplorer(quick, NB.one_step, world_size=5)
+    with pytest.raises(TypeError, match="must be a function"):
+        DDPStepExplorer(quick, "one_step")
+    g = LocalGroup(world_size=2, timeout=60)
+    ex = DDPStepExplorer(g, NB.one_step, world_size=2)
+    g.close()
+    ex.controls["seeding"].value = "same seed"
+    assert ex.group is not g and ex.error is None and ex.result.world_size == 2
+
+
+def test_describe_has_no_numbers_of_rounding_size():
+    n = 2
+    r = StepResult("every rank", "default", "seed + rank", n, np.ones((n, 6)), np.ones((n, 6)),
+                   np.full((n, 6), 0.1234567), np.ones((n, 6)), np.zeros((n, 8), bool), ["", ""])
+    text = describe_result(r)
+    assert "0.12" not in text and "every rank holds the same gradient" in text
+    assert AUX_USED_ON == ("every rank", "no rank", "rank 0 only")
+    assert OPTIONS == ("default", "find_unused_parameters", "static_graph")
+    assert SEEDINGS == ("same seed", "seed + rank") and sum(k for _, k in GROUPS) == 6
+
+
+# --- the exercise --------------------------------------------------------------------------------------
+def solution_lines() -> list[str]:
+    path = ROOT / "notebooks" / "solutions" / "13_dropout_seeds.py"
+    return [line.strip() for line in path.read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+
+
+def test_solution_passes_and_the_world_size_is_restored(group):
+    group.resize(2)
+    verdict = check_dropout_seeds(group, conftest.load_solution("13_dropout_seeds").dropout_seeds)
+    assert verdict, verdict.message
+    assert "(2, 2), (4, 1), (1, 4)" in verdict.message and group.world_size == 2
+
+
+def test_the_notebook_stub_fails_without_the_solution(group):
+    verdict = check_dropout_seeds(group, NB.dropout_seeds)
+    assert not verdict and "the same replicated seed 0" in verdict.message
+    assert "check_dropout_seeds(group, dropout_seeds)" in source_with("from reducelab.checks.ddp_model import check_dropout_seeds")
+
+
+def rank_as_both(base, mesh):
+    import torch.distributed as dist
+    return base + mesh.get_local_rank("dp"), base + dist.get_rank()
+
+
+def sum_of_coordinates(base, mesh):
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    return base + d, base + 100 + d + t
+
+
+def tp_only(base, mesh):
+    return base + mesh.get_local_rank("dp"), base + 100 + mesh.get_local_rank("tp")
+
+
+def global_rank_replicated(base, mesh):
+    import torch.distributed as dist
+    return base + dist.get_rank(), base + 100 + dist.get_rank()
+
+
+def one_replicated_seed(base, mesh):
+    import torch.distributed as dist
+    return base, base + 100 + dist.get_rank()
+
+
+def random_seeds(base, mesh):
+    import random
+    return random.randrange(2 ** 40), random.randrange(2 ** 40)
+
+
+def ignores_base(base, mesh):
+    import torch.distributed as dist
+    return mesh.get_local_rank("dp"), 100 + dist.get_rank()
+
+
+def not_a_pair(base, mesh):
+    return base
+
+
+@pytest.mark.parametrize("mistake, explanation", [
+    (rank_as_both, "is both the replicated and the sharded seed of rank (dp 0, tp 0)"),
+    (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101"),
+    (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100"),
+    (global_rank_replicated, "are in the same tensor-parallel group but get the replicated seeds 0 and 1"),
+    (one_replicated_seed, "the data-parallel groups dp 0 and dp 1 get the same replicated seed 0"),
+    (random_seeds, "Derive the seeds from base_seed and the mesh only"),
+    (ignores_base, "the seeds must change with base_seed"),
+    (not_a_pair, "return two ints from 0 to 2**63 - 1"),
+])
+def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
+    verdict = check_dropout_seeds(group, mistake)
+    assert not verdict and explanation in verdict.message, verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]
+    assert group.world_size == 4
+
+
+def test_a_raising_function_and_a_non_function(group):
+    def raises(base, mesh):
+        return mesh.get_local_rank("pp"), 0
+    verdict = check_dropout_seeds(group, raises)
+    assert not verdict and "raised on the ranks" in verdict.message and "KeyError" in verdict.message
+    assert not check_dropout_seeds(group, "dropout_seeds")
+
+
+def test_masks_from_distinct_seeds_differ():
+    seeds = range(10)
+    assert len({tuple(mask(s).tolist()) for s in seeds}) == 10
+    assert torch.equal(mask(3), mask(3)) and mask(3).dtype == torch.bool
+    assert MESHES == ((2, 2), (4, 1), (1, 4)) and len(set(BASE_SEEDS)) == 2
+
+
+# --- helpers on the ranks ----------------------------------------------------------------------------
+def test_first_elements():
+    lin = torch.nn.Linear(3, 2)
+    flat = first_elements(lin.parameters())
+    assert flat.shape == (4,) and torch.equal(flat[:2], lin.weight.detach().flatten()[:2])
+    assert first_elements(lin.parameters(), grad=True).isnan().all()
+    lin(torch.ones(1, 3)).sum().backward()
+    assert torch.equal(first_elements(lin.parameters(), grad=True, k=1), torch.tensor([1.0, 1.0]))
+    with pytest.raises(ValueError, match="1 or more"):
+        first_elements(lin.parameters(), k=0)
+
+
+def test_stderr_during_keeps_fd_2_and_restores_it(capfd):
+    import os
+
+    def write():
+        os.write(2, b"from C++\n")
+        return 7
+    assert stderr_during(write) == (7, "from C++\n")
+    os.write(2, b"after\n")
+    assert "after" in capfd.readouterr().err
+
+    def fails():
+        raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"):
+        stderr_during(fails)
+    os.write(2, b"still restored\n")
+    assert "still restored" in capfd.readouterr().err
+
+
+# --- the figures ---------------------------------------------------------------------------------------
+def test_static_figures(drawn):
+    rng = np.random.default_rng(0)
+    b = rng.normal(0, 0.3, (4, 10))
+    w = np.tile(b[0], (4, 1))
+    groups = [("body", 4), ("head", 3), ("aux", 3)]
+    assert construction_figure(b, w, groups, "t").startswith(PNG)
+    labels = [t.get_text() for ax in drawn[-1].axes for child in ax.child_axes
+              for t in child.get_yticklabels()]
+    assert labels.count("same") == 3 and labels.count("differs") == 3, labels
+    with pytest.raises(ValueError, match="same shape"):
+        construction_figure(b, w[:, :5], groups)
+    with pytest.raises(ValueError, match="must name 10 columns"):
+        construction_figure(b, w, [("body", 4)])
+    assert buffers_figure([1, 1.2], [1, 2], 1.5).startswith(PNG)
+    with pytest.raises(ValueError, match="one value per rank"):
+        buffers_figure([1, 2], [1], 1.5)
+    masks = {"a": rng.random((4, 16)) < 0.5, "b": rng.random((4, 16)) < 0.5}
+    assert mask_figure(masks, title="t").startswith(PNG)
+    with pytest.raises(ValueError, match="one shape"):
+        mask_figure({"a": np.zeros((4, 16)), "b": np.zeros((4, 8))})
+    with pytest.raises(ValueError, match="row_labels"):
+        mask_figure(masks, row_labels=["x"])
+    assert same_as_rank0(np.array([[1, np.nan], [1, np.nan], [1, 2]])) == [True, True, False]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_explorer_figure_fits_and_labels_fit_their_cells(drawn, world_size):
+    rng = np.random.default_rng(world_size)
+    data = rng.normal(0, 0.3, (world_size, 6))
+    grad = data.copy()
+    grad[:, 4:] = np.nan
+    dropped = rng.random((world_size, 8)) < 0.5
+    assert StepFigure().draw(data, data, dropped, grad, data, GROUPS, "t").startswith(PNG)
+    fig = drawn[-1]
+    assert fig.get_figwidth() <= MAX_WIDTH
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    heat = [ax for ax in fig.axes if ax.get_images()]
+    assert len(heat) == 4
+    for ax in heat:
+        cell = ax.get_window_extent().width / 6
+        for t in ax.texts:
+            assert t.get_fontsize() >= MIN_FONT
+            assert t.get_window_extent(renderer).width < cell, (t.get_text(), cell)
+    with pytest.raises(ValueError, match="one row per rank"):
+        StepFigure().draw(data, data, dropped[:1], grad, data, GROUPS)
+
+
+# --- the notebook's text ---------------------------------------------------------------------------------
+def test_header_and_cited_questions():
+    head = source_with("# What does DDP expect of my model?", "markdown")
+    assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom", head)
+    text = markdown()
+    for cited in ("open-mmlab/mmdetection#2153", "open-mmlab/mmdetection#4742, 2021-03-10",
+                  "pytorch/pytorch#36613 (2020-04-14)", "huggingface/transformers#31412, 2024-06-14",
+                  "huggingface/transformers#37932, 2025-05-02", "modelscope/DiffSynth-Studio#1001, 2025-10-17",
+                  "Lightning-AI/pytorch-lightning#6013, 2021-02-16", "pytorch/examples#760, 2020-04-25",
+                  "arXiv:1909.08053"):
+        assert cited in text, cited

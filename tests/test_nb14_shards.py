@@ -1,0 +1,655 @@
+"""Tests of notebook 14 (clipping and checkpoints across shards): the facts the notebook
+states, each run on real gloo ranks with the notebook's own rank functions (read from its
+code cells); the claims its prose makes, re-derived from its stored outputs; the facts it
+cites from the installed torch's source; the checkpoint explorer driven headlessly; the
+exercise check on the solution, the stub and each usual mistake; and the figures."""
+from __future__ import annotations
+
+import ast
+import html
+import inspect
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import conftest
+import reducelab.checks.shards as helper
+import reducelab.widgets.shards as widget_module
+from reducelab import LocalGroup, RankError
+from reducelab.checks.sharded import ATOL, LAYOUT, initial_flat, load_digits_tensors, reference_run
+from reducelab.checks.shards import (MESH_SHAPE, RecordingLoadPlanner, check_global_grad_norm,
+                                     exercise_run, torch_log)
+from reducelab.plots import MAX_WIDTH
+from reducelab.plots.shards import CheckpointFigure, norm_figure
+from reducelab.widgets.shards import PARAMETERS, CheckpointExplorer
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "14_clipping_and_checkpoints_across_shards.ipynb"
+CELLS = json.loads(NOTEBOOK.read_text())["cells"]
+TORCH = pathlib.Path(torch.__file__).parent
+
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
+
+
+def notebook_functions() -> types.SimpleNamespace:
+    """The notebook's imports, ``def``s and the one string constant it hands a process
+    (nothing else of its cells runs), in a module of their own that the ranks cannot
+    import, so that its functions travel by value as a notebook cell's do."""
+    module = types.ModuleType("nb14_cells")
+    sys.modules.pop("nb14_cells", None)
+    for cell in (c for c in CELLS if c["cell_type"] == "code"):
+        tree = ast.parse("".join(cell["source"]))
+        keep = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))
+                or (isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "INFERENCE_SCRIPT")]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb14", "exec"), module.__dict__)
+    module.X, module.y = load_digits_tensors()
+    return module
+
+
+NB = notebook_functions()
+X, y = NB.X, NB.y
+
+
+def code_cells() -> list[str]:
+    return ["".join(c["source"]) for c in CELLS if c["cell_type"] == "code"]
+
+
+def cell_with(text: str, kind: str | None = None) -> str:
+    hits = ["".join(c["source"]) for c in CELLS
+            if text in "".join(c["source"]) and kind in (None, c["cell_type"])]
+    assert len(hits) == 1, f"{len(hits)} cells contain {text!r}"
+    return hits[0]
+
+
+def markdown() -> str:
+    return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
+
+
+def stored_cell(source_part: str) -> dict:
+    return next(c for c in CELLS if c["cell_type"] == "code" and source_part in "".join(c["source"]))
+
+
+def stored_text(source_part: str) -> str:
+    """What the committed notebook prints in the one code cell containing ``source_part``."""
+    return "".join("".join(o.get("text", "")) for o in stored_cell(source_part)["outputs"]
+                   if o["output_type"] == "stream")
+
+
+def stored_folded(source_part: str) -> str:
+    """The folded result of the question cell containing ``source_part`` (its <details>)."""
+    page = "".join("".join(o["data"]["text/html"]) for o in stored_cell(source_part)["outputs"]
+                   if "text/html" in o.get("data", {}))
+    return html.unescape(re.search(r"<details>(.*)</details>", page, re.S).group(1).replace("<br>", "\n"))
+
+
+@pytest.fixture(scope="module")
+def whole():
+    return reference_run(X, y, 1)["grads"][0].double().norm().item()
+
+
+# --- step 1: the norm of a sharded gradient -------------------------------------------------------
+def test_local_norms_add_as_squares(group, whole):
+    group.resize(2)
+    a, b = group.run(NB.local_norm, X, y)
+    assert abs(math.hypot(a, b) - whole) <= ATOL                       # question 1's answer, 3
+    assert a + b > 1.3 * whole and max(a, b) < whole and (a + b) / 2 < whole
+    folded = stored_folded("answer_1, actual_1")
+    assert "The real run gives 3." in folded and f"(3) √(a² + b²) = {whole:.3f}" in folded
+    group.resize(4)
+    local = group.run(NB.local_norm, X, y)
+    assert len({round(n, 3) for n in local}) == 4 and all(n < whole for n in local)
+    stored = stored_text("def local_norm(")
+    for rank, norm in enumerate(local):                               # the stored values, on this CPU
+        assert f"rank {rank} of 4, the gradient rows it holds: norm {norm:.3f}" in stored
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_the_all_reduce_of_squares_is_the_whole_norm_on_every_rank(group, whole, world_size):
+    group.resize(world_size)
+    out = group.run(NB.global_norm, X, y)
+    assert all(abs(g - whole) <= ATOL for _, g in out)
+    assert abs(math.sqrt(sum(local ** 2 for local, _ in out)) - whole) <= ATOL
+    assert stored_text("def global_norm(").count("max |difference| ≤ 1e-06") == 3
+
+
+# --- step 2: torch's clip_grad_norm_ on DTensors -------------------------------------------------
+def test_clip_grad_norm_reduces_through_norm_partial_and_returns_replicate(group, whole):
+    out = group.run(NB.torch_clip, X, y, 0.1)
+    for o in out:
+        assert str(o["one_norm"][0]) == "(_NormPartial(2),)" and o["one_norm"][1] < whole / 2
+        assert str(o["total_norm"][0]) == "(Replicate(),)"
+        assert abs(o["total_norm"][1] - whole) <= ATOL                # question 2: True
+        assert o["collectives"] == {"c10d_functional.all_reduce": 1}
+        expected = reference_run(X, y, 1)["grads"][0] * (0.1 / (whole + 1e-6))
+        assert (o["clipped"] - expected).abs().max() <= ATOL
+        assert abs(o["clipped"].norm().item() - 0.1) < 1e-4
+    assert "The real run gives True." in stored_folded("actual_2 = ")
+    assert stored_text("expected = one_process * min(").count("norm after clipping 0.1000; max |clipped") == 4
+
+
+def test_what_step_2_says_of_the_source():
+    clip = (TORCH / "nn" / "utils" / "clip_grad.py").read_text()
+    assert "torch.stack([norm.to(first_device) for norm in norms])" in clip   # get_total_norm
+    assert "clip_coef = max_norm / (total_norm + 1e-6)" in clip
+    assert "torch.clamp(clip_coef, max=1.0)" in clip and "CPU <=> device synchronization" in clip
+    assert "torch.distributed" not in clip and "dist." not in clip          # nothing calls a collective
+    math_ops = (TORCH / "distributed" / "tensor" / "_ops" / "_math_ops.py").read_text()
+    assert "class _NormPartial(Partial):" in math_ops
+    assert "isinstance(p, Partial) and p.reduce_op != reduction_op" in math_ops
+    assert "#126457" in markdown() + cell_with("actual_2 = ") and "#149768" in markdown()
+
+
+# --- step 3: a layer split over tp -------------------------------------------------------------
+def test_placements_on_the_2d_mesh(group):
+    rows = {name: (str(pl), shape, local) for name, pl, shape, local in
+            group.run(NB.what_rank_holds_on_the_mesh, X, y)[0]}
+    assert rows == {"0.weight": ("(Shard(dim=0), Shard(dim=1))", (32, 64), (16, 32)),
+                    "0.bias": ("(Shard(dim=0), Replicate())", (32,), (16,)),
+                    "2.weight": ("(Shard(dim=0), Replicate())", (10, 32), (5, 32)),
+                    "2.bias": ("(Shard(dim=0), Replicate())", (10,), (5,))}
+    stored = stored_text("def what_rank_holds_on_the_mesh(")
+    assert "0.weight  (Shard(dim=0), Shard(dim=1))    (32, 64)      (16, 32)" in stored
+
+
+def test_question_3_two_ranks_hold_each_copy(group):
+    pieces = group.run(NB.pieces_of_2_weight, X, y)
+    assert pieces == [(0, 0, (0, 0), (5, 32)), (0, 1, (0, 0), (5, 32)),
+                      (1, 0, (5, 0), (5, 32)), (1, 1, (5, 0), (5, 32))]
+    assert "The real run gives 2." in stored_folded("actual_3 = ")
+
+
+def test_summed_over_every_rank_the_copies_count_tp_times(group, whole):
+    ratios, shares = {}, {}
+    for tp in (2, 4):
+        every_rank, by_torch, logged = group.run(NB.norms_on_the_mesh, X, y, tp, "replicated over tp")[0]
+        assert abs(by_torch - whole) <= ATOL
+        ratios[tp] = every_rank / whole
+        shares[tp] = (every_rank ** 2 - whole ** 2) / ((tp - 1) * whole ** 2)
+        assert len(logged) == 1 and "2 sequential all_reduce operations" in logged[0]
+        assert 'flatten mesh dimensions ["dp", "tp"]' in logged[0]
+    assert shares[2] == pytest.approx(shares[4], rel=1e-4)           # tp - 1 extra copies, each the same
+    stored = stored_text("def norms_on_the_mesh(")
+    text = markdown()
+    for tp, ratio in ratios.items():
+        assert f"tp = {tp}: step 1's sum over every rank" in stored and f"({ratio:.2f} x)" in stored
+        assert f"{ratio:.2f} times" in text
+    assert f"share of ‖g‖²: {shares[2]:.0%}" in stored and f"{shares[2] * 100:.0f} % of ‖g‖²" in text
+    assert "1.19 times the norm here" in text and f"{ratios[2]:.2f}" == "1.19"
+    assert "[rank" not in stored and not re.search(r"\bW\d{4} ", stored)   # no time-stamped log lines
+
+
+def test_clip_grad_norm_raises_when_parameters_live_on_two_meshes(group):
+    every_rank, by_torch, _ = group.run(NB.norms_on_the_mesh, X, y, 2, "left alone")[0]
+    assert by_torch.startswith("RuntimeError: All operands in aten.stack.default must have the same mesh")
+    assert by_torch in stored_text('"left alone")[0]')
+
+
+def test_torch_log_keeps_the_text_and_restores_the_logger():
+    import logging
+    logger = logging.getLogger("reducelab.test.nb14")
+    propagate, handlers = logger.propagate, list(logger.handlers)
+    with torch_log("reducelab.test.nb14") as messages:
+        logger.warning("from %s to %s", "a", "b")
+    assert messages == ["from a to b"]
+    assert logger.propagate == propagate and logger.handlers == handlers
+
+
+@pytest.mark.parametrize("uncovered", ["replicated over tp", "left alone"])
+def test_the_packages_copy_of_the_tp_model_equals_the_notebooks(group, uncovered):
+    assert NB.tp_model_after_backward.__module__ == "nb14_cells"
+
+    def grads(build):
+        model, mesh = build(X, y, 2, uncovered)
+        return [(str(p.grad.placements), p.grad.to_local().clone()) for p in model.parameters()]
+    mine = group.run(lambda: grads(NB.tp_model_after_backward))
+    theirs = group.run(lambda: grads(helper.tp_model_after_backward))
+    for a, b in zip(mine, theirs):
+        assert [p for p, _ in a] == [p for p, _ in b]
+        assert all(torch.equal(s, t) for (_, s), (_, t) in zip(a, b))
+    with pytest.raises(RankError, match="uncovered must be one of"):
+        group.run(helper.tp_model_after_backward, X, y, 2, "sharded")
+
+
+# --- the exercise -------------------------------------------------------------------------------
+def every_rank_summed(model, mesh):
+    s = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(s)
+    return s.sqrt().item()
+
+
+def local_only(model, mesh):
+    return sum(p.grad.to_local().pow(2).sum() for p in model.parameters()).sqrt().item()
+
+
+def dp_only(model, mesh):
+    s = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(s, group=mesh.get_group("dp"))
+    return s.sqrt().item()
+
+
+def tp_only(model, mesh):
+    s = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(s, group=mesh.get_group("tp"))
+    return s.sqrt().item()
+
+
+def no_square_root(model, mesh):
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        sq = p.grad.to_local().pow(2).sum()
+        if p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard():
+            split += sq
+        else:
+            copied += sq
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("dp"))
+    return (split + copied).item()
+
+
+def mesh_only(model, mesh):
+    """Looks at the placement on the last mesh dimension only: model[2]'s Shard(0) over dp
+    passes for a piece over tp."""
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        sq = p.grad.to_local().pow(2).sum()
+        if p.grad.placements[-1].is_shard():
+            split += sq
+        else:
+            copied += sq
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("dp"))
+    return (split + copied).sqrt().item()
+
+
+def replicate_as_piece(model, mesh):
+    """Counts every DTensor of the 2-D mesh as pieces, 0.bias's Replicate() included."""
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        sq = p.grad.to_local().pow(2).sum()
+        if p.grad.device_mesh.ndim == 2:
+            split += sq
+        else:
+            copied += sq
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("dp"))
+    return (split + copied).sqrt().item()
+
+
+def averaged(model, mesh):
+    s = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(s, op=dist.ReduceOp.AVG)
+    return s.sqrt().item()
+
+
+def gathered(model, mesh):
+    return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]).norm().item()
+
+
+def torchs_own(model, mesh):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def collective_on_a_dtensor(model, mesh):
+    s = sum(p.grad.pow(2).sum() for p in model.parameters())
+    dist.all_reduce(s)
+    return s
+
+
+def a_list(model, mesh):
+    return [1.0, 2.0]
+
+
+def solution_lines() -> list[str]:
+    path = ROOT / "notebooks" / "solutions" / "14_global_grad_norm.py"
+    return [line.strip() for line in path.read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+
+
+def test_the_solution_passes_and_the_stub_fails(group):
+    verdict = check_global_grad_norm(group, conftest.load_solution("14_global_grad_norm").global_grad_norm)
+    assert verdict, verdict.message
+    assert "Every element counted once" in verdict.message and group.world_size == 4
+    stub = check_global_grad_norm(group, NB.global_grad_norm)
+    assert not stub and "returned None" in stub.message
+    stored = stored_cell("check_global_grad_norm(group, global_grad_norm)")["outputs"][0]["data"]
+    assert "returned None" in "".join(stored["text/plain"])
+
+
+@pytest.mark.parametrize("mistake, explanation", [
+    (every_rank_summed, "counted twice: NeMo-RL's bug (pull request #3788)"),
+    (local_only, "Each rank's number is the norm of its own piece only"),
+    (dp_only, "It is the sum over dp only"),
+    (tp_only, "It is the sum over tp only"),
+    (no_square_root, "It is the sum of squares"),
+    (mesh_only, "The gradients of model[2] (2.weight, 2.bias) live on the dp mesh only"),
+    (replicate_as_piece, "0.bias is Replicate() over tp"),
+    (averaged, "It looks like an average over 4 ranks"),
+    (gathered, "The value is right, but your function called full_tensor()"),
+    (torchs_own, "torch's own clip_grad_norm_ (or get_total_norm) failing on this model"),
+    (collective_on_a_dtensor, "from each gradient's local piece"),
+    (a_list, "return the norm as one number"),
+])
+def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
+    verdict = check_global_grad_norm(group, mistake)
+    assert not verdict and explanation in verdict.message, verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]
+    assert group.world_size == 4
+
+
+def test_exercise_data_match_the_docstring(group, whole):
+    group.resize(4)
+    out = group.run(exercise_run, conftest.load_solution("14_global_grad_norm").global_grad_norm, X, y)
+    assert [(o["dp"], o["tp"]) for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for o in out:
+        assert abs(o["value"] - whole) <= 1e-5 * whole and o["gathers"] == {}
+        assert abs(math.sqrt(o["squares"]["right"]) - whole) <= 1e-5 * whole
+        assert o["squares"]["every rank"] > o["squares"]["right"] > o["squares"]["dp only"]
+    assert MESH_SHAPE == (2, 2)
+
+
+def test_the_exercise_is_a_case_the_notebook_did_not_run():
+    code = "\n".join(code_cells())
+    assert "get_group(" not in code and "is_shard()" not in code      # the solution's two ideas
+    assert "global_grad_norm" in cell_with("# %load solutions/14_global_grad_norm.py")
+    assert "full_tensor()" in cell_with("## Exercise: the norm by hand")   # the prompt forbids gathering
+
+
+# --- step 4: checkpoints ---------------------------------------------------------------------------
+def test_ddp_saves_whole_tensors_on_rank_0_and_its_wrapper_adds_module(group):
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "ddp.pt")
+        keys = group.run(NB.ddp_save_on_rank_0, path)
+        state = torch.load(path)
+        size = os.path.getsize(path)
+    assert keys == ["module.0.weight"] * 4 and list(state) == [name for name, _, _ in LAYOUT]
+    assert torch.equal(torch.cat([t.flatten() for t in state.values()]), initial_flat())
+    assert f"ddp.pt: {size:,} bytes for 2,410 float32 values" in stored_text("def ddp_save_on_rank_0(")
+
+
+def test_question_4_torch_save_under_fsdp2_keeps_rank_0s_rows(group):
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "fsdp.pt")
+        group.run(NB.fsdp_save_on_rank_0, path)
+        lines = subprocess.run([sys.executable, "-c", NB.INFERENCE_SCRIPT, path], capture_output=True,
+                               text=True, timeout=120).stdout.splitlines()
+    assert lines == [
+        "UnpicklingError: Weights only load failed. ``torch.distributed.tensor`` must be imported to load DTensors",
+        "0.weight: DTensor, shape (32, 64), holding (8, 64)",
+        "0.weight.full_tensor(): RuntimeError: Could not resolve the process group registered under the name 0"]
+    folded = stored_folded("actual_4 = ")
+    assert "The real run gives 8." in folded and all(line in folded for line in lines)
+    assert "must be imported to load DTensors" in markdown() and "Could not resolve the process group" in markdown()
+
+
+def test_a_full_state_dict_is_whole_on_rank_0_and_empty_elsewhere(group):
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "full.pt")
+        entries = group.run(NB.fsdp_full_state_on_rank_0, path)
+        state = torch.load(path)
+    assert entries == [4, 0, 0, 0] and all(type(t) is torch.Tensor for t in state.values())
+    assert torch.equal(torch.cat([t.flatten() for t in state.values()]), initial_flat())
+    assert "entries per rank: [4, 0, 0, 0]" in stored_text("def fsdp_full_state_on_rank_0(")
+
+
+def load_model_only_then_step_2(path, X, y):
+    """As the notebook's load_then_step_2, with the model's state only: the control for its
+    claim that Adam's state came back too."""
+    model, optimizer = NB.fsdp_model_and_adam()
+    NB.dcp.load({"model": model.state_dict()}, checkpoint_id=path)      # in place, into the parameters
+    NB.train_step(model, optimizer, X, y, 1)
+    return torch.cat([p.full_tensor().flatten() for p in model.parameters()])
+
+
+def test_dcp_reshards_model_and_adam_and_resumes_as_one_process(group):
+    two_steps = reference_run(X, y, 2)["params"][1]
+    with tempfile.TemporaryDirectory() as checkpoint:
+        group.resize(4)
+        group.run(NB.save_after_step_1, checkpoint, X, y)
+        files = sorted(os.listdir(checkpoint))
+        group.resize(3)
+        resumed = group.run(NB.load_then_step_2, checkpoint, X, y)
+        without_adam = group.run(load_model_only_then_step_2, checkpoint, X, y)
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert all((p - two_steps).abs().max() <= ATOL for p, _ in resumed)
+    assert all((p - two_steps).abs().max() > 100 * ATOL for p in without_adam)   # Adam's state matters
+    reads = [sorted({(file, chunk[0] + start[0], size[0]) for fqn, file, chunk, start, _, size in r
+                     if fqn == "model.2.weight"}) for _, r in resumed]
+    assert reads == [[("__0_0.distcp", 0, 3), ("__1_0.distcp", 3, 1)],
+                     [("__1_0.distcp", 4, 2), ("__2_0.distcp", 6, 2)],
+                     [("__2_0.distcp", 8, 1), ("__3_0.distcp", 9, 1)]]
+    stored = stored_text("two_steps = reference_run(")
+    assert "rank 1: rows 4-5 from __1_0.distcp, rows 6-7 from __2_0.distcp" in stored
+    assert "rank 1's rows 4 to 7 of `2.weight` come from two files" in markdown()
+    assert "The checkpoint's folder is gone: True" in stored
+    assert "optim.state.0.weight.exp_avg" in stored
+
+
+def test_the_recording_planner_plans_what_the_default_planner_plans():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    assert issubclass(RecordingLoadPlanner, DefaultLoadPlanner)
+    assert [name for name in vars(RecordingLoadPlanner) if not name.startswith("__")] == ["create_local_plan"]
+    assert "return plan" in inspect.getsource(RecordingLoadPlanner.create_local_plan)
+
+
+# --- myth vs reality: values that are not DTensors -------------------------------------------------
+def test_one_key_on_every_rank_is_one_value_and_per_rank_keys_do_not_reshard(group):
+    with tempfile.TemporaryDirectory() as checkpoint:
+        group.resize(3)
+        group.run(NB.save_positions, checkpoint)
+        same_size = group.run(NB.load_positions, checkpoint)
+        group.resize(4)
+        more_ranks = group.run(NB.load_positions, checkpoint)
+    for rank, state in enumerate(same_size):
+        assert state == {"position": 100, "position (an int)": 200, f"dataloader.dp_rank_{rank}": 100 * (rank + 1)}
+    assert all(o == ["CheckpointException ranks:dict_keys([3])",
+                     "RuntimeError: Missing key in checkpoint state_dict: dataloader.dp_rank_3."] for o in more_ranks)
+    stored = stored_text("def save_positions(")
+    assert "rank 1: {'position': 100, 'position (an int)': 200, 'dataloader.dp_rank_1': 200}" in stored
+    assert "RuntimeError: Missing key in checkpoint state_dict: dataloader.dp_rank_3." in stored
+    text = markdown()
+    assert "The tensor came back as rank 0's 100, the int as rank 1's 200" in text
+
+
+def lowest_rank_writes(path):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"position": torch.tensor(100 * (dist.get_rank() + 1)), "position (an int)": 100 * (dist.get_rank() + 1)},
+             checkpoint_id=path, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    state = {"position": torch.tensor(-1), "position (an int)": -1}
+    dcp.load(state, checkpoint_id=path)
+    return int(state["position"]), state["position (an int)"]
+
+
+def test_dedup_to_the_lowest_rank_and_the_quoted_source(group):
+    with tempfile.TemporaryDirectory() as checkpoint:
+        assert group.run(lowest_rank_writes, checkpoint) == [(100, 100)] * 4
+    dedup = (TORCH / "distributed" / "checkpoint" / "_dedup_save_plans.py").read_text()
+    quoted = "only the smallest SavePlan in terms of planned storage keeps the entry"
+    assert quoted in dedup and quoted in markdown()
+    planner = (TORCH / "distributed" / "checkpoint" / "default_planner.py").read_text()
+    assert 'raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")' in planner
+    assert "dedup_save_to_lowest_rank: bool = False" in planner
+
+
+def test_the_gpu_part_says_what_was_not_run_and_its_sources_say_it():
+    part = cell_with("## On GPUs with NCCL")
+    assert "None of this was run here" in part
+    from torch.distributed.checkpoint import async_save
+    doc = " ".join(inspect.getdoc(async_save).split())
+    assert "staging storage (defaults to CPU memory)" in doc and "separate thread" in doc
+
+
+# --- the notebook as a whole -----------------------------------------------------------------------
+def test_one_study_unit_and_its_header():
+    prose = markdown().split("## Further reading")[0]
+    assert 1500 < len(prose.split()) < 3200, len(prose.split())
+    header = "".join(CELLS[0]["source"])
+    assert "About 40 min to study" in header and "CPU only (gloo)" in header
+    run_time = re.search(r"about (\d+) s to run", header).group(1)
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(rf"`14_clipping_and_checkpoints_across_shards.ipynb` \|.*\| about {run_time} s \|", readme)
+
+
+def test_the_learner_question_and_every_cited_report_are_named_with_their_dates():
+    text = markdown()
+    for cited in ('"Bug: clip_grad_norm_ doesn\'t work with FSDP2" (pytorch/pytorch#170862, 2025-12-19)',
+                  '"fsdp grad norm need to be aggregated manually" (pytorch/torchtitan#766, 2025-01-01)',
+                  '"FSDP checkpoints don\'t load when run is restarted with greater world size" (pytorch/torchtitan#811, 2025-01-28)',
+                  '"fix(dtensor): count TP-replicated gradients once in get_grad_norm" (2026-08-24)',
+                  "torchtitan#816", "torchtitan#291, 2024-05-01", "cosmos-rl", "#121945"):
+        assert cited in text, cited
+
+
+def test_every_temporary_folder_is_removed():
+    """Each cell that writes files does so in a folder that its `with` block removes."""
+    writing = [c for c in code_cells() if "tempfile." in c]
+    assert len(writing) == 5
+    for source in writing:
+        assert "with tempfile.TemporaryDirectory() as" in source and "mkdtemp" not in source
+
+
+# --- the explorer --------------------------------------------------------------------------------
+@pytest.fixture()
+def explorer(group):
+    group.resize(4)
+    return CheckpointExplorer(group, saved_on=4, loaded_on=3, parameter="2.weight")
+
+
+def covers(pieces, first, count):
+    """The pieces, in order, tile rows first .. first + count - 1."""
+    at = first
+    for start, n, _ in pieces:
+        assert start == at and n > 0
+        at += n
+    return at == first + count
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(4, 3), (2, 3), (3, 1), (1, 4), (4, 4)])
+def test_explorer_saves_and_loads_on_real_ranks(explorer, group, saved_on, loaded_on):
+    explorer.controls["saved_on"].value = saved_on
+    explorer.controls["loaded_on"].value = loaded_on
+    r = explorer.result
+    assert explorer.error is None and r.exact and bytes(explorer.image.value[:8]) == PNG
+    assert group.world_size == max(saved_on, loaded_on)
+    assert r.files == [".metadata"] + [f"__{k}_0.distcp" for k in range(saved_on)]
+    for name, _, shape in LAYOUT:
+        n = shape[0]
+        for k, (first, count) in enumerate(r.saved[name]):            # torch.chunk's rule, as FSDP2's
+            c = math.ceil(n / saved_on)
+            assert (first, count) == (min(k * c, n), max(0, min(c, n - k * c)))
+        c = math.ceil(n / loaded_on)
+        for k, pieces in enumerate(r.loaded[name]):
+            assert covers(pieces, min(k * c, n), max(0, min(c, n - k * c)))
+            for start, count, source in pieces:                        # read from the file that holds it
+                first, held = r.saved[name][source]
+                assert first <= start and start + count <= first + held
+    text = explorer.text()
+    assert "equals the saved one bit for bit" in text and f"Saved on {saved_on} rank" in text
+
+
+def test_explorer_parameter_redraws_the_same_checkpoint(explorer):
+    before, image = explorer.result, bytes(explorer.image.value)
+    explorer.controls["parameter"].value = "0.weight"
+    assert explorer.result is before and bytes(explorer.image.value) != image
+    assert "0.weight is read: rank 0 from __0_0 and __1_0" in explorer.text()
+    explorer.refresh()                                  # a refresh (as the benchmark times) saves anew
+    assert explorer.result is not before and explorer.result.saved == before.saved
+    assert PARAMETERS == ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+def test_explorer_things_to_try_say_what_it_shows(explorer):
+    explorer.controls["saved_on"].value = 2
+    explorer.controls["loaded_on"].value = 4
+    files = lambda name: [{s for _, _, s in pieces} for pieces in explorer.result.loaded[name]]  # noqa: E731
+    assert files("0.weight") == [{0}, {0}, {1}, {1}]
+    assert files("2.weight") == [{0}, {0, 1}, {1}, {1}]
+    assert "Saved on 2, loaded on 4: `0.weight`'s 32 rows split evenly" in cell_with("Things to try:")
+    explorer.controls["saved_on"].value = 4
+    assert all(sources == {k} for name in PARAMETERS
+               for k, sources in enumerate({s for _, _, s in p} for p in explorer.result.loaded[name]))
+
+
+def test_explorer_removes_its_folders(explorer, monkeypatch):
+    made = []
+    real = tempfile.mkdtemp
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(widget_module.tempfile, "mkdtemp", recording)
+    explorer.controls["loaded_on"].value = 2
+    assert made and not any(os.path.exists(path) for path in made)
+
+
+def test_explorer_stored_state_is_the_notebooks(explorer):
+    data = next(o["data"] for o in stored_cell("explorer = CheckpointExplorer(")["outputs"] if "data" in o)
+    assert "image/png" in data and "".join(data["text/plain"]) == explorer.text()
+
+
+def test_explorer_rejects_bad_initial_values(group):
+    with pytest.raises(ValueError, match="saved_on must be an int from 1 to 8; got 9"):
+        CheckpointExplorer(group, saved_on=9)
+    with pytest.raises(ValueError, match="loaded_on must be an int from 1 to 8; got True"):
+        CheckpointExplorer(group, loaded_on=True)
+    with pytest.raises(ValueError, match="0.weight, 0.bias, 2.weight, 2.bias; got '1.weight'"):
+        CheckpointExplorer(group, parameter="1.weight")
+
+
+def test_explorer_follows_the_newest_open_group_when_its_own_is_closed(group):
+    g = LocalGroup(world_size=2)
+    ex = CheckpointExplorer(g, saved_on=2, loaded_on=1)
+    g.close()
+    ex.controls["loaded_on"].value = 2
+    assert ex.group is group and ex.error is None and ex.result.exact
+    assert group.world_size == 2
+
+
+def refuses(path, saved_on, loaded_on):
+    raise RuntimeError("boom")
+
+
+def test_explorer_refusal_is_a_sentence(explorer, monkeypatch):
+    monkeypatch.setattr(widget_module, "checkpoint_round_trip", refuses)
+    explorer.controls["saved_on"].value = 2
+    assert explorer.result is None and "refused to save on 2 and load on 3" in explorer.message.value
+    assert "boom" in explorer.message.value
+
+
+# --- figures -------------------------------------------------------------------------------------
+def test_figures_and_their_errors(drawn):
+    assert norm_figure({1: [0.3], 2: [0.2, 0.22], 4: [0.1, 0.2, 0.15, 0.12]}, 0.3).startswith(PNG)
+    assert drawn[-1].get_figwidth() <= MAX_WIDTH
+    with pytest.raises(ValueError, match="one norm per rank"):
+        norm_figure({2: [0.1]}, 0.3)
+    with pytest.raises(ValueError, match="global_norm > 0"):
+        norm_figure({1: [0.1]}, 0.0)
+    figure = CheckpointFigure()
+    saved = [(0, 2), (2, 2), (4, 2), (6, 2), (8, 2), (10, 0), (10, 0), (10, 0)]
+    loaded = [[(0, 2, 0), (2, 2, 1)], [(4, 2, 2), (6, 2, 3)], [(8, 2, 4)]]
+    assert figure.draw("2.weight", 10, saved, loaded, [100] * 8).startswith(PNG)
+    fig = drawn[-1]
+    assert fig.get_figwidth() <= MAX_WIDTH and fig.get_figheight() <= 5.0
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "held no rows: its file has none" in texts and "from 4" in texts and "rows 0–1" in texts
+    assert figure.draw("2.weight", 10, [(0, 10)], [[(0, 3, 0)], [(3, 3, 0)], [(6, 3, 0)], [(9, 1, 0)], []],
+                       [100]).startswith(PNG)
+    assert "holds no rows: reads nothing" in [t.get_text() for ax in drawn[-1].axes for t in ax.texts]
+    with pytest.raises(ValueError, match="within rows 0 .. 9"):
+        figure.draw("2.weight", 10, [(0, 11)], [[(0, 11, 0)]], [100])
+    with pytest.raises(ValueError, match="one size per saving rank"):
+        figure.draw("2.weight", 10, [(0, 10)], [[(0, 10, 0)]], [100, 200])
