@@ -24,8 +24,10 @@ What every explorer does, whatever its topic:
   latest values. So a drag never queues one refresh per step, and the figure that stays
   is the one for where the slider stopped.
 * **It draws a state once.** The run on the ranks is real on every change, but a
-  result equal to one drawn before (the learner went back to earlier settings) reuses
-  that figure's PNG bytes instead of drawing it again (:data:`PNG_CACHE` results).
+  result equal to one drawn before, with the same control values (the learner went
+  back to earlier settings), reuses that figure's PNG bytes instead of drawing it again
+  (:data:`PNG_CACHE` states). The values are part of the key because a control may
+  change only the view of an equal result (notebook 14's parameter).
 * **It reads without a kernel.** Its display carries, beside the live widget, an
   ``image/png`` of the figure it first drew and a ``text/plain`` of its settings and
   result, so GitHub, nbviewer and nbval see the same state as the widget.
@@ -182,9 +184,11 @@ class Explorer:
 
     def _png(self, result) -> bytes:
         """:meth:`draw`'s PNG bytes for ``result``, from the cache when an equal result
-        was drawn before (results are compared by their pickled bytes)."""
+        was drawn before with the same control values (compared by their pickled
+        bytes)."""
         try:
-            key = hashlib.blake2b(pickle.dumps(result, protocol=5), digest_size=16).digest()
+            key = hashlib.blake2b(pickle.dumps((self.values, result), protocol=5),
+                                  digest_size=16).digest()
         except Exception:  # noqa: BLE001 - a result that cannot be pickled is drawn anew
             return self.draw(result)
         cached = self._pngs.get(key)
