@@ -9,12 +9,17 @@ the value) at each world size:
 * ``torch.multiprocessing.spawn`` per call (start processes, init, work, exit);
 * accelerate's ``notebook_launcher`` per call (if accelerate is installed);
 * the widget round trip: notebook 01's explorer, one control change (run + redraw);
+* every notebook's explorer in a real kernel, its controls moved as the browser moves
+  them: the median and worst wait per control move, and a slider dragged across its
+  range (the drag test: how many refreshes ran, and whether the figure that stays is
+  the one for where the slider stopped);
 
 and records where the alternatives fail: notebook_launcher returns no values, it hangs
 after the kernel has used OpenMP (it forks the kernel), and spawn cannot pickle a
 function defined in ``__main__`` (a notebook cell).
 
-Usage: ``python benchmarks/bench.py [--world-sizes 2 4 8 16] [--quick]``. Results go to
+Usage: ``python benchmarks/bench.py [--world-sizes 2 4 8 16] [--quick]
+[--explorers-only [NN ...]]``. Results go to
 ``benchmarks/results/latest.json`` and ``latest.md``. Timings are medians of repeated
 calls in this one run; compare ratios, not absolute numbers, across machines.
 
@@ -242,31 +247,41 @@ def bench_widget(world_size: int = 4, repeat: int = 12) -> dict:
             "run_only_s": median(computes)}
 
 
-def bench_notebook_explorers(repeat: int = 10) -> dict:
-    """Each notebook's explorer, in a real kernel: run the notebook's cells up to the one
-    that makes ``explorer``, then time ``explorer.refresh()`` (the work of one control
-    change: run on the ranks + new figure bytes). Median seconds by notebook."""
-    import nbclient
-    import nbformat
+def drag_control(controls: dict) -> str | None:
+    """The slider the drag test drags: the last one that does not resize the group (a
+    view the learner sweeps), else the world-size slider."""
+    sliders = [k for k, c in controls.items() if c["slider"]]
+    views = [k for k in sliders if k != "world_size"]
+    return (views or sliders or [None])[-1]
+
+
+def bench_notebook_explorers(notebooks: list[str] | None = None) -> dict:
+    """Each notebook's explorer in a real kernel (``explorer_moves``): every control moved
+    through each of its options and back, as the browser sends the change; the wait per
+    move until the figure for the new value is drawn. Then the drag test: one slider
+    dragged across its range at 60 changes a second. By notebook: the median and worst
+    wait, the worst move, and the drag's result."""
+    from explorer_moves import NOTEBOOKS, Learner
     out = {}
-    for path in sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        nb = nbformat.read(path, as_version=4)
-        code = [c for c in nb.cells if c.cell_type == "code"]
-        upto = next((i for i, c in enumerate(code) if "explorer = " in c.source), None)
-        if upto is None:
+    names = notebooks or sorted(p.stem[:2] for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    for nb in names:
+        path = next(NOTEBOOKS.glob(f"{nb}*.ipynb"))
+        if "explorer = " not in path.read_text():
             continue
-        # %%ranks cells only print; %%writefile cells write files later cells read
-        cells = [c for c in code[:upto + 1] if not c.source.lstrip().startswith("%%ranks")]
-        probe = nbformat.v4.new_code_cell(
-            "import statistics as _s\n_t = []\n"
-            f"for _ in range({repeat}):\n    explorer.refresh(); _t.append(explorer.seconds)\n"
-            "print('SECONDS', _s.median(_t), explorer.group.world_size)")
-        run = nbformat.v4.new_notebook(cells=cells + [probe], metadata=nb.metadata)
-        client = nbclient.NotebookClient(run, timeout=300, resources={"metadata": {"path": str(path.parent)}})
-        client.execute()
-        text = "".join(o.get("text", "") for o in run.cells[-1].outputs)
-        seconds, ws = text.split("SECONDS")[-1].split()
-        out[path.stem] = {"refresh_s": float(seconds), "world_size": int(ws)}
+        print(f"  {path.stem} ...", flush=True)
+        learner = Learner(nb)
+        try:
+            learner.setup()
+            moves = list(learner.sweep())
+            slider = drag_control(learner.controls)
+            drag = learner.drag(slider) if slider else None
+        finally:
+            learner.close()
+        waits = [m[2] for m in moves]
+        worst = max(moves, key=lambda m: m[2])
+        out[path.stem] = {"moves": len(moves), "median_s": statistics.median(waits),
+                          "worst_s": worst[2], "worst_move": f"{worst[0]}={worst[1]}",
+                          "waits": [[m[0], m[1], m[2]] for m in moves], "drag": drag}
     return out
 
 
@@ -349,9 +364,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, no failure cases")
+    ap.add_argument("--explorers-only", nargs="*", metavar="NN",
+                    help="only the explorers (of these notebooks, e.g. 01 08; all if none "
+                         "given), merged into the last results")
     args = ap.parse_args()
+    if args.explorers_only is not None:
+        results = json.loads((OUT / "latest.json").read_text()) if (OUT / "latest.json").exists() \
+            else {}
+        print("every notebook's explorer ...", flush=True)
+        explorers = bench_notebook_explorers(args.explorers_only or None)
+        results.setdefault("explorers", {})
+        results["explorers"] = {k: v for k, v in results["explorers"].items()
+                                if "median_s" in v}   # drop the old refresh-only rows
+        results["explorers"].update(explorers)
+        results["explorers_when"] = _now()
+        results["explorers_load"] = os.getloadavg()
+        OUT.mkdir(exist_ok=True)
+        (OUT / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+        md = report(results)
+        (OUT / "latest.md").write_text(md)
+        print(md)
+        os._exit(0)
     rep = 2 if args.quick else 5
-    results = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    results = {"when": _now(),
                "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, "
                           f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
                "torch": torch.__version__, "python": platform.python_version(),
@@ -375,6 +410,8 @@ def main() -> None:
     if not args.quick:
         print("every notebook's explorer ...", flush=True)
         results["explorers"] = bench_notebook_explorers()
+        results["explorers_when"] = _now()
+        results["explorers_load"] = os.getloadavg()
     if not args.quick:
         results["failures"] = {}
         for name, code in FAILURES.items():
@@ -385,6 +422,10 @@ def main() -> None:
     md = report(results)
     (OUT / "latest.md").write_text(md)
     print(md)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def report(r: dict) -> str:
@@ -410,10 +451,25 @@ def report(r: dict) -> str:
                   f"control change to new figure bytes): {ms(w['change_to_figure_s'])}, of which "
                   f"the run on the ranks is {ms(w['run_only_s'])}."]
     if "explorers" in r:
-        lines += ["", "| notebook explorer | world size | one refresh (run + figure) |",
-                  "|---|---|---|"]
-        lines += [f"| {k} | {v['world_size']} | {ms(v['refresh_s'])} |"
-                  for k, v in r["explorers"].items()]
+        load = r.get("explorers_load")
+        lines += ["", f"Explorers, {r.get('explorers_when', '')} (load average "
+                      f"{', '.join(f'{x:.1f}' for x in load) if load else 'n/a'}): every control "
+                      f"moved through its options and back as the browser sends it; wait per "
+                      f"move from the change to the new figure. Drag test: one slider dragged "
+                      f"across its range at 60 changes per second.", "",
+                  "| notebook explorer | moves | median wait | worst wait (move) | drag test: "
+                  "slider, steps sent, refreshes run, last figure for, settled after |",
+                  "|---|---|---|---|---|"]
+        for k, v in r["explorers"].items():
+            if "median_s" not in v:
+                continue
+            d = v.get("drag")
+            drag = ("none (no slider)" if not d else
+                    f"{d['control']}: {d['steps']} steps, {d['refreshes']} refreshes, "
+                    f"{d['last_figure_for']} ({'where it stopped' if d['holds'] else 'NOT where it stopped: ' + str(d['stopped_at'])}), "
+                    f"{ms(d['settle_s'])}")
+            lines.append(f"| {k} | {v['moves']} | {ms(v['median_s'])} | {ms(v['worst_s'])} "
+                         f"({v['worst_move']}) | {drag} |")
     if "failures" in r:
         lines += ["", "| case | outcome |", "|---|---|"]
         lines += [f"| {k} | {v['outcome']} |" for k, v in r["failures"].items()]

@@ -7,15 +7,19 @@ Both run real Jupyter kernels (ipykernel through jupyter_client), as JupyterLab 
   of the same kind; and a warm start (a second group in the same kernel). The
   forkserver is started in the background when ``reducelab`` is imported, so the
   kernel's torch import and the forkserver's overlap.
-* **A class of K learners.** K kernels at once, each holding a ``LocalGroup(world_size=4)``
-  and refreshing notebook 01's explorer in a loop (one control change each time), for
-  K = 1, 2, 4 and 8. Measured: PSS per learner (proportional set size, so pages shared
-  by the forkserver and its ranks are counted once: the kernel, its forkserver, its
-  ranks and its reaper, ipykernel and ipywidgets included), and the median and 95th
-  percentile of one refresh.
+* **A class of K learners.** K kernels at once, each running a heavy notebook up to its
+  explorer (02, 08 and 10 in turn: learner i gets ``HEAVY[i % 3]``) and then moving
+  that explorer's controls through their options as the browser sends the changes
+  (``explorer_moves``), with ``--think`` seconds between a figure and the next move,
+  for K = 1, 2, 4 and 8. Measured: PSS per learner (proportional set size, so pages
+  shared by the forkserver and its ranks are counted once: the kernel, its forkserver,
+  its ranks and its reaper, ipykernel and ipywidgets included), and the median and 95th
+  percentile of the wait per move, from the change to the new figure. Also one learner
+  alone with notebook 01 (the lightest setup), for its memory.
 
-Usage: ``python benchmarks/workshop.py [--classes 1 2 4 8] [--refreshes 40]``. Results go
-to ``benchmarks/results/workshop.json`` and ``workshop.md``. Nothing here asserts a time.
+Usage: ``python benchmarks/workshop.py [--classes 1 2 4 8] [--think 0.5] [--rounds 2]``.
+Results go to ``benchmarks/results/workshop.json`` and ``workshop.md``. Nothing here
+asserts a time.
 """
 from __future__ import annotations
 
@@ -41,25 +45,6 @@ import torch.distributed as dist
 setup(0)
 group = LocalGroup(world_size=4)
 """
-EXPLORER = """
-from reducelab.widgets.all_reduce import AllReduceExplorer
-def demo(op, pattern, dtype, n):
-    x = torch.full((n,), dist.get_rank() + 1.0).to(getattr(torch, dtype))
-    before = x.clone()
-    dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
-    return before, x
-explorer = AllReduceExplorer(group, demo)
-"""
-LOOP = """
-import time as _time
-_times = []
-for _i in range({n}):
-    explorer.controls["op"].value = ("MAX", "SUM")[_i % 2]
-    _times.append(explorer.seconds)
-print("TIMES", _times)
-"""
-
-
 def execute(kc, code: str, timeout: float = 600) -> tuple[float, str]:
     """Run ``code`` in the kernel; return (wall seconds from request to idle, stdout)."""
     t0 = time.perf_counter()
@@ -121,32 +106,61 @@ def pss_of_tree(pid: int) -> float:
     return total
 
 
-def classroom(k: int, refreshes: int) -> dict:
-    kernels = [fresh_kernel() for _ in range(k)]
-    try:
-        for km, kc in kernels:
-            execute(kc, SETUP)
-            execute(kc, EXPLORER)
-        results: list[list[float]] = [[] for _ in range(k)]
+HEAVY = ("02", "08", "10")
+"""The notebooks whose explorers the class moves: the heaviest figures and runs."""
 
-        def learner(i: int) -> None:
-            _, out = execute(kernels[i][1], LOOP.format(n=refreshes))
-            results[i] = json.loads(out.split("TIMES", 1)[1].strip().replace("'", '"'))
-        threads = [threading.Thread(target=learner, args=(i,)) for i in range(k)]
+
+def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
+    from explorer_moves import Learner
+    learners = []
+    try:
+        for i in range(k):   # one after another, as a class arrives
+            learner = Learner(notebooks[i % len(notebooks)])
+            learners.append(learner)
+            learner.setup()
+        results: list[list[float]] = [[] for _ in range(k)]
+        errors: list[str] = []
+
+        def learner_moves(i: int) -> None:
+            try:
+                for _ in range(rounds):
+                    results[i] += [w for _, _, w in learners[i].sweep(think=think)]
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(f"{learners[i].name}: {err}")
+        threads = [threading.Thread(target=learner_moves, args=(i,)) for i in range(k)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
-        pss = [pss_of_tree(km.provisioner.process.pid) for km, _ in kernels]
+        time.sleep(2.0)
+        pss = [pss_of_tree(learner.km.provisioner.process.pid) for learner in learners]
         for t in threads:
             t.join()
-        times = sorted(t for r in results for t in r[1:])   # the first refresh draws anew
+        times = sorted(t for r in results for t in r)
         p95 = times[min(len(times) - 1, int(0.95 * len(times)))]
-        return {"learners": k, "pss_per_learner_gib": statistics.mean(pss) / 2**30,
-                "refresh_median_s": statistics.median(times), "refresh_p95_s": p95}
+        return {"learners": k, "notebooks": [x.name for x in learners], "think_s": think,
+                "moves": len(times), "pss_per_learner_gib": statistics.mean(pss) / 2**30,
+                "wait_median_s": statistics.median(times), "wait_p95_s": p95,
+                "errors": errors}
     finally:
-        for km, kc in kernels:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
+        for learner in learners:
+            learner.close()
+
+
+def alone(notebook: str = "01") -> dict:
+    """One learner, one notebook up to its explorer: PSS 5 s after its setup (the
+    forkserver has made its later imports), and again after moving every control."""
+    from explorer_moves import Learner
+    learner = Learner(notebook)
+    try:
+        learner.setup()
+        time.sleep(5.0)
+        pid = learner.km.provisioner.process.pid
+        before = pss_of_tree(pid) / 2**30
+        waits = [w for _, _, w in learner.sweep()]
+        return {"notebook": learner.name, "pss_gib": before,
+                "pss_after_moves_gib": pss_of_tree(pid) / 2**30,
+                "wait_median_s": statistics.median(waits), "wait_max_s": max(waits)}
+    finally:
+        learner.close()
 
 
 def report(r: dict) -> str:
@@ -158,31 +172,56 @@ def report(r: dict) -> str:
         lines.append(f"| {f['preload']} | {f['bare_import_torch_s']:.2f} s | "
                      f"{f['setup_cell_s']:.2f} s | {f['ratio']:.2f}x | "
                      f"{f['warm_start_s'] * 1e3:.0f} ms |")
-    lines += ["", "| learners (kernels at once) | PSS per learner | refresh median | refresh p95 |",
-              "|---|---|---|---|"]
+    a = r.get("alone")
+    if a:
+        lines += ["", f"One learner alone, {a['notebook']} up to its explorer: {a['pss_gib']:.2f} GiB "
+                      f"PSS ({a.get('pss_after_moves_gib', float('nan')):.2f} GiB after moving "
+                      f"every control through its options, every world size included); wait "
+                      f"per move median {a['wait_median_s'] * 1e3:.0f} ms, longest "
+                      f"{a['wait_max_s'] * 1e3:.0f} ms."]
+    load = r.get("classroom_load")
+    lines += ["", f"A class: each learner runs one of notebooks {', '.join(HEAVY)} (in turn) up "
+                  f"to its explorer, then moves every control through its options, "
+                  f"{r['classroom'][0]['think_s'] if r['classroom'] else '?'} s after each new "
+                  f"figure (load average before: "
+                  f"{', '.join(f'{x:.1f}' for x in load) if load else 'n/a'}).", "",
+              "| learners (kernels at once) | moves | PSS per learner | wait median | wait p95 |",
+              "|---|---|---|---|---|"]
     for c in r["classroom"]:
-        lines.append(f"| {c['learners']} | {c['pss_per_learner_gib']:.2f} GiB | "
-                     f"{c['refresh_median_s'] * 1e3:.0f} ms | {c['refresh_p95_s'] * 1e3:.0f} ms |")
+        lines.append(f"| {c['learners']} | {c['moves']} | {c['pss_per_learner_gib']:.2f} GiB | "
+                     f"{c['wait_median_s'] * 1e3:.0f} ms | {c['wait_p95_s'] * 1e3:.0f} ms |"
+                     + (f" errors: {'; '.join(c['errors'])}" if c.get("errors") else ""))
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--classes", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--refreshes", type=int, default=40)
+    ap.add_argument("--think", type=float, default=0.5,
+                    help="seconds a learner looks at a new figure before the next move")
+    ap.add_argument("--rounds", type=int, default=2, help="sweeps of every control per learner")
     ap.add_argument("--repeat", type=int, default=3, help="fresh kernels per first-start row")
+    ap.add_argument("--skip-first-start", action="store_true")
     args = ap.parse_args()
     results = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, "
                           f"{psutil.virtual_memory().total / 2**30:.0f} GiB"}
     import torch
     results["torch"] = torch.__version__
-    print("first start ...", flush=True)
-    results["first_start"] = [first_start(args.repeat, p) for p in ("full", "torch")]
+    previous = json.loads((OUT / "workshop.json").read_text()) if (OUT / "workshop.json").exists() \
+        else {}
+    if args.skip_first_start:
+        results["first_start"] = previous.get("first_start", [])
+    else:
+        print("first start ...", flush=True)
+        results["first_start"] = [first_start(args.repeat, p) for p in ("full", "eager", "torch")]
+    print("one learner alone ...", flush=True)
+    results["alone"] = alone()
     results["classroom"] = []
+    results["classroom_load"] = os.getloadavg()
     for k in args.classes:
         print(f"a class of {k} ...", flush=True)
-        results["classroom"].append(classroom(k, args.refreshes))
+        results["classroom"].append(classroom(k, args.think, args.rounds))
     OUT.mkdir(exist_ok=True)
     (OUT / "workshop.json").write_text(json.dumps(results, indent=2) + "\n")
     md = report(results)

@@ -32,7 +32,7 @@ def _prewarm() -> None:
     def warm_up() -> None:
         from .processes import context, warm
         try:
-            warm(context())
+            warm(context(), group=False)
         except Exception:  # noqa: BLE001 - the first LocalGroup will start it and say why
             pass
     threading.Thread(target=warm_up, name="reducelab-prewarm", daemon=True).start()

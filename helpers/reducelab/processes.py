@@ -61,17 +61,20 @@ if not hasattr(mp.spawn.get_preparation_data, "reducelab_original"):
 
 
 PRELOAD = {
-    "full": ["reducelab.rank_loop", "torch._dynamo", "torch.distributed.tensor",
-             "torch.distributed.fsdp"],
+    "full": ["reducelab.rank_loop", "reducelab.forkserver_imports"],
+    "eager": ["reducelab.rank_loop", "torch.distributed.tensor", "torch._dynamo",
+              "torch.distributed.fsdp", "torch.nn.parallel.distributed"],
     "torch": ["reducelab.rank_loop"],
 }
 """What the forkserver imports before it serves ranks, by ``REDUCELAB_PRELOAD``.
 
-``full`` (the default) adds what DistributedDataParallel, DTensor and FSDP import on
-first use: about 1.2 s of CPU once in the server (measured on torch 2.13), instead of
-on every rank of every group, after every resize (a group of 4 on 2 cores would wait
-about 2.5 s at its first DDP call). ``torch`` makes the kernel's first group start about
-a second sooner, for classes that never use DDP."""
+``full`` (the default) imports torch and serves the first group at once; then, in the
+background, it imports what DistributedDataParallel, DTensor and FSDP import on first
+use (about 1.2 s of CPU on torch 2.13), so that every later group (after a resize)
+inherits them and its first DDP, DTensor or FSDP call is fast (see
+:mod:`reducelab.forkserver_imports`). ``eager`` imports all that before the first group
+starts (the setup cell waits for it). ``torch`` never imports it in the server: every
+group pays for it at its first DDP call (about 2.5 s for 4 ranks on 2 cores)."""
 
 
 def context():
@@ -94,13 +97,20 @@ WARM_LIMIT = 120.0
 """Seconds the first start may take to bring the forkserver up (it imports torch)."""
 
 
-def warm(ctx) -> float:
+def warm(ctx, group: bool = True) -> float:
     """Make sure the forkserver runs and has imported torch; return the seconds spent.
 
     The first call in a kernel starts the forkserver and waits for one no-op process
-    from it (about 2 to 3 s: the server imports torch once); later calls return 0.0
-    at once. Callers add the time to their deadline: it is a one-off cost of the
-    kernel, not part of any group's timeout.
+    from it (about 1 to 3 s: the server imports torch once); later calls return at
+    once, except the one for the kernel's second group, which waits until the server
+    has made its later imports (at most about 1.2 s of CPU, once; see
+    :mod:`reducelab.forkserver_imports`). Callers add the time to their deadline: it is
+    a one-off cost of the kernel, not part of any group's timeout.
+
+    Args:
+        ctx: the context from :func:`context`.
+        group: ``True`` when a group is about to start its ranks (``False`` for the
+            background pre-warm at import).
 
     Raises:
         RuntimeError: the forkserver did not serve a process within :data:`WARM_LIMIT`.
@@ -109,20 +119,46 @@ def warm(ctx) -> float:
         return 0.0
     t0 = time.monotonic()
     with _forkserver_lock:  # the background pre-warm may hold it: waiting counts too
-        if _forkserver_ready == [os.getpid()]:
-            return time.monotonic() - t0
-        p = ctx.Process(target=_noop, name=f"{PROCESS_PREFIX}warm-up", daemon=True)
-        p.start()
-        p.join(WARM_LIMIT)
-        if p.exitcode is None:
-            p.kill()
-            p.join(1.0)
-            raise RuntimeError(f"the forkserver that starts the ranks did not start a process "
-                               f"within {WARM_LIMIT:g} s (it imports torch first); is the "
-                               f"machine out of memory?")
-        p.close()
-        _forkserver_ready[:] = [os.getpid()]
+        if _forkserver_ready != [os.getpid()]:
+            _serve_noop(ctx)
+            _forkserver_ready[:] = [os.getpid()]
+        if group:
+            _count_group(ctx)
     return time.monotonic() - t0
+
+
+def _serve_noop(ctx) -> None:
+    p = ctx.Process(target=_noop, name=f"{PROCESS_PREFIX}warm-up", daemon=True)
+    p.start()
+    p.join(WARM_LIMIT)
+    if p.exitcode is None:
+        p.kill()
+        p.join(1.0)
+        raise RuntimeError(f"the forkserver that starts the ranks did not start a process "
+                           f"within {WARM_LIMIT:g} s (it imports torch first); is the "
+                           f"machine out of memory?")
+    p.close()
+
+
+_groups_started: dict[int, int] = {}  # {forkserver pid: groups started from it}
+
+
+def _count_group(ctx) -> None:
+    """Count a group start; at the second group of a forkserver that makes later imports
+    (``REDUCELAB_PRELOAD=full``), ask it to make them now if it has not begun
+    (``SIGUSR1``), and wait until it has, so that this group's ranks are forked with
+    them (see :mod:`reducelab.forkserver_imports`)."""
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if not pid:
+        return
+    _groups_started[pid] = n = _groups_started.get(pid, 0) + 1
+    if n == 2 and "reducelab.forkserver_imports" in (getattr(server, "_preload_modules", None)
+                                                     or ()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+        _serve_noop(ctx)  # its fork waits in the server until the imports are done
 
 
 def create_time(pid: int) -> float | None:

@@ -11,6 +11,9 @@ repository is saved over, and every output seen comes from this run). For each n
 3. Answer one predict-then-run question wrongly, through the page (typing in the answer
    cell), run it and its question cell, and check that the verdict says "Not yet".
 
+And one drag test: a slider dragged across its range with the mouse; the figure that
+stays must be the one for where it stopped, and the changes must not queue.
+
 On a failure a screenshot is saved under ``artifacts/browser/``; the Run All times are
 written to ``artifacts/browser/run_times.json``. Chromium comes from the Debian package
 (``make browser``); no browser is downloaded. Where it is missing the test fails and
@@ -326,6 +329,106 @@ def test_notebook_as_a_learner_uses_it(lab, browser, name):
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / f"{name.split('_')[0]}_failure.png"),
                         full_page=True)
+        raise
+    finally:
+        page.close()
+        shut_down_kernels(base, token)
+
+
+DRAG = ("02_reduce_and_aliasing.ipynb", "elements")
+"""The drag test's notebook and slider: notebook 02's tensor size, 1 to 32 elements, which
+follows the hand (continuous updates) and runs a real reduce for every value."""
+
+
+def open_notebook(page, base: str, token: str, name: str) -> None:
+    page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?reset&token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    select = page.locator(".jp-Dialog button", has_text="Select")
+    try:  # JupyterLab may ask which kernel to start
+        select.first.wait_for(timeout=5_000)
+        select.first.click()
+    except Exception:
+        pass
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=90_000)
+
+
+def settled(image, quiet: float = 3.0, timeout: float = 120) -> str:
+    """The figure's ``src`` once it has not changed for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = image.get_attribute("src"), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = image.get_attribute("src")
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return last
+    raise Failure(f"the figure kept changing for {timeout:.0f} s")
+
+
+def figure_digest(image) -> str:
+    """SHA-256 of the PNG bytes the figure shows (its ``src`` is a new blob URL on every
+    update, even for the same bytes)."""
+    return image.evaluate("""async img => {
+        const bytes = await (await fetch(img.src)).arrayBuffer();
+        const digest = await crypto.subtle.digest("SHA-256", bytes);
+        return Array.from(new Uint8Array(digest), b => b.toString(16).padStart(2, "0")).join("");
+    }""")
+
+
+def test_dragging_a_slider_leaves_the_figure_of_where_it_stopped(lab, browser):
+    """Drag notebook 02's elements slider across its whole range with the mouse, as a
+    learner does (a change for every step it passes). The explorer must not queue one
+    refresh per step: far fewer figures are shown than steps passed. And the figure
+    and message that stay are those of where the slider stopped: the message names
+    that size, and the figure is the very one that value shows when picked again
+    (one step left, then back with the keyboard)."""
+    base, token = lab
+    name, label = DRAG
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        open_notebook(page, base, token, name)
+        run_all(page)
+        assert_no_errors(page)
+        box = explorer_boxes(page).first
+        box.scroll_into_view_if_needed()
+        slider = box.locator("> .widget-hbox > .lm-Widget", has_text=label).first
+        image = box.locator("> .widget-image").first
+        message = box.locator("> .widget-html").first
+        settled(image)
+        # count the figures the page shows from here on
+        image.evaluate("""img => { window.__figures = 0;
+            new MutationObserver(() => window.__figures++).observe(img,
+                {attributes: true, attributeFilter: ["src"]}); }""")
+        track = slider.locator(".noUi-target, .noUi-base").first.bounding_box()
+        handle = slider.locator(".noUi-handle").first
+        hb = handle.bounding_box()
+        y = hb["y"] + hb["height"] / 2
+        page.mouse.move(hb["x"] + hb["width"] / 2, y)
+        page.mouse.down()
+        page.mouse.move(track["x"] - 20, y, steps=10)                  # to the lowest value
+        page.mouse.move(track["x"] + track["width"] + 20, y, steps=60)  # across the range
+        page.mouse.up()
+        readout = slider.locator(".widget-readout").first
+        stopped_at = readout.text_content().strip()
+        assert stopped_at == "32", f"the drag ended at {stopped_at}, not at the slider's end"
+        dragged = settled(image)
+        dragged_digest = figure_digest(image)
+        shown = page.evaluate("window.__figures")
+        assert 1 <= shown <= 20, f"{shown} figures were shown for a drag over 31 steps"
+        assert "32 elements" in message.text_content(), message.text_content()
+        handle.focus()
+        handle.press("ArrowLeft")
+        wait_until(lambda: image.get_attribute("src") != dragged, 60, "the figure for 31")
+        handle.press("ArrowRight")
+        wait_until(lambda: readout.text_content().strip() == "32", 10, "the readout to say 32")
+        settled(image)
+        assert figure_digest(image) == dragged_digest, \
+            "the figure after the drag is not the one for 32"
+    except BaseException:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "drag_failure.png"), full_page=True)
         raise
     finally:
         page.close()

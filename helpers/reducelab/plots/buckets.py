@@ -89,7 +89,7 @@ def explorer_figure(view) -> bytes:
     marker of the rank) and on the slowest rank (hollow stars), with the median of the
     slowest (a bar), in milliseconds.
     """
-    fig = new_figure(9.6, 4.6)
+    fig = new_figure(9.6, 4.6, layout_key="bucket explorer")
     grid = fig.add_gridspec(1, 2, width_ratios=[1.7, 1])
     ax, bx = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
     _timeline(ax, view.median_pass)

@@ -144,7 +144,7 @@ def explorer_figure(view) -> bytes:
     """
     sweep, spot = view.sweep, view.spot
     f = gloo_factor(sweep.collective, sweep.world_size)
-    fig = new_figure(9.6, HEIGHT)
+    fig = new_figure(9.6, HEIGHT, layout_key=("cost explorer", spot.seconds.shape[0]))
     grid = fig.add_gridspec(1, 2, width_ratios=[1.45, 1])
     ax, bx = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
     lo_x, hi_x = min(sweep.sizes.min(), spot.size_bytes), max(sweep.sizes.max(), spot.size_bytes)

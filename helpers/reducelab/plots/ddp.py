@@ -67,7 +67,7 @@ class GradientScatter:
     """
 
     def __init__(self):
-        self.fig = new_figure(9.6, 3.9)
+        self.fig = new_figure(9.6, 3.9, layout_key="gradient scatter")
         self.ax, self.wax = self.fig.subplots(1, 2, width_ratios=[1.1, 1])
         ax = self.ax
         ax.axhline(0, color=NEUTRAL, lw=0.8)

@@ -259,7 +259,7 @@ def gradient_variants(reference, variants: Mapping[str, object],
     x = np.arange(p)
     for k, (label, a) in enumerate(series):
         ax.bar(x - 0.42 + width * (k + 0.5), a, width, label=label, color=VARIANT_COLOURS[k],
-               hatch=HATCHES[k % len(HATCHES)], hatchcolor=PALETTE["black"] if k else NEUTRAL,
+               hatch=HATCHES[k % len(HATCHES)],   # in the edge's colour (k = 0: no hatch)
                edgecolor=PALETTE["black"], linewidth=0.6)
     ax.axhline(0, color=PALETTE["black"], lw=0.8)
     ax.set_xticks(x, names)

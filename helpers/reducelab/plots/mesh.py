@@ -119,7 +119,8 @@ class MeshGrid:
         title_w = 0.11 * len(title) + 0.3   # a 12 pt title is about 0.11 in per character
         grid_w = 0.8 + CELL_W * cp + label_w
         width = max(grid_w, title_w, MIN_WIDTH)
-        self.fig = fig = new_figure(width, 0.75 + CELL_H * dp + label_h)
+        self.fig = fig = new_figure(width, 0.75 + CELL_H * dp + label_h,
+                                    layout_key=("mesh", dp, cp, dim))
         ax = fig.subplots()
         pad = (width - grid_w) / CELL_W / 2  # cells keep their size; the grid stays centred
         ax.set_xlim(-0.5 - pad, cp - 0.5 + pad)

@@ -18,7 +18,8 @@ from matplotlib.collections import PatchCollection
 from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm, Normalize
 from matplotlib.patches import Patch, Rectangle
 
-from . import CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, PANEL_GREY, new_figure, png
+from . import (CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, PANEL_GREY, BuiltFigures,
+               freeze_layout, new_figure, png)
 
 UNCHANGED, PARTIAL, FULL = 0, 1, 2
 """Status codes of one element after reduce (see :func:`reducelab.widgets.reduce.buffer_status`)."""
@@ -49,9 +50,9 @@ def cell_label(v: float) -> str:
 def _legend_handles() -> list[Patch]:
     handles = []
     for k in (UNCHANGED, PARTIAL, FULL):
+        # the hatch takes the edge's colour (matplotlib 3.10; 3.11 also has hatchcolor=)
         patch = Patch(facecolor=STATUS_COLOURS[k], hatch=STATUS_HATCHES[k],
-                      hatchcolor=HATCH_COLOUR, edgecolor=HATCH_COLOUR, linewidth=0.5,
-                      label=STATUS_NAMES[k])
+                      edgecolor=HATCH_COLOUR, linewidth=0.5, label=STATUS_NAMES[k])
         patch.set_hatch_linewidth(HATCH_WIDTH)
         handles.append(patch)
     return handles
@@ -61,9 +62,11 @@ def _hatch_layers(ax) -> dict[int, PatchCollection]:
     """One transparent, hatched collection per status on ``ax``, filled by :func:`_set_hatches`."""
     layers = {}
     for k in (PARTIAL, FULL):
-        layer = PatchCollection([], facecolor="none", linewidth=0, hatch=STATUS_HATCHES[k],
-                                zorder=2)
-        layer.set_hatchcolor(HATCH_COLOUR)
+        # no edge is drawn (linewidth 0); the edge colour sets the hatch's (matplotlib 3.10)
+        layer = PatchCollection([], facecolor="none", edgecolor=HATCH_COLOUR, linewidth=0,
+                                hatch=STATUS_HATCHES[k], zorder=2)
+        if hasattr(layer, "set_hatchcolor"):  # matplotlib 3.11
+            layer.set_hatchcolor(HATCH_COLOUR)
         layer.set_hatch_linewidth(HATCH_WIDTH)
         ax.add_collection(layer, autolim=False)
         layers[k] = layer
@@ -87,7 +90,7 @@ def _value_norm(values: np.ndarray):
     return Normalize(lo, hi)
 
 
-class ReduceGrid:
+class ReduceGrid(BuiltFigures):
     """Two panels, one row per rank and one column per element: each rank's input
     ``x`` (coloured by value, with :data:`~reducelab.plots.CMAP`) and the same ``x``
     after ``dist.reduce`` (coloured and hatched by status: unchanged, partial sum, full
@@ -138,8 +141,7 @@ class ReduceGrid:
         # reserve room for the widest y labels and a title, then keep that layout
         axes[0].set_yticks(range(world_size), [f"rank {r} (dst)" for r in range(world_size)])
         self.fig.suptitle("dist.reduce")
-        self.fig.canvas.draw()
-        self.fig.set_layout_engine("none")
+        freeze_layout(self.fig)
         self._cell_px = axes[0].get_window_extent().width / n
         self._shape = (world_size, n)
 
@@ -167,7 +169,7 @@ class ReduceGrid:
         if not 0 <= dst < world_size:
             raise ValueError(f"dst must be a rank from 0 to {world_size - 1}, got {dst}")
         if self._shape != (world_size, n):
-            self._build(world_size, n)
+            self._use((world_size, n), lambda: self._build(world_size, n))
         norm = _value_norm(before)
         self._input.set_norm(norm)
         self._input.set_data(before)

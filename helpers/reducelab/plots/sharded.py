@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..palette import NEUTRAL, PANEL_GREY, TEXT_GREY
-from . import (CMAP, HATCHES, MARKERS, MAX_WIDTH, MIN_FONT, PALETTE, RankHeatmaps, freeze_layout,
-               new_figure, png)
+from . import (CMAP, HATCHES, MARKERS, MAX_WIDTH, MIN_FONT, PALETTE, BuiltFigures, RankHeatmaps,
+               freeze_layout, new_figure, png)
 
 NOT_HELD = NEUTRAL
 """Colour of a heatmap cell for an element a rank does not hold (NaN), in every figure of
@@ -306,7 +306,7 @@ def scale_text(e: int) -> str:
     return "" if e == 0 else f"×10{str(e).translate(SUPERSCRIPT)}"
 
 
-class ShardingFigure:
+class ShardingFigure(BuiltFigures):
     """The explorer's figure, 9.6 x 4.5 in.
 
     Top row, one row per rank, ``columns`` evenly spaced elements of the flat parameter
@@ -432,7 +432,7 @@ class ShardingFigure:
         if not (grad.shape[0] == after.shape[0] == len(memory) == len(sent) == ws):
             raise ValueError("before, grad, after, memory and sent need one entry per rank")
         if self.world_size != ws:
-            self._build(ws)
+            self._use(ws, lambda: self._build(ws))
         cols = self.columns
         params = np.concatenate([before[:, cols], after[:, cols]])
         finite = params[np.isfinite(params)]

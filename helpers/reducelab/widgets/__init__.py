@@ -7,7 +7,8 @@ An :class:`Explorer` owns a row of controls, a figure (an ``ipywidgets.Image`` t
 holds PNG bytes, so a redraw replaces bytes rather than re-creating output) and a
 message line. Every control change runs :meth:`Explorer.compute` on the group's ranks
 and then :meth:`Explorer.draw`. Tests drive an explorer without a browser: set a
-control's ``.value`` and read ``.result``, ``.message.value`` and ``.image.value``.
+control's ``.value`` and read ``.result``, ``.message.value`` and ``.image.value``
+(a change made from Python refreshes at once).
 
 What every explorer does, whatever its topic:
 
@@ -15,14 +16,30 @@ What every explorer does, whatever its topic:
   closed and the learner ran the setup cell again, it follows the new group by itself.
 * **It never contradicts itself.** A refused combination replaces the figure with a
   plain note, so no stale picture sits under the error message.
+* **It keeps up with the hand.** A change that comes from the browser (the learner
+  drags a slider, which sends a change for every step it passes) is not refreshed in
+  the comm handler: the refresh runs from the kernel's event loop once no further
+  change has arrived for :data:`QUIET` seconds. Changes that arrive while a refresh
+  runs wait in the kernel's queue; they are all applied, then one refresh runs for the
+  latest values. So a drag never queues one refresh per step, and the figure that stays
+  is the one for where the slider stopped.
+* **It draws a state once.** The run on the ranks is real on every change, but a
+  result equal to one drawn before, with the same control values (the learner went
+  back to earlier settings), reuses that figure's PNG bytes instead of drawing it again
+  (:data:`PNG_CACHE` states). The values are part of the key because a control may
+  change only the view of an equal result (notebook 14's parameter).
 * **It reads without a kernel.** Its display carries, beside the live widget, an
   ``image/png`` of the figure it first drew and a ``text/plain`` of its settings and
   result, so GitHub, nbviewer and nbval see the same state as the widget.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import collections
+import hashlib
 import html
+import pickle
 import time
 
 import ipywidgets as W
@@ -31,6 +48,13 @@ from ..errors import GroupClosedError, RankError
 from ..group import current_group
 from ..palette import WRONG
 from ..plots import message_png
+
+QUIET = 0.004
+"""Seconds without a further change from the browser before a deferred refresh runs:
+long enough for the kernel to apply every change already waiting in its queue (each
+takes well under a millisecond), far below what a learner notices."""
+PNG_CACHE = 32
+"""How many drawn results each explorer remembers (PNG bytes, a few tens of kB each)."""
 
 
 class Explorer:
@@ -47,6 +71,8 @@ class Explorer:
         result: the last successful result, or ``None`` after a refused combination.
         error: the last :class:`~reducelab.RankError`, or ``None``.
         seconds: wall time of the last refresh (compute + draw), in seconds.
+        refreshes: how many refreshes have run (an int; a drag of many steps adds far
+            fewer than one per step).
     """
 
     def __init__(self, controls: dict[str, W.ValueWidget]):
@@ -56,6 +82,10 @@ class Explorer:
         self.result = None
         self.error: RankError | None = None
         self.seconds = 0.0
+        self.refreshes = 0
+        self._pngs: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._deferred = False       # a refresh is scheduled on the kernel's event loop
+        self._last_change = 0.0      # time.monotonic() of the latest change from the browser
         for w in controls.values():
             w.observe(self._on_change, names="value")
         self.box = W.VBox([W.HBox(list(controls.values()), layout=W.Layout(flex_flow="row wrap")),
@@ -99,10 +129,37 @@ class Explorer:
         return {k: w.value for k, w in self.controls.items()}
 
     def _on_change(self, change) -> None:
+        self.request_refresh(change)
+
+    def request_refresh(self, change: dict | None = None) -> None:
+        """Refresh for a control change: at once for a change made from Python (a test,
+        a cell), or, for one that came from the browser, deferred and collapsed (see
+        the module docstring). Subclasses that override ``_on_change`` call this."""
+        owner = (change or {}).get("owner")
+        # ipywidgets holds _property_lock only while it applies a state the frontend sent
+        if not getattr(owner, "_property_lock", None):
+            self.refresh()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop runs here (a plain script)
+            self.refresh()
+            return
+        self._last_change = time.monotonic()
+        if not self._deferred:
+            self._deferred = True
+            loop.call_later(QUIET, self._deferred_refresh, loop)
+
+    def _deferred_refresh(self, loop) -> None:
+        quiet_for = time.monotonic() - self._last_change
+        if quiet_for < QUIET:  # more changes came in: wait until they stop
+            loop.call_later(QUIET - quiet_for, self._deferred_refresh, loop)
+            return
+        self._deferred = False
         self.refresh()
 
     def refresh(self) -> None:
-        """Run :meth:`compute` with the current values and redraw.
+        """Run :meth:`compute` with the current values and redraw, now.
 
         A :class:`~reducelab.RankError` or a closed group becomes a sentence in
         :attr:`message`, never an exception; other errors (a bug in a subclass, a
@@ -120,9 +177,29 @@ class Explorer:
             self._refuse(self.explain_error(values, err))
         else:
             self.result, self.error = result, None
-            self.image.value = self.draw(result)
+            self.image.value = self._png(result)
             self.message.value = html.escape(self.describe(result))
+        self.refreshes += 1
         self.seconds = time.perf_counter() - t0
+
+    def _png(self, result) -> bytes:
+        """:meth:`draw`'s PNG bytes for ``result``, from the cache when an equal result
+        was drawn before with the same control values (compared by their pickled
+        bytes)."""
+        try:
+            key = hashlib.blake2b(pickle.dumps((self.values, result), protocol=5),
+                                  digest_size=16).digest()
+        except Exception:  # noqa: BLE001 - a result that cannot be pickled is drawn anew
+            return self.draw(result)
+        cached = self._pngs.get(key)
+        if cached is not None:
+            self._pngs.move_to_end(key)
+            return cached
+        data = self.draw(result)
+        self._pngs[key] = data
+        while len(self._pngs) > PNG_CACHE:
+            self._pngs.popitem(last=False)
+        return data
 
     def _refuse(self, sentence: str) -> None:
         """Show ``sentence`` as the message, and a plain note instead of the old figure."""

@@ -100,14 +100,15 @@ class SamplerExplorer(Explorer):
         self.figure = SamplerFigure()
         style = {"description_width": "initial"}
         super().__init__({
+            # the sizes follow the hand while dragged (the base class collapses the
+            # changes); world_size waits for the release, since each value restarts ranks
             "dataset_size": W.IntSlider(value=dataset_size, min=1, max=top, description="samples",
-                                        continuous_update=False, style=style),
+                                        style=style),
             "world_size": W.IntSlider(value=world_size, min=1, max=MAX_WORLD_SIZE,
                                       description="world_size", continuous_update=False,
                                       style=style),
             "batch_size": W.IntSlider(value=batch_size, min=1, max=MAX_BATCH_SIZE,
-                                      description="batch_size", continuous_update=False,
-                                      style=style),
+                                      description="batch_size", style=style),
             "drop_last": W.ToggleButtons(options=[("False", False), ("True", True)],
                                          value=bool(drop_last), description="drop_last",
                                          style={**style, "button_width": "56px"}),

@@ -155,10 +155,12 @@ class ReduceExplorer(Explorer):
             "world_size": W.IntSlider(value=world_size, min=1, max=MAX_WORLD_SIZE,
                                       description="world_size", continuous_update=False,
                                       style=style),
+            # dst and n follow the hand while dragged (the base class collapses the
+            # changes); world_size waits for the release, since each value restarts ranks
             "dst": W.IntSlider(value=dst, min=0, max=world_size - 1, description="dst",
-                               continuous_update=False, style=style),
+                               style=style),
             "n": W.IntSlider(value=n, min=1, max=MAX_ELEMENTS, description="elements",
-                             continuous_update=False, style=style),
+                             style=style),
             "pattern": W.Dropdown(options=PATTERNS, value=pattern, description="input",
                                   style=style),
         })
@@ -175,7 +177,7 @@ class ReduceExplorer(Explorer):
                 dst.value = min(dst.value, dst.max)
             finally:
                 self._syncing = False
-        self.refresh()
+        self.request_refresh(change)
 
     def compute(self, world_size, dst, n, pattern) -> ReduceResult:
         self.group.resize(world_size)  # no-op when it already has that many ranks

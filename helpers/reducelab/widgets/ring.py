@@ -137,7 +137,7 @@ class RingExplorer(Explorer):
 
     def _on_change(self, change) -> None:
         if not self._syncing:
-            self.refresh()
+            self.request_refresh(change)
 
     def compute(self, world_size, step) -> RingView:
         if world_size not in self.runs:

@@ -1,0 +1,164 @@
+"""The Explorer base (reducelab/widgets/__init__.py): what every explorer does when the
+learner moves a control, whatever its topic. No ranks are needed: a toy explorer
+computes in the kernel, and the browser's changes are simulated with ``set_state``,
+the call ipywidgets makes for a comm message from the frontend."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import ipywidgets as W
+
+from reducelab.plots import new_figure, png
+from reducelab.widgets import QUIET, Explorer
+
+
+@dataclass
+class Square:
+    n: int
+    square: int
+
+
+class ToyExplorer(Explorer):
+    """compute: n -> n*n (counted); draw: a figure that says n (counted)."""
+
+    def __init__(self, compute_seconds: float = 0.0):
+        self.computed, self.drawn, self.compute_seconds = [], [], compute_seconds
+        super().__init__({"n": W.IntSlider(value=0, min=0, max=20),
+                          "parity": W.Dropdown(options=["any", "even"], value="any")})
+        self.refresh()
+
+    def compute(self, n, parity):
+        import time
+        time.sleep(self.compute_seconds)   # a run on the ranks takes a while
+        self.computed.append(n)
+        return Square(n if parity == "any" else n - n % 2, 0)
+
+    def draw(self, result):
+        self.drawn.append(result.n)
+        fig = new_figure(2, 1)
+        fig.text(0.5, 0.5, str(result.n), ha="center", fontsize=12)
+        return png(fig)
+
+    def describe(self, result):
+        return f"n={result.n}"
+
+
+def test_a_change_from_python_refreshes_at_once():
+    ex = ToyExplorer()
+    ex.controls["n"].value = 3
+    assert ex.result == Square(3, 0) and ex.message.value == "n=3" and ex.refreshes == 2
+
+
+def test_a_drag_in_the_browser_collapses_into_one_refresh_for_where_it_stopped():
+    """Twenty steps of a drag arrive while the first refresh runs: the kernel applies
+    them all, then refreshes once, for the last value; never once per step."""
+    async def drag():
+        ex = ToyExplorer(compute_seconds=0.05)
+        slider = ex.controls["n"]
+        for v in range(1, 21):                 # one comm message per step the slider passes
+            slider.set_state({"value": v})
+        assert ex.refreshes == 1               # nothing ran inside the comm handler
+        await asyncio.sleep(QUIET * 20 + 0.2)
+        return ex
+    ex = asyncio.run(drag())
+    assert ex.computed == [0, 20] and ex.refreshes == 2
+    assert ex.result.n == 20 and ex.message.value == "n=20"
+
+
+def test_changes_that_arrive_during_a_refresh_collapse_into_the_latest():
+    """A slow refresh (0.3 s) is running when more steps arrive, spaced like a drag:
+    afterwards one more refresh runs, for the latest value, and the figure is its."""
+    async def drag():
+        ex = ToyExplorer(compute_seconds=0.3)
+        loop = asyncio.get_running_loop()
+        slider = ex.controls["n"]
+        slider.set_state({"value": 1})
+        # steps 2..10 arrive while the refresh for 1 blocks the loop; they wait, as
+        # comm messages wait in the kernel's queue, then are applied one by one
+        for v in range(2, 11):
+            loop.call_later(QUIET * 2 + 0.001 * v, slider.set_state, {"value": v})
+        await asyncio.sleep(1.5)
+        return ex
+    ex = asyncio.run(drag())
+    assert ex.computed[0] == 0 and ex.computed[-1] == 10
+    assert len(ex.computed) <= 3, ex.computed    # 0, maybe 1, then 10: never 1..10
+    assert ex.result.n == 10
+
+
+def test_an_equal_result_reuses_its_figure():
+    """Going back to earlier settings runs the ranks again, but an equal result with the
+    same control values is not drawn again: its PNG bytes come from the cache."""
+    ex = ToyExplorer()
+    first = ex.image.value
+    ex.controls["n"].value = 5
+    ex.controls["n"].value = 0
+    assert ex.computed == [0, 5, 0] and ex.drawn == [0, 5]
+    assert ex.image.value == first
+    # another setting with an equal result is drawn: a control may change only the view
+    ex.controls["parity"].value = "even"
+    assert ex.drawn == [0, 5, 0]
+    ex.controls["parity"].value = "any"       # back to settings drawn before: no draw
+    assert ex.drawn == [0, 5, 0] and ex.image.value == first
+
+
+def test_going_back_to_a_world_size_restores_its_figure_without_building_it():
+    """RankHeatmaps, ReduceGrid and ShardingFigure keep one built figure per shape: a
+    shape seen before is drawn on its own figure again (the same bytes as before), not
+    built anew; a new shape is built."""
+    import numpy as np
+
+    from reducelab.plots import RankHeatmaps
+    heat = RankHeatmaps(("before", "after"))
+    builds = []
+    original = heat._build
+    heat._build = lambda ws, n: (builds.append((ws, n)), original(ws, n))
+    four = [np.arange(24.0).reshape(4, 6)] * 2
+    first = heat.draw(four, title="four ranks")
+    heat.draw([np.arange(30.0).reshape(5, 6)] * 2, title="five ranks")
+    again = heat.draw(four, title="four ranks")
+    assert builds == [(4, 6), (5, 6)]
+    assert again == first
+
+
+def test_functions_explorers_send_to_ranks_come_from_light_modules():
+    """A rank imports the module of a function it is sent by reference. The explorers'
+    own rank functions live in modules that import neither ipywidgets nor matplotlib,
+    which would cost every new rank about 0.4 s of CPU at its first call."""
+    import subprocess
+    import sys
+
+    from reducelab.checks.disagree import record_on_rank
+    from reducelab.checks.mesh import run_and_release
+    from reducelab.checks.sharded import zero_train
+    from reducelab.widgets.loss import _on_rank
+    modules = sorted({f.__module__ for f in (record_on_rank, run_and_release, zero_train, _on_rank)})
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "print(sorted({'matplotlib', 'ipywidgets'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", (modules, out.stdout, out.stderr[-2000:])
+
+
+def test_a_figure_drawn_anew_reuses_the_layout_of_its_key_only_where_it_fits():
+    """new_figure(..., layout_key=k): the second figure with the same key and margins is
+    drawn without the layout engine and comes out pixel for pixel the same; one whose
+    tick labels are longer is laid out anew."""
+    from reducelab.plots import new_figure, png
+
+    def figure(top: float):
+        fig = new_figure(6, 3, layout_key="test figure")
+        ax = fig.subplots()
+        ax.plot([0, 1], [0, top])
+        ax.set_title("a title")
+        ax.set_ylabel("value")
+        return fig
+
+    first = figure(1.0)
+    a = png(first)
+    second = figure(1.0)
+    b = png(second)
+    assert a == b
+    assert first._reducelab_layout_reused is False and second._reducelab_layout_reused is True
+    wider = figure(123456.0)             # y tick labels like 120000: longer, wider margin
+    png(wider)
+    assert wider._reducelab_layout_reused is False
