@@ -120,12 +120,12 @@ def test_the_dashboard_shows_a_new_report_without_a_reload(server, page):
 
 def test_the_instructor_opens_a_solution_from_the_page(server, page):
     lin = call("POST", server.join, {"name": "Lin"})[1]
-    url = server.base + "/api/solutions/05_mesh_sync.py"
+    url = server.base + "/api/solutions/05_token_weighted_sync.py"
     assert call("GET", url, token=lin["secret"])[0] == 403
-    button = page.locator('button.unlock[data-solution="05_mesh_sync.py"]')
+    button = page.locator('button.unlock[data-solution="05_token_weighted_sync.py"]')
     assert button.get_attribute("data-open") == "false"
     button.click()
-    page.wait_for_selector('button.unlock[data-solution="05_mesh_sync.py"][data-open="true"]',
+    page.wait_for_selector('button.unlock[data-solution="05_token_weighted_sync.py"][data-open="true"]',
                            timeout=10_000)
     status, text, _ = call("GET", url, token=lin["secret"])
     assert status == 200 and "def sync_grads" in text

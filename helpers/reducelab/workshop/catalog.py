@@ -32,7 +32,7 @@ class Item:
             for an exercise.
         kind: ``"question"`` or ``"exercise"``.
         label: a short column heading, such as ``"Q1"`` or ``"mesh_sync"``.
-        solution: an exercise's solution file name (``"05_mesh_sync.py"``), else ``""``.
+        solution: an exercise's solution file name (``"05_token_weighted_sync.py"``), else ``""``.
     """
 
     notebook: str

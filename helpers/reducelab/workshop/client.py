@@ -111,7 +111,10 @@ class Client:
         address: the join address.
         name: the learner's name, as the dashboard shows it.
         bound: seconds one request may take (:data:`BOUND`).
-        out: where the one line about an unreachable server goes (``sys.stderr``).
+        out: where the one line about an unreachable server goes (default: the
+            ``sys.stderr`` of the moment the client is made, so that a cell that
+            redirects ``sys.stderr`` for a while, as ``check_node_command`` does while it
+            parses, cannot swallow the line the background thread prints).
 
     Attributes:
         state: ``"joining"``, ``"joined"``, ``"refused"`` (the server said no; nothing is
@@ -125,7 +128,7 @@ class Client:
         self.base, self.code = parse_address(address)
         self.name = name
         self.bound = bound
-        self.out = out
+        self.out = out if out is not None else sys.stderr
         self.state = "joining"
         self.error: str | None = None
         self.secret: str | None = None
@@ -200,7 +203,7 @@ class Client:
     def _say_once(self, line: str) -> None:
         if not self._told:
             self._told = True
-            print(line, file=self.out or sys.stderr, flush=True)
+            print(line, file=self.out, flush=True)
 
     def _unreachable(self) -> None:
         self._say_once(f"Workshop: the server at {self.base} is not reachable; the notebook "
