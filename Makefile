@@ -20,7 +20,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 PORT ?= 8888
 LAB_DIR ?= reducelab-notebooks
 
-.PHONY: install browser lab test lane-browser lane-unit test-spawn unit nbval nbval-other-cpu notebooks bench workshop-bench mutation wheel clean
+.PHONY: install browser lab test test-spawn unit nbval nbval-other-cpu notebooks bench workshop-bench mutation wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing Reduce Lab into $(VENV): torch (CPU), JupyterLab, ipywidgets, matplotlib"
@@ -59,24 +59,11 @@ NBVAL := $(BIN)/python -m pytest -q --nbval-sanitize-with tests/nbval_sanitize.c
 # output that records this CPU's rounding fails the second nbval pass.
 OTHER_CPU := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
 
-# The CPU is about half idle while the browser test waits on JupyterLab and the unit
-# tests wait on ranks (timeouts, hangs shown on purpose), so on 2 cores two lanes run at
-# once: the browser test then the spawn run, beside the unit tests. The browser lane has
-# its own TMPDIR, since some tests count the temporary directories groups leave behind.
-# The two nbval passes run one after the other: they execute the same notebooks, which
-# write files (train.py, checkpoints) in notebooks/.
 test: install browser
-	$(MAKE) --no-print-directory -j2 --output-sync=target lane-browser lane-unit
+	$(BIN)/python -m pytest tests -q
+	$(MAKE) --no-print-directory test-spawn
 	$(NBVAL) notebooks
 	$(MAKE) --no-print-directory nbval-other-cpu
-
-lane-browser: install
-	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
-	  TMPDIR=$$d $(BIN)/python -m pytest tests/browser -q && \
-	  TMPDIR=$$d $(MAKE) --no-print-directory test-spawn
-
-lane-unit: install
-	$(BIN)/python -m pytest tests -q --ignore=tests/browser
 
 # For a hosted service (Colab, a hub without a shared environment): the wheel learners
 # install with `%pip install reducelab-<version>-py3-none-any.whl`, notebooks included.
