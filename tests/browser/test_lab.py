@@ -303,17 +303,7 @@ def test_notebook_as_a_learner_uses_it(lab, browser, name):
     plan = PLANS[name]
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        # a workspace of its own: only this notebook is open
-        page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?reset&token={token}")
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        select = page.locator(".jp-Dialog button", has_text="Select")
-        try:  # JupyterLab may ask which kernel to start
-            select.first.wait_for(timeout=5_000)
-            select.first.click()
-        except Exception:
-            pass
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                               timeout=90_000)
+        open_notebook(page, base, token, name)
         seconds = run_all(page)
         assert_no_errors(page)
         moved = play_with_explorers(page, plan)
@@ -341,6 +331,8 @@ follows the hand (continuous updates) and runs a real reduce for every value."""
 
 
 def open_notebook(page, base: str, token: str, name: str) -> None:
+    """Open ``name`` in a workspace of its own (only this notebook is open) and wait
+    until its kernel is idle."""
     page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?reset&token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     select = page.locator(".jp-Dialog button", has_text="Select")
