@@ -252,7 +252,9 @@ def test_first_calls_find_gloo_connected_when_the_group_was_created(group):
     for n in (2, 4):
         group.resize(n)
         for counts, seconds in group.run(ns["first_calls"], 2, 256):
-            assert counts[1] - counts[0] == n - 1 and counts[2] == counts[1], counts
+            # the first collective opens no connection; one may close meanwhile (a
+            # socket of an earlier group collected then: [3, 6, 5] in one CI run)
+            assert counts[1] - counts[0] == n - 1 and counts[2] <= counts[1], counts
             assert len(seconds) == 3 and all(t > 0 for t in seconds)
     assert os.environ.get("TORCH_GLOO_LAZY_INIT") is None
     with LocalGroup(world_size=2, env={"TORCH_GLOO_LAZY_INIT": "1"}) as lazy:    # as the text says
