@@ -356,6 +356,40 @@ def test_grid_follows_the_figure_rules_at_the_extremes(ws, n):
     assert {"//", "xx"} <= hatches
 
 
+def test_a_new_number_of_elements_reuses_the_figure_and_draws_what_a_new_one_draws():
+    """The slider of n costs a redraw, not a new figure (issue 23's speed): at one
+    world size, every n of full width shares one figure, and each PNG is the same,
+    pixel for pixel, as a new ReduceGrid's for that state, whatever n came before."""
+    import io
+
+    from PIL import Image
+
+    from reducelab.plots.reduce import LAYOUT_N
+    from reducelab.widgets.reduce import MAX_ELEMENTS
+    assert LAYOUT_N == MAX_ELEMENTS
+
+    def state(ws, n, dst):
+        inputs = inputs_10(ws, n)
+        before, after = np.stack(inputs), np.stack(gloo_reduce_reference(inputs, dst))
+        return before, after, buffer_status(before, after), dst
+
+    def pixels(png_bytes):
+        return np.asarray(Image.open(io.BytesIO(png_bytes)))
+
+    grid = ReduceGrid()
+    grid.draw(*state(4, 8, 0))
+    fig = grid.fig
+    for ws, n, dst in ((4, 32, 0), (4, 9, 1), (4, 17, 3), (4, 5, 0), (2, 3, 1), (2, 12, 1),
+                       (2, 9, 0)):
+        reused = pixels(grid.draw(*state(ws, n, dst)))
+        want = list(range(n)) if n <= 16 else sorted({*range(0, n, 4), n - 1})
+        assert [int(x) for x in grid.fig.axes[0].get_xticks()] == want
+        np.testing.assert_array_equal(reused, pixels(ReduceGrid().draw(*state(ws, n, dst))),
+                                      err_msg=f"world_size={ws}, n={n}, dst={dst}")
+        if ws == 4 and n >= 6:
+            assert grid.fig is fig, f"n={n} at world size 4 built a new figure"
+
+
 def test_values_on_the_hatched_panel_sit_on_a_white_box():
     """At the explorer's first state (4 ranks, 8 elements) every value in the after
     panel is written, black on a white box, so no hatch line runs through its digits."""

@@ -90,6 +90,16 @@ def _value_norm(values: np.ndarray):
     return Normalize(lo, hi)
 
 
+LAYOUT_N = 32
+"""The most elements the explorer shows (its ``n`` slider's maximum): every figure of
+full width is laid out with this many columns, then shows its own number."""
+
+
+def _ticks(n: int) -> list[int]:
+    """The labelled elements of a panel of ``n``: all up to 16, else every 4th and the last."""
+    return list(range(n)) if n <= 16 else sorted({*range(0, n, 4), n - 1})
+
+
 class ReduceGrid(BuiltFigures):
     """Two panels, one row per rank and one column per element: each rank's input
     ``x`` (coloured by value, with :data:`~reducelab.plots.CMAP`) and the same ``x``
@@ -99,8 +109,10 @@ class ReduceGrid(BuiltFigures):
     :data:`LABEL_BOX`, clear of the hatching); under the input panel a colour bar gives
     the values, under the other a legend names the statuses.
 
-    The figure persists and is rebuilt only when ``world_size`` or the number of
-    elements changes, so a widget redraw costs one PNG encode. Used by
+    The figure persists: it is built once per world size and figure width (every
+    ``n`` of 6 or more has the full width), and a change of ``n`` within one of those
+    only changes the panels' columns, so the slider of ``n`` costs a redraw and one PNG
+    encode, not a new figure and layout. Used by
     :class:`reducelab.widgets.reduce.ReduceExplorer`.
     """
 
@@ -108,8 +120,13 @@ class ReduceGrid(BuiltFigures):
         self.fig = None
         self._shape = None
 
+    @staticmethod
+    def width(n: int) -> float:
+        """Figure width for ``n`` elements, inches."""
+        return min(MAX_WIDTH, max(7.6, 3.6 + 1.1 * n))
+
     def _build(self, world_size: int, n: int) -> None:
-        width = min(MAX_WIDTH, max(7.6, 3.6 + 1.1 * n))
+        width = self.width(n)
         self.fig = new_figure(width, 2.2 + 0.28 * world_size)
         # row 0: the two panels; row 1: the colour bar under the input, the legend under
         # the statuses (in an axes of its own, so the layout keeps room for it)
@@ -117,19 +134,22 @@ class ReduceGrid(BuiltFigures):
         axes = [self.fig.add_subplot(grid[0, 0])]
         axes.append(self.fig.add_subplot(grid[0, 1], sharey=axes[0]))
         self._axes = axes
-        ticks = range(n) if n <= 16 else sorted({*range(0, n, 4), n - 1})
         self._input = axes[0].imshow(np.ones((world_size, n)), cmap=CMAP, aspect="auto")
         self._status = axes[1].imshow(np.zeros((world_size, n)), cmap=_STATUS_CMAP,
                                       norm=_STATUS_NORM, aspect="auto")
         self._hatches = _hatch_layers(axes[1])
+        # lay out for the most columns this width takes, so the layout is the same
+        # whichever n came first (and the panels do not move while n is dragged)
+        n_layout = LAYOUT_N if width == MAX_WIDTH else n
+        for im in (self._input, self._status):
+            im.set_extent((-0.5, n_layout - 0.5, world_size - 0.5, -0.5))
         for ax, title in zip(axes, ("x before reduce: the input", "x after reduce")):
-            ax.set_xticks(ticks)
+            ax.set_xlim(-0.5, n_layout - 0.5)
+            ax.set_xticks(_ticks(n_layout))
             ax.set_xlabel("element")
             ax.set_title(title)
         axes[1].tick_params(labelleft=False)
-        self._texts = [[[ax.text(j, i, "", ha="center", va="center", fontsize=MIN_FONT,
-                                 zorder=3) for j in range(n)] for i in range(world_size)]
-                       for ax in axes]
+        self._texts = [[[] for _ in range(world_size)] for _ in axes]
         self._cbar = self.fig.colorbar(self._input, cax=self.fig.add_subplot(grid[1, 0]),
                                        orientation="horizontal")
         self._cbar.set_label("input value")
@@ -142,8 +162,25 @@ class ReduceGrid(BuiltFigures):
         axes[0].set_yticks(range(world_size), [f"rank {r} (dst)" for r in range(world_size)])
         self.fig.suptitle("dist.reduce")
         freeze_layout(self.fig)
-        self._cell_px = axes[0].get_window_extent().width / n
-        self._shape = (world_size, n)
+        self._columns = None
+
+    def _set_columns(self, n: int) -> None:
+        """Give both panels ``n`` columns: the images' extent, the x ticks, and a value
+        label per cell (made the first time ``n`` columns are needed, blank beyond ``n``)."""
+        world_size = len(self._texts[0])
+        ticks = _ticks(n)
+        for ax, im, rows in zip(self._axes, (self._input, self._status), self._texts):
+            im.set_extent((-0.5, n - 0.5, world_size - 0.5, -0.5))
+            ax.set_xlim(-0.5, n - 0.5)
+            ax.set_xticks(ticks)
+            for i, row in enumerate(rows):
+                row.extend(ax.text(j, i, "", ha="center", va="center", fontsize=MIN_FONT,
+                                   zorder=3) for j in range(len(row), n))
+                for t in row[n:]:
+                    t.set_text("")
+                    t.set_bbox(None)
+        self._cell_px = self._axes[0].get_window_extent().width / n
+        self._columns = n
 
     def draw(self, before, after, status, dst: int, title: str = "") -> bytes:
         """Draw and return PNG bytes.
@@ -168,8 +205,12 @@ class ReduceGrid(BuiltFigures):
         world_size, n = before.shape
         if not 0 <= dst < world_size:
             raise ValueError(f"dst must be a rank from 0 to {world_size - 1}, got {dst}")
-        if self._shape != (world_size, n):
-            self._use((world_size, n), lambda: self._build(world_size, n))
+        shape = (world_size, self.width(n))
+        if self._shape != shape:
+            self._use(shape, lambda: self._build(world_size, n))
+            self._shape = shape
+        if self._columns != n:
+            self._set_columns(n)
         norm = _value_norm(before)
         self._input.set_norm(norm)
         self._input.set_data(before)
