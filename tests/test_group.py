@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -344,12 +345,17 @@ def test_the_current_group_is_the_newest_open_one():
 def test_resize_to_the_same_size_is_a_no_op_and_to_another_restarts(group):
     group.run(lambda: None)
     pids, restarts = group.pids, group.restarts
+    fds = psutil.Process().num_fds()
     group.resize(4)
     assert group.pids == pids and group.restarts == restarts     # the same idle ranks
     group.resize(3)
     assert group.world_size == 3 and len(group.pids) == 3 and group.restarts == restarts + 1
     assert not set(group.pids) & set(pids)
+    # the old ranks exit while the new ones start, and are reaped before resize returns
+    assert not [p for p in pids if psutil.pid_exists(p)]
     group.resize(4)
+    # and their pipes are closed: resizing back to 4 ranks holds no more files than before
+    assert psutil.Process().num_fds() <= fds
 
 
 def test_a_remote_traceback_shows_the_cells_own_source_line(group):
