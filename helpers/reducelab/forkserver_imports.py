@@ -3,12 +3,13 @@ only in the forkserver (it is in its preload list, see :data:`reducelab.processe
 
 The forkserver first imports torch and :mod:`reducelab.rank_loop`, and serves ranks at
 once: the notebook's setup cell waits for nothing else. Then a thread of the server
-imports what DistributedDataParallel, DTensor and FSDP import on first use
-(:data:`LATER`, about 1.2 s of CPU on torch 2.13), once, and calls ``gc.freeze()`` (so
-the garbage collector of each rank does not write to the objects it inherits, and their
-pages stay shared with the server). Every group started after that (a resize) inherits
-those modules, so its first DDP, DTensor or FSDP call is as fast as if they had been
-preloaded; only the first group imports them on its own, if it uses them.
+imports what DistributedDataParallel, DTensor, FSDP and distributed checkpoint (DCP)
+import on first use (:data:`LATER`, about 1.3 s of CPU on torch 2.13), once, and calls
+``gc.freeze()`` (so the garbage collector of each rank does not write to the objects it
+inherits, and their pages stay shared with the server). Every group started after that
+(a resize) inherits those modules, so its first DDP, DTensor, FSDP or DCP call is as
+fast as if they had been preloaded; only the first group imports them on its own, if it
+uses them.
 
 When the imports start: :data:`QUIET` seconds after the first group's ranks were forked,
 or at once when the kernel starts a second group (it sends ``SIGUSR1``, see
@@ -29,8 +30,14 @@ import threading
 import time
 
 LATER = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.fsdp",
-         "torch.nn.parallel.distributed")
-"""Imported after the first group, in this order."""
+         "torch.nn.parallel.distributed", "torch.distributed.checkpoint",
+         "torch.distributed.checkpoint._fsspec_filesystem")
+"""Imported after the first group, in this order. The last is what ``dcp.save`` and
+``dcp.load`` import on a rank's first call to pick a storage (fsspec, 70 ms per rank:
+``_storage_setup`` in torch/distributed/checkpoint/_storage_utils.py); with DCP, a
+fresh rank's first checkpoint round trip in notebook 14's explorer took 284 ms instead
+of 619 ms at 8 ranks (one run, idle 2-core machine). A module a torch version lacks is
+skipped."""
 QUIET = 1.0
 """Seconds without a fork after the first group's ranks before the imports start."""
 SIGNAL = signal.SIGUSR1

@@ -63,15 +63,17 @@ if not hasattr(mp.spawn.get_preparation_data, "reducelab_original"):
 PRELOAD = {
     "full": ["reducelab.rank_loop", "reducelab.forkserver_imports"],
     "eager": ["reducelab.rank_loop", "torch.distributed.tensor", "torch._dynamo",
-              "torch.distributed.fsdp", "torch.nn.parallel.distributed"],
+              "torch.distributed.fsdp", "torch.nn.parallel.distributed",
+              "torch.distributed.checkpoint", "torch.distributed.checkpoint._fsspec_filesystem"],
     "torch": ["reducelab.rank_loop"],
 }
 """What the forkserver imports before it serves ranks, by ``REDUCELAB_PRELOAD``.
 
 ``full`` (the default) imports torch and serves the first group at once; then, in the
-background, it imports what DistributedDataParallel, DTensor and FSDP import on first
-use (about 1.2 s of CPU on torch 2.13), so that every later group (after a resize)
-inherits them and its first DDP, DTensor or FSDP call is fast (see
+background, it imports what DistributedDataParallel, DTensor, FSDP and DCP import on
+first use (:data:`reducelab.forkserver_imports.LATER`, about 1.3 s of CPU on torch 2.13),
+so that every later group (after a resize) inherits them and its first DDP, DTensor,
+FSDP or checkpoint call is fast (see
 :mod:`reducelab.forkserver_imports`). ``eager`` imports all that before the first group
 starts (the setup cell waits for it). ``torch`` never imports it in the server: every
 group pays for it at its first DDP call (about 2.5 s for 4 ranks on 2 cores)."""
