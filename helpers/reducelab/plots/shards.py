@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -168,10 +169,11 @@ class CheckpointFigure:
         for ax, n in ((top, n_save), (bottom, n_load)):
             ax.set_ylim(n - 0.4, -0.6)
             ax.set_xlim(0, rows)
-            ax.set_xticks(range(rows + 1), minor=True)            # row k spans k .. k + 1
-            ax.grid(True, axis="x", which="minor", color=PANEL_GREY)
-            ax.tick_params(axis="x", which="minor", length=0)
-            ax.set_axisbelow(True)
+            # a line at each row's edge (row k spans k .. k + 1), under the bars: one
+            # collection, drawn far faster than a minor tick and grid line per row
+            ax.vlines(range(rows + 1), 0, 1, transform=ax.get_xaxis_transform(),
+                      colors=PANEL_GREY, linewidth=matplotlib.rcParams["grid.linewidth"],
+                      zorder=0.5)
         bottom.set_xticks([k + 0.5 for k in range(0, rows, step)], [str(k) for k in range(0, rows, step)])
         bottom.set_xlabel(f"row of {name} ({rows} rows; FSDP2 shards dim 0)")
         fig.suptitle(title or f"A DCP checkpoint of {name}, saved on {n_save} and loaded on {n_load} ranks")
