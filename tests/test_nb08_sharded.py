@@ -691,6 +691,41 @@ def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
         figure.draw(data, data, data, mem[:-1] if world_size > 1 else [], sent, 1, 1, "f")
 
 
+def test_world_sizes_that_share_a_layout_draw_what_their_own_layout_draws(monkeypatch):
+    """A new world size's figure may take the layout an earlier one found (issue 23's
+    speed: the layout engine is about 90 ms of building it). Each PNG is the same, pixel
+    for pixel, as one laid out on its own, whatever world sizes came before."""
+    import io
+
+    from PIL import Image
+
+    from reducelab import plots
+
+    def state(ws):
+        rng = np.random.default_rng(ws)
+        data = rng.normal(size=(ws, NUMEL)) * 1e-2
+        data[1:, :100] = np.nan                                 # some elements not held
+        mem = [{"parameters": 1000, "gradients": 500, "optimizer state": 2000}] * ws
+        sent = [{"reduce_scatter": 700, "all_gather": 700}] * ws
+        return data, data, data, mem, sent, 3000, 1400, "formula (n−1)/n·(G+S)", "t"
+
+    def pixels(png_bytes):
+        return np.asarray(Image.open(io.BytesIO(png_bytes)))
+
+    monkeypatch.setattr(plots, "_LAYOUTS", {})
+    sizes = (4, 3, 1, 2, 8, 5)
+    own = {}
+    for ws in sizes:                                            # each laid out on its own
+        plots._LAYOUTS.clear()
+        own[ws] = pixels(ShardingFigure(NUMEL).draw(*state(ws)))
+    plots._LAYOUTS.clear()
+    figure = ShardingFigure(NUMEL)
+    for ws in sizes:                                            # 3 shares 4's, 5 shares 8's
+        np.testing.assert_array_equal(pixels(figure.draw(*state(ws))), own[ws],
+                                      err_msg=f"world_size={ws}")
+    assert len(plots._LAYOUTS) == 4
+
+
 def test_reduce_dtypes_and_shardings_are_the_fields_names():
     assert SHARDINGS == ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
     assert REDUCE_DTYPES == ("float32", "bfloat16")

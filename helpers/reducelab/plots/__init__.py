@@ -82,19 +82,29 @@ def new_figure(width: float, height: float, layout_key=None) -> Figure:
 
 
 _LAYOUTS: dict = {}
-"""Positions found by constrained layout, by ``(layout_key, size)``: each axes' position
-and the suptitle's y, in figure coordinates."""
+"""Positions found by constrained layout, by ``(layout_key, size, margins)``: each
+subfigure's box, each suptitle's place and each axes' position."""
+
+
+def _subfigures(fig) -> list:
+    """``fig`` and its subfigures, depth first."""
+    out = [fig]
+    for sub in getattr(fig, "subfigs", []):
+        out.extend(_subfigures(sub))
+    return out
 
 
 def _layout_of(fig: Figure) -> tuple:
-    title = getattr(fig, "_suptitle", None)
-    return ([ax.get_position(original=False).frozen() for ax in fig.axes],
-            title.get_position() if title is not None else None)
+    subs = _subfigures(fig)
+    return ([sub.bbox_relative.frozen() for sub in subs[1:]],
+            [sub._suptitle.get_position() if sub._suptitle is not None else None for sub in subs],
+            [ax.get_position(original=False).frozen() for ax in fig.axes])
 
 
 def _margins(fig: Figure) -> tuple:
     """What sets constrained layout's margins, per axes: the longest tick label on each
-    axis, the lines of each title, and whether the axis labels are set."""
+    axis, the lines of each title, and whether the axis labels are set; per (sub)figure,
+    the lines of its suptitle."""
     sig = []
     for ax in fig.axes:
         row = []
@@ -109,14 +119,15 @@ def _margins(fig: Figure) -> tuple:
         row.extend(ax.get_title(loc).count("\n") + bool(ax.get_title(loc))
                    for loc in ("left", "center", "right"))
         sig.append(tuple(row))
-    title = getattr(fig, "_suptitle", None)
-    text = title.get_text() if title is not None else ""
-    sig.append(text.count("\n") + bool(text))
+    for sub in _subfigures(fig):
+        title = sub._suptitle
+        text = title.get_text() if title is not None else None
+        sig.append(None if text is None else text.count("\n") + bool(text))
     return tuple(sig)
 
 
-def _layout_key(fig: Figure):
-    key = getattr(fig, "_reducelab_layout_key", None)
+def _layout_key(fig: Figure, key=None):
+    key = getattr(fig, "_reducelab_layout_key", None) if key is None else key
     return None if key is None else (key, tuple(fig.get_size_inches()), _margins(fig))
 
 
@@ -125,14 +136,21 @@ def _reuse_layout(fig: Figure, key) -> bool:
     if key is None:
         return False
     cached = _LAYOUTS.get(key)
-    title = getattr(fig, "_suptitle", None)
-    if cached is None or len(cached[0]) != len(fig.axes) or (cached[1] is None) != (title is None):
+    if cached is None:
+        return False
+    boxes, titles, positions = cached
+    subs = _subfigures(fig)
+    if len(boxes) != len(subs) - 1 or len(positions) != len(fig.axes) or \
+            [t is None for t in titles] != [sub._suptitle is None for sub in subs]:
         return False
     fig.set_layout_engine("none")
-    for ax, pos in zip(fig.axes, cached[0]):
+    for sub, box in zip(subs[1:], boxes):
+        sub._redo_transform_rel_fig(bbox=box)
+    for sub, place in zip(subs, titles):
+        if place is not None:
+            sub._suptitle.set_position(place)
+    for ax, pos in zip(fig.axes, positions):
         ax.set_position(pos)
-    if title is not None:
-        title.set_position(cached[1])
     return True
 
 
@@ -166,11 +184,21 @@ def png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def freeze_layout(fig: Figure) -> None:
+def freeze_layout(fig: Figure, key=None) -> None:
     """Compute ``fig``'s constrained layout once, then keep it: later draws skip the
     layout engine (the costliest part of redrawing a persistent figure). The layout
-    engine runs on its own, without rendering the figure (a quarter less than a draw)."""
-    fig.get_layout_engine().execute(fig)
+    engine runs on its own, without rendering the figure (a quarter less than a draw).
+
+    ``key`` (any hashable): figures frozen with the same key, size and margins (tick
+    labels as long, titles of as many lines, see :func:`new_figure`) share one layout:
+    the second and later get the positions the first found, without the engine (about
+    90 ms of a 9.6 x 4.5 in figure of five axes). Anything else that changes the layout
+    belongs in the key."""
+    full = _layout_key(fig, key) if key is not None else None
+    if not _reuse_layout(fig, full):
+        fig.get_layout_engine().execute(fig)
+        if full is not None:
+            _LAYOUTS[full] = _layout_of(fig)
     fig.set_layout_engine("none")
 
 
