@@ -578,6 +578,26 @@ def test_explorer_figure_fits_and_labels_fit_their_cells(drawn, world_size):
         StepFigure().draw(data, data, dropped[:1], grad, data, GROUPS)
 
 
+def test_going_back_to_a_world_size_reuses_its_figure_and_draws_the_same(drawn):
+    """Back at a world size drawn before, the explorer's figure is the one built for it
+    (no new figure and layout), and its PNG is the same as a new figure's."""
+    def state(ws):
+        rng = np.random.default_rng(ws)
+        data = rng.normal(0, 0.3, (ws, 6))
+        grad = data.copy()
+        grad[1:, 4:] = np.nan
+        return data, data, rng.random((ws, 8)) < 0.5, grad, data, GROUPS
+
+    figure = StepFigure()
+    figure.draw(*state(4), title="t")
+    first = figure.fig
+    figure.draw(*state(2), title="t")
+    assert figure.fig is not first
+    again = figure.draw(*state(4), title="t")
+    assert figure.fig is first
+    assert again == StepFigure().draw(*state(4), title="t")
+
+
 # --- the notebook's text ---------------------------------------------------------------------------------
 def test_header_and_cited_questions():
     head = source_with("# What does DDP expect of my model?", "markdown")

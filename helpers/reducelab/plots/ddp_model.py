@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from . import CMAP, HATCHES, MIN_FONT, NEUTRAL, PALETTE, freeze_layout, new_figure, png
+from . import (CMAP, HATCHES, MIN_FONT, NEUTRAL, PALETTE, BuiltFigures, freeze_layout, new_figure,
+               png)
 from .sharded import scale_text, scaled_labels
 
 NO_VALUE = NEUTRAL
@@ -256,7 +257,7 @@ def mask_figure(panels: dict, row_labels=None, title: str = "") -> bytes:
     return png(fig)
 
 
-class StepFigure:
+class StepFigure(BuiltFigures):
     """The explorer's figure, 9.6 x (2.6 + 0.7 per rank) in: five panels and a key.
 
     Top: an element of every parameter as each rank built it, after ``DDP(model)``,
@@ -266,7 +267,8 @@ class StepFigure:
 
     The figure is built once per world size, number of columns and of hidden units, its
     layout computed once and kept; a :meth:`draw` only updates it (a widget redraws on
-    every control change).
+    every control change), and going back to a world size drawn before reuses its figure
+    (:class:`~reducelab.plots.BuiltFigures`).
     """
 
     def __init__(self):
@@ -324,8 +326,9 @@ class StepFigure:
             raise ValueError(f"dropped must have one row per rank ({ws}), got shape {d.shape}")
         groups = [(str(name), int(k)) for name, k in groups]
         _check_groups(groups, b.shape[1])
-        if self._shape != (ws, tuple(groups), d.shape[1]):
-            self._build(ws, groups, d.shape[1])
+        shape = (ws, tuple(groups), d.shape[1])
+        if self._shape != shape:
+            self._use(shape, lambda: self._build(ws, groups, d.shape[1]))
         for panel, values in zip(self.panels, (b, w, g, a)):
             panel.update(values)
         self.mask.update(d)
