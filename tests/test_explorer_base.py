@@ -162,3 +162,35 @@ def test_a_figure_drawn_anew_reuses_the_layout_of_its_key_only_where_it_fits():
     wider = figure(123456.0)             # y tick labels like 120000: longer, wider margin
     png(wider)
     assert wider._reducelab_layout_reused is False
+
+
+def test_in_a_kernel_making_an_explorer_freezes_what_exists_out_of_gc_scans(monkeypatch):
+    """In a kernel, an explorer is made after the notebook's imports: every object that
+    exists then leaves the garbage collector's scans (``gc.freeze``), after one
+    collection (the garbage of earlier cells is freed, not frozen). Outside a kernel (a
+    script, this test process) nothing is frozen."""
+    import gc
+    import weakref
+
+    import reducelab.widgets as widgets
+
+    class Cycle:
+        pass
+
+    assert not widgets.in_kernel()
+    ToyExplorer()
+    assert gc.get_freeze_count() == 0
+    garbage = Cycle()
+    garbage.me = garbage                       # a cycle: only a collection frees it
+    gone = weakref.ref(garbage)
+    del garbage
+    kept = Cycle()
+    assert any(o is kept for o in gc.get_objects())
+    monkeypatch.setattr(widgets, "in_kernel", lambda: True)
+    try:
+        ToyExplorer()
+        assert gc.get_freeze_count() > 0
+        assert gone() is None                  # collected before the freeze
+        assert not any(o is kept for o in gc.get_objects())   # frozen: in no generation
+    finally:
+        gc.unfreeze()

@@ -28,6 +28,15 @@ What every explorer does, whatever its topic:
   back to earlier settings), reuses that figure's PNG bytes instead of drawing it again
   (:data:`PNG_CACHE` states). The values are part of the key because a control may
   change only the view of an equal result (notebook 14's parameter).
+* **No long collection pauses.** In a Jupyter kernel, making an explorer collects
+  garbage once and then moves every object that exists (torch, matplotlib, the
+  notebook's own) out of the garbage collector's scans (``gc.freeze``). A full
+  collection of a kernel with torch imported scans about 300,000 objects (about 130 ms
+  on a 2-core machine), and a refresh's new figures trigger one now and then; after the
+  freeze it scans only what came later. In notebook 08's explorer the slowest tenth of
+  control moves fell from about 590 to 550 ms and the longest from 820 to 650 ms (two
+  runs each, idle 2-core machine). Objects that exist then and later become cyclic
+  garbage are not freed, a few MB at most in a notebook's life.
 * **It reads without a kernel.** Its display carries, beside the live widget, an
   ``image/png`` of the figure it first drew and a ``text/plain`` of its settings and
   result, so GitHub, nbviewer and nbval see the same state as the widget.
@@ -37,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import gc
 import hashlib
 import html
 import pickle
@@ -55,6 +65,17 @@ long enough for the kernel to apply every change already waiting in its queue (e
 takes well under a millisecond), far below what a learner notices."""
 PNG_CACHE = 32
 """How many drawn results each explorer remembers (PNG bytes, a few tens of kB each)."""
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel (an IPython shell with a kernel attached), False in a
+    script or a plain test process."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 class Explorer:
@@ -76,6 +97,9 @@ class Explorer:
     """
 
     def __init__(self, controls: dict[str, W.ValueWidget]):
+        if in_kernel():
+            gc.collect()
+            gc.freeze()  # see "No long collection pauses" above
         self.controls = controls
         self.image = W.Image(format="png", layout=W.Layout(width="auto", max_width="100%"))
         self.message = W.HTML()
