@@ -460,7 +460,7 @@ def report(r: dict) -> str:
                   "| notebook explorer | moves | median wait | worst wait (move) | drag test: "
                   "slider, steps sent, refreshes run, last figure for, settled after |",
                   "|---|---|---|---|---|"]
-        for k, v in r["explorers"].items():
+        for k, v in sorted(r["explorers"].items()):
             if "median_s" not in v:
                 continue
             d = v.get("drag")
