@@ -15,14 +15,20 @@ from __future__ import annotations
 import html
 
 
-def _in_cell() -> bool:
-    """True inside a Jupyter kernel while it executes a cell (not a widget callback)."""
+def current_kernel():
+    """The Jupyter kernel this code runs in (ipykernel's ``Kernel``), or ``None`` in a
+    script or a plain test process."""
     try:
         from IPython import get_ipython
     except ImportError:
-        return False
+        return None
     ip = get_ipython()
-    kernel = getattr(ip, "kernel", None) if ip is not None else None
+    return getattr(ip, "kernel", None) if ip is not None else None
+
+
+def _in_cell() -> bool:
+    """True inside a Jupyter kernel while it executes a cell (not a widget callback)."""
+    kernel = current_kernel()
     if kernel is None:
         return False
     try:

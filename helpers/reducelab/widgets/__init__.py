@@ -58,6 +58,7 @@ from ..errors import GroupClosedError, RankError
 from ..group import current_group
 from ..palette import WRONG
 from ..plots import message_png
+from ..progress import current_kernel
 
 QUIET = 0.004
 """Seconds without a further change from the browser before a deferred refresh runs:
@@ -68,14 +69,8 @@ PNG_CACHE = 32
 
 
 def in_kernel() -> bool:
-    """True inside a Jupyter kernel (an IPython shell with a kernel attached), False in a
-    script or a plain test process."""
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    """True inside a Jupyter kernel, False in a script or a plain test process."""
+    return current_kernel() is not None
 
 
 class Explorer:
