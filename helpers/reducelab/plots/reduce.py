@@ -144,7 +144,6 @@ class ReduceGrid(BuiltFigures):
         for im in (self._input, self._status):
             im.set_extent((-0.5, n_layout - 0.5, world_size - 0.5, -0.5))
         for ax, title in zip(axes, ("x before reduce: the input", "x after reduce")):
-            ax.set_xlim(-0.5, n_layout - 0.5)
             ax.set_xticks(_ticks(n_layout))
             ax.set_xlabel("element")
             ax.set_title(title)
@@ -170,8 +169,7 @@ class ReduceGrid(BuiltFigures):
         world_size = len(self._texts[0])
         ticks = _ticks(n)
         for ax, im, rows in zip(self._axes, (self._input, self._status), self._texts):
-            im.set_extent((-0.5, n - 0.5, world_size - 0.5, -0.5))
-            ax.set_xlim(-0.5, n - 0.5)
+            im.set_extent((-0.5, n - 0.5, world_size - 0.5, -0.5))   # sets the x limits too
             ax.set_xticks(ticks)
             for i, row in enumerate(rows):
                 row.extend(ax.text(j, i, "", ha="center", va="center", fontsize=MIN_FONT,
