@@ -198,6 +198,12 @@ class DefaultGroup:
         dist.init_process_group(self.backend, store=self.next_store(), rank=self.rank,
                                 world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout))
+        # Gloo's connectFullMesh can return on one rank while a peer is still connecting.
+        # Had the first rank then destroyed the group at once (learner code that begins
+        # with its own init_process_group, or with destroy_process_group), the peer's
+        # join would fail with "Connection closed by peer". No rank leaves this barrier
+        # before every rank has joined.
+        dist.barrier()
         self.own_pg = dist.group.WORLD
 
     def own_pg_is_up(self) -> bool:

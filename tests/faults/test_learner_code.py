@@ -139,6 +139,31 @@ def test_a_torchrun_main_that_joins_and_destroys_its_own_group_runs_unchanged(gr
     assert group.run(lambda: dist.get_rank()) == [0, 1, 2, 3]
 
 
+def test_no_rank_leaves_a_join_before_every_rank_has_joined(group):
+    # Gloo can finish connecting on some ranks before others. Had ranks 1 to 3 gone on
+    # (say, to destroy the group at once, as a torchrun main() does with LocalGroup's
+    # group), rank 0's join would fail with "Connection closed by peer" (seen on CI).
+    # Here rank 0 finishes joining 1 s after the others: each rank's function must
+    # still start only once rank 0 has joined.
+    def make_rank_0_join_late():
+        import time
+        if dist.get_rank() == 0:
+            real = dist.init_process_group
+            def late(*args, **kwargs):
+                real(*args, **kwargs)
+                time.sleep(1.0)
+                dist.init_process_group = real
+            dist.init_process_group = late
+        dist.destroy_process_group()               # every rank joins again at the next run
+    def started():
+        import time
+        return time.monotonic()
+    group.run(make_rank_0_join_late)
+    starts = group.run(started)
+    assert max(starts) - min(starts) < 0.5, starts
+    assert group.run(lambda: dist.get_world_size()) == [4] * 4
+
+
 def test_destroying_the_group_on_one_rank_only_restarts_the_ranks(group, capsys):
     def one_rank_leaves():
         if dist.get_rank() == 1:
