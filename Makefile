@@ -53,7 +53,7 @@ lab: install
 
 # nbval compares every stored output with a fresh run of its notebook.
 NBVAL := $(BIN)/python -m pytest -q --nbval-sanitize-with tests/nbval_sanitize.cfg \
-  --nbval-cell-timeout=120 -p no:cacheprovider --nbval
+  --nbval-cell-timeout=120 -p no:cacheprovider -p tests.nbval_report --nbval
 # Torch on other CPU kernels than this machine's: ATen's scalar code instead of AVX2 or
 # AVX-512, and oneDNN (bfloat16 matmuls) without AVX. They round differently, so a stored
 # output that records this CPU's rounding fails the second nbval pass.
