@@ -118,6 +118,20 @@ def test_a_refused_combination_shows_a_note_and_the_ranks_own_words_in_every_for
     assert toy.error is None and toy._repr_mimebundle_()["text/plain"].endswith("chose a <b>")
 
 
+def test_a_second_refusal_draws_no_new_figure(monkeypatch):
+    import reducelab.plots as plots
+    toy = Toy()
+    toy.controls["choice"].value = "refused"
+    note = bytes(toy.image.value)
+    toy.controls["choice"].value = "a"
+
+    def no_new_figure(*args, **kwargs):
+        raise AssertionError("a refusal built a new figure")
+    monkeypatch.setattr(plots, "Figure", no_new_figure)
+    toy.controls["choice"].value = "refused"
+    assert bytes(toy.image.value) == note
+
+
 def test_a_closed_group_is_a_sentence_not_an_exception_and_a_subclass_bug_is_raised():
     toy = Toy()
     toy.controls["choice"].value = "closed"
