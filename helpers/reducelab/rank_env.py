@@ -194,16 +194,23 @@ class DefaultGroup:
         return dist.FileStore(os.path.join(self.tmpdir, name), self.world_size)
 
     def join(self) -> None:
-        """Join a default process group of all ranks (the first, or after fn destroyed it)."""
-        dist.init_process_group(self.backend, store=self.next_store(), rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=timedelta(seconds=self.timeout))
-        # Gloo's connectFullMesh can return on one rank while a peer is still connecting.
-        # Had the first rank then destroyed the group at once (learner code that begins
-        # with its own init_process_group, or with destroy_process_group), the peer's
-        # join would fail with "Connection closed by peer". No rank leaves this barrier
-        # before every rank has joined.
-        dist.barrier()
+        """Join a default process group of all ranks (the first, or after fn destroyed it).
+
+        Returns once every rank has joined. Gloo's ``connectFullMesh`` can return on one
+        rank while a peer is still connecting; had the first rank then destroyed the
+        group at once (learner code that begins with its own ``init_process_group``, or
+        with ``destroy_process_group``), the peer's join would fail with "Connection
+        closed by peer". The wait is on the store, not a collective: the group's
+        collective sequence numbers (which ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` reports)
+        start at 1, and ``TORCH_GLOO_LAZY_INIT`` still connects nothing, as under torchrun.
+        """
+        store = self.next_store()
+        timeout = timedelta(seconds=self.timeout)
+        dist.init_process_group(self.backend, store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)
+        if store.add("reducelab/joined", 1) == self.world_size:
+            store.set("reducelab/all joined", b"1")
+        store.wait(["reducelab/all joined"], timeout)
         self.own_pg = dist.group.WORLD
 
     def own_pg_is_up(self) -> bool:
