@@ -1,7 +1,9 @@
 """The forkserver's later imports (reducelab/forkserver_imports.py): the first group
-starts before the server imports what DDP, DTensor and FSDP need; every later group
-inherits those modules, even one started right after the first. Each case runs in a
-fresh process, since the forkserver lives as long as the process that started it."""
+starts before the server imports anything DDP, DTensor, FSDP or DCP need; once the
+notebook uses one of them (a rank imported it, or the kernel did), every later group
+inherits it, even one started right after; a notebook that never uses them never pays
+for them. Each case runs in a fresh process, since the forkserver lives as long as the
+process that started it."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ import textwrap
 
 CASE = """
 import json, sys, time
+{kernel_imports}
 from reducelab import LocalGroup
 
 def state():
@@ -20,9 +23,12 @@ def state():
                                                       "torch.distributed.checkpoint", "fsspec")],
              "sigusr1_default": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL}}
 
+def use():
+    {rank_imports}
+
 g = LocalGroup(world_size=2, timeout=60)
 first = g.run(state)[0]
-time.sleep({pause})
+g.run(use)
 g.resize(3)
 later = g.run(state)[0]
 g.close()
@@ -30,25 +36,41 @@ print("RESULT", json.dumps({{"first": first, "later": later}}))
 """
 
 
-def run_case(pause: float, preload: str = "full") -> dict:
+def run_case(kernel_imports: str = "", rank_imports: str = "pass",
+             preload: str = "full") -> dict:
     env = {**__import__("os").environ, "REDUCELAB_PRELOAD": preload}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(CASE.format(pause=pause))],
-                         capture_output=True, text=True, timeout=240, env=env)
+    code = textwrap.dedent(CASE).format(kernel_imports=kernel_imports, rank_imports=rank_imports)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, out.stderr[-3000:]
     return json.loads(line[-1][7:])
 
 
-def test_a_resize_right_after_the_first_group_gets_the_later_imports():
-    """The second group asks the server to import now and waits for it: its ranks hold
-    DTensor, dynamo and FSDP when they start; the first group's did not (the setup cell
-    did not wait for them). No rank keeps the server's SIGUSR1 handler."""
-    r = run_case(pause=0.0)
+def test_a_notebook_that_never_uses_them_never_imports_them():
+    """Notebook 01's case: about 80 MB of PSS the forkserver family does not hold."""
+    r = run_case()
     assert r["first"]["modules"] == [False] * 5
-    assert r["later"]["modules"] == [True] * 5
+    assert r["later"]["modules"] == [False] * 5
+
+
+def test_what_a_rank_imported_reaches_the_group_started_right_after():
+    """The run reports DTensor; the resize waits for the server's import, so its ranks
+    start with DTensor, and with nothing that was not asked for (DCP, FSDP). No rank
+    keeps the server's SIGUSR1 handler."""
+    r = run_case(rank_imports="import torch.distributed.tensor")
+    assert r["first"]["modules"] == [False] * 5
+    assert r["later"]["modules"] == [True, False, False, False, False]
     assert r["first"]["sigusr1_default"] and r["later"]["sigusr1_default"]
 
 
+def test_what_the_kernel_imported_reaches_later_groups_but_does_not_delay_the_first():
+    r = run_case(kernel_imports="import torch.distributed.checkpoint")
+    assert r["first"]["modules"] == [False] * 5       # the setup cell did not wait for it
+    assert r["later"]["modules"][3]                    # DCP, and what it imports with it
+    assert r["later"]["modules"][0] and r["later"]["modules"][2]
+
+
 def test_eager_preload_imports_everything_before_the_first_group():
-    r = run_case(pause=0.0, preload="eager")
+    r = run_case(preload="eager")
     assert r["first"]["modules"] == [True] * 5

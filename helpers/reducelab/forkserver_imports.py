@@ -1,21 +1,24 @@
-"""What the ranks' forkserver imports after it has started the first group: imported
-only in the forkserver (it is in its preload list, see :data:`reducelab.processes.PRELOAD`).
+"""What the ranks' forkserver imports after it has started the first group, when the
+notebook needs it: imported only in the forkserver (it is in its preload list, see
+:data:`reducelab.processes.PRELOAD`).
 
 The forkserver first imports torch and :mod:`reducelab.rank_loop`, and serves ranks at
-once: the notebook's setup cell waits for nothing else. Then a thread of the server
-imports what DistributedDataParallel, DTensor, FSDP and distributed checkpoint (DCP)
-import on first use (:data:`LATER`, about 1.3 s of CPU on torch 2.13), once, and calls
+once: the notebook's setup cell waits for nothing else. DistributedDataParallel,
+DTensor, FSDP and distributed checkpoint (DCP) import more on first use (:data:`LATER`,
+about 1.3 s of CPU and 80 MB on torch 2.13). A rank of the first group that uses them
+imports them itself; the kernel then asks the server for them (``SIGUSR1``, with their
+names in the file that :data:`FILE_ENV` names), and so it does when the kernel itself
+has imported them. A thread of the server imports them, once, and calls
 ``gc.freeze()`` (so the garbage collector of each rank does not write to the objects it
 inherits, and their pages stay shared with the server). Every group started after that
 (a resize) inherits those modules, so its first DDP, DTensor, FSDP or DCP call is as
-fast as if they had been preloaded; only the first group imports them on its own, if it
-uses them.
+fast as if they had been preloaded. A notebook that never uses them never pays for
+them: 0.45 GB instead of 0.53 GB for one learner of notebook 01 (PSS, one run).
 
-When the imports start: :data:`QUIET` seconds after the first group's ranks were forked,
-or at once when the kernel starts a second group (it sends ``SIGUSR1``, see
-:func:`reducelab.processes.warm`). A fork asked for while the imports run waits until
-they are done (``os.register_at_fork``): no rank is forked with a half-imported module,
-and a group started during the imports gets them all.
+A fork asked for while imports run waits until they are done (``os.register_at_fork``):
+no rank is forked with a half-imported module, and a group started while they run gets
+them all. The kernel asks before it starts a group (see
+:func:`reducelab.processes.ask_for_later`), so that group's ranks have them.
 
 Source: ``os.register_at_fork``, ``gc.freeze``
 (https://docs.python.org/3/library/gc.html#gc.freeze).
@@ -26,38 +29,49 @@ import gc
 import importlib
 import os
 import signal
+import sys
 import threading
-import time
 
 LATER = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.fsdp",
          "torch.nn.parallel.distributed", "torch.distributed.checkpoint",
          "torch.distributed.checkpoint._fsspec_filesystem")
-"""Imported after the first group, in this order. The last is what ``dcp.save`` and
-``dcp.load`` import on a rank's first call to pick a storage (fsspec, 70 ms per rank:
-``_storage_setup`` in torch/distributed/checkpoint/_storage_utils.py); with DCP, a
-fresh rank's first checkpoint round trip in notebook 14's explorer took 284 ms instead
-of 619 ms at 8 ranks (one run, idle 2-core machine). A module a torch version lacks is
-skipped."""
-QUIET = 1.0
-"""Seconds without a fork after the first group's ranks before the imports start."""
+"""What the server may import after the first group, in this order. The last is what
+``dcp.save`` and ``dcp.load`` import on a rank's first call to pick a storage (fsspec,
+70 ms per rank: ``_storage_setup`` in torch/distributed/checkpoint/_storage_utils.py);
+with DCP, a fresh rank's first checkpoint round trip in notebook 14's explorer took
+284 ms instead of 619 ms at 8 ranks (one run, idle 2-core machine). A module a torch
+version lacks is skipped."""
+FILE_ENV = "REDUCELAB_LATER_IMPORTS"
+"""Environment variable with the path of the file in which the kernel lists the modules
+of :data:`LATER` it wants, one per line (in the kernel's private temporary directory).
+Without it, a request imports all of :data:`LATER`."""
 SIGNAL = signal.SIGUSR1
-"""What the kernel sends the forkserver to start the imports now (a second group comes)."""
+"""What the kernel sends the forkserver once it has written what it wants."""
 WAIT_LIMIT = 120.0
 """Longest a fork waits for the imports, in seconds."""
 
-_forks: list[float] = []        # time.monotonic() of each fork served
-_now = threading.Event()        # the kernel asked for the imports
-_started = threading.Event()
-_done = threading.Event()
+_lock = threading.Lock()
+_asked_for = threading.Event()  # a request came that the thread has not read yet
+_idle = threading.Event()       # no request pending, no import running
+_idle.set()
+
+
+def wanted() -> list[str]:
+    """The modules of :data:`LATER` the kernel asked for, in :data:`LATER`'s order (any
+    other name in the file is ignored)."""
+    path = os.environ.get(FILE_ENV)
+    if not path:
+        return list(LATER)
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = set(f.read().split())
+    except OSError:
+        return []
+    return [m for m in LATER if m in names]
 
 
 def _before_fork() -> None:
-    if _started.is_set():
-        _done.wait(WAIT_LIMIT)
-
-
-def _after_fork_in_parent() -> None:
-    _forks.append(time.monotonic())
+    _idle.wait(WAIT_LIMIT)
 
 
 def _after_fork_in_child() -> None:
@@ -65,27 +79,32 @@ def _after_fork_in_child() -> None:
 
 
 def _import_later() -> None:
-    # The first fork is the kernel's warm-up process; the first group's ranks follow.
-    while not _now.is_set() and (len(_forks) < 2 or time.monotonic() - _forks[-1] < QUIET):
-        _now.wait(0.1)
-    _started.set()
-    try:
-        for name in LATER:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - a rank that needs it raises the error itself
-                pass
-        gc.collect()
-        gc.freeze()
-    finally:
-        _done.set()
+    while True:
+        _asked_for.wait()
+        with _lock:
+            _asked_for.clear()
+        try:
+            new = [m for m in wanted() if m not in sys.modules]
+            for name in new:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - a rank that needs it raises the error itself
+                    pass
+            if new:  # a collection writes to every object: only when something came in
+                gc.collect()
+                gc.freeze()
+        finally:
+            with _lock:
+                if not _asked_for.is_set():
+                    _idle.set()
 
 
 def _asked(signum, frame) -> None:
     # Runs in the server's main thread before it serves the fork the kernel asks for
-    # next: from here on, every fork waits for the imports.
-    _started.set()
-    _now.set()
+    # next: from here on, every fork waits until the request is served.
+    with _lock:
+        _idle.clear()
+        _asked_for.set()
 
 
 def start() -> None:
@@ -94,8 +113,7 @@ def start() -> None:
     if getattr(start, "started", False):
         return
     start.started = True
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                        after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     signal.signal(SIGNAL, _asked)
     threading.Thread(target=_import_later, name="reducelab-forkserver-imports",
                      daemon=True).start()

@@ -397,6 +397,7 @@ class LocalGroup:
                                         BOOT_LIMIT, errors, died, pending, unbooted,
                                         call.booted)
         self._set_state("idle")
+        processes.ask_for_later(processes.kernel_later())  # in the background
         return deadline
 
     def _shutdown(self, polite: bool = False) -> None:
@@ -454,6 +455,8 @@ class LocalGroup:
             print(reports.interrupted(self._world_size), file=sys.stderr)
             raise
         self._gate.check_open("run()")
+        processes.ask_for_later(processes.kernel_later().union(
+            *(m.get("later", ()) for m in replies.values())))
         print_rank_outputs(outputs(replies, stacks))
         failed = any(m["kind"] != "done" for m in replies.values()) or died or pending
         if not failed:

@@ -27,6 +27,7 @@ import multiprocessing.spawn
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import wait as mp_wait
@@ -69,14 +70,15 @@ PRELOAD = {
 }
 """What the forkserver imports before it serves ranks, by ``REDUCELAB_PRELOAD``.
 
-``full`` (the default) imports torch and serves the first group at once; then, in the
-background, it imports what DistributedDataParallel, DTensor, FSDP and DCP import on
-first use (:data:`reducelab.forkserver_imports.LATER`, about 1.3 s of CPU on torch 2.13),
-so that every later group (after a resize) inherits them and its first DDP, DTensor,
-FSDP or checkpoint call is fast (see
-:mod:`reducelab.forkserver_imports`). ``eager`` imports all that before the first group
-starts (the setup cell waits for it). ``torch`` never imports it in the server: every
-group pays for it at its first DDP call (about 2.5 s for 4 ranks on 2 cores)."""
+``full`` (the default) imports torch and serves the first group at once; later, when
+the notebook uses DistributedDataParallel, DTensor, FSDP or DCP (the kernel imported
+them, or a rank did), it imports what they import on first use
+(:data:`reducelab.forkserver_imports.LATER`, about 1.3 s of CPU on torch 2.13), in the
+background, so that every later group (after a resize) inherits them and its first such
+call is fast (see :mod:`reducelab.forkserver_imports`). ``eager`` imports all that
+before the first group starts (the setup cell waits for it). ``torch`` never imports it
+in the server: every group pays for it at its first DDP call (about 2.5 s for 4 ranks
+on 2 cores)."""
 
 
 def context():
@@ -85,6 +87,8 @@ def context():
     if "forkserver" in mp.get_all_start_methods() and \
             os.environ.get("REDUCELAB_START_METHOD", "forkserver") == "forkserver":
         ctx = mp.get_context("forkserver")
+        from .forkserver_imports import FILE_ENV  # where the server reads what to import
+        os.environ[FILE_ENV] = os.path.join(mp.util.get_temp_dir(), "reducelab-later-imports")
         ctx.set_forkserver_preload(PRELOAD.get(os.environ.get("REDUCELAB_PRELOAD", "full"),
                                                PRELOAD["full"]))
         return ctx
@@ -104,10 +108,10 @@ def warm(ctx, group: bool = True) -> float:
 
     The first call in a kernel starts the forkserver and waits for one no-op process
     from it (about 1 to 3 s: the server imports torch once); later calls return at
-    once, except the one for the kernel's second group, which waits until the server
-    has made its later imports (at most about 1.2 s of CPU, once; see
-    :mod:`reducelab.forkserver_imports`). Callers add the time to their deadline: it is
-    a one-off cost of the kernel, not part of any group's timeout.
+    once, except where the server has later imports to make for the notebook (at most
+    about 1.3 s of CPU, once; see :func:`ask_for_later`): a group then waits for them,
+    so that its ranks start with them. Callers add the time to their deadline: it is a
+    one-off cost of the kernel, not part of any group's timeout.
 
     Args:
         ctx: the context from :func:`context`.
@@ -125,7 +129,7 @@ def warm(ctx, group: bool = True) -> float:
             _serve_noop(ctx)
             _forkserver_ready[:] = [os.getpid()]
         if group:
-            _count_group(ctx)
+            _before_group(ctx)
     return time.monotonic() - t0
 
 
@@ -143,24 +147,69 @@ def _serve_noop(ctx) -> None:
 
 
 _groups_started: dict[int, int] = {}  # {forkserver pid: groups started from it}
+_later_asked: dict[int, set[str]] = {}  # {forkserver pid: modules of LATER asked for}
+_later_unserved: set[int] = set()  # forkservers asked since their last group start
 
 
-def _count_group(ctx) -> None:
-    """Count a group start; at the second group of a forkserver that makes later imports
-    (``REDUCELAB_PRELOAD=full``), ask it to make them now if it has not begun
-    (``SIGUSR1``), and wait until it has, so that this group's ranks are forked with
-    them (see :mod:`reducelab.forkserver_imports`)."""
+def _server():
+    """``(pid, True if it makes later imports)`` of this kernel's running forkserver, or
+    ``(None, False)``."""
     from multiprocessing import forkserver
     server = forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
+    later = "reducelab.forkserver_imports" in (getattr(server, "_preload_modules", None) or ())
+    return pid, later
+
+
+def kernel_later() -> set[str]:
+    """The modules of :data:`~reducelab.forkserver_imports.LATER` this kernel has imported
+    (what the notebook's own imports say its ranks will use)."""
+    from .forkserver_imports import LATER
+    return {m for m in LATER if m in sys.modules}
+
+
+def ask_for_later(modules) -> None:
+    """Ask the forkserver to import ``modules`` (names of
+    :data:`~reducelab.forkserver_imports.LATER`; others are ignored) in the background,
+    if it has not been asked for them: the kernel writes their names in the file that
+    ``REDUCELAB_LATER_IMPORTS`` names and sends ``SIGUSR1``. The next group start waits
+    until the server has imported them (:func:`warm`). Does nothing without a
+    forkserver that makes later imports (``REDUCELAB_PRELOAD=full``)."""
+    from .forkserver_imports import FILE_ENV, LATER, SIGNAL
+    pid, later = _server()
+    path = os.environ.get(FILE_ENV)
+    if not (pid and later and path):
+        return
+    asked = _later_asked.setdefault(pid, set())
+    new = {m for m in modules if m in LATER} - asked
+    if not new:
+        return
+    try:
+        with open(path + ".new", "w", encoding="utf-8") as f:
+            f.write("".join(f"{m}\n" for m in sorted(asked | new)))
+        os.replace(path + ".new", path)  # the server never reads half a list
+        os.kill(pid, SIGNAL)
+    except OSError:
+        return  # no server or no file: each new rank imports what it uses, as ever
+    asked |= new
+    _later_unserved.add(pid)
+
+
+def _before_group(ctx) -> None:
+    """Count a group start. From the second group on, ask for the later imports this
+    kernel's own imports call for; then, if the server has requests this kernel has not
+    waited for, wait until it has made them (the fork of a no-op process waits for them
+    in the server), so that this group's ranks are forked with them. The first group
+    starts at once: the setup cell waits for nothing but torch."""
+    pid, _ = _server()
     if not pid:
         return
     _groups_started[pid] = n = _groups_started.get(pid, 0) + 1
-    if n == 2 and "reducelab.forkserver_imports" in (getattr(server, "_preload_modules", None)
-                                                     or ()):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGUSR1)
-        _serve_noop(ctx)  # its fork waits in the server until the imports are done
+    if n >= 2:
+        ask_for_later(kernel_later())
+    if pid in _later_unserved:
+        _later_unserved.discard(pid)
+        _serve_noop(ctx)
 
 
 def create_time(pid: int) -> float | None:
