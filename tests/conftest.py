@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,13 @@ import pytest
 from reducelab import LocalGroup
 
 SOLUTIONS = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
+
+# A Jupyter kernel always turns SIGINT into KeyboardInterrupt (Kernel > Interrupt). A test
+# run started in the background without job control (`make test &` in a script, nohup)
+# inherits SIGINT ignored, and the interrupt tests then fail for want of an interrupt
+# (seen here: 5 of them, when CI was started that way). Give the tests a kernel's handler.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def load_solution(name: str):
