@@ -252,12 +252,16 @@ def test_find_unused_parameters_warns_once_per_process_with_torchs_words():
 
 def test_collectives_per_step(group):
     default = group.run(NB.collectives_per_step)[0]
-    assert default == ["all_reduce of 58", "broadcast of 7, broadcast of 1, all_reduce of 58",
+    assert default == ["all_reduce of 58", "all_reduce of 58, broadcast of 1, broadcast of 7",
                        "all_reduce of 58"]
-    unused = group.run(NB.collectives_per_step, find_unused_parameters=True)[0]
-    assert all(sorted(step.split(", ")) == ["all_reduce of 58", "all_reduce of 6"] for step in unused)
+    # The profiler records the two all_reduces of one backward in either order (1 run in 15
+    # on an idle machine): the notebook sorts them, so that its stored output holds.
+    for _ in range(3):
+        unused = group.run(NB.collectives_per_step, find_unused_parameters=True)[0]
+        assert unused == ["all_reduce of 6, all_reduce of 58"] * 3
     static = group.run(NB.collectives_per_step, static_graph=True)[0]
-    assert "all_reduce of 6" in static[0] and not any("of 6" in s for s in static[1:])
+    assert static == ["all_reduce of 6, all_reduce of 58", "all_reduce of 58",
+                      "all_reduce of 58, broadcast of 1, broadcast of 7"]
     assert sum(p.numel() for p in NB.Net().parameters()) == 58 and len(list(NB.Net().parameters())) == 6
 
 
