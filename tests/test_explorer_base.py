@@ -121,6 +121,93 @@ def test_going_back_to_a_world_size_restores_its_figure_without_building_it():
     assert again == first
 
 
+class PreparingExplorer(ToyExplorer):
+    """A toy whose figure needs ``prepare_seconds`` of work that the ranks' result does
+    not change (as a figure of a new world size does)."""
+
+    def __init__(self, compute_seconds, prepare_seconds, fail=None):
+        self.prepare_seconds, self.fail, self.prepared_in = prepare_seconds, fail, []
+        super().__init__(compute_seconds)
+
+    def preparation(self, n, parity):
+        def work():
+            import threading
+            import time
+            time.sleep(self.prepare_seconds)
+            self.prepared_in.append(threading.current_thread().name)
+            if self.fail:
+                raise self.fail
+        return work
+
+    def compute(self, n, parity):
+        if n == 13:
+            from reducelab import RankError
+            raise RankError("refused", reports=[])
+        return super().compute(n, parity)
+
+
+def test_a_preparation_runs_in_a_thread_while_the_ranks_compute():
+    """compute 0.3 s and a preparation of 0.3 s: a refresh waits for the longer, not the
+    sum, and the preparation is done before the figure is drawn."""
+    ex = PreparingExplorer(compute_seconds=0.3, prepare_seconds=0.3)
+    ex.controls["n"].value = 4
+    assert ex.prepared_in == ["reducelab-prepare"] * 2 and ex.drawn == [0, 4]
+    assert 0.3 <= ex.seconds < 0.5
+
+
+def test_a_failed_preparation_is_raised_but_a_refusal_is_told_first():
+    ex = PreparingExplorer(compute_seconds=0.0, prepare_seconds=0.0)
+    ex.fail = ValueError("a bug in the figure code")
+    try:
+        ex.controls["n"].value = 5
+    except ValueError as err:
+        assert str(err) == "a bug in the figure code"
+    else:
+        raise AssertionError("the preparation's error was hidden")
+    ex.controls["n"].value = 13                 # the ranks refuse: their sentence is shown
+    assert ex.result is None and "refused" in ex.message.value
+
+
+def test_a_preparation_leaves_the_figure_as_its_draw_would():
+    """Each persistent figure, prepared for a new shape and then drawn, gives the bytes a
+    draw alone gives, and the draw builds nothing more."""
+    import numpy as np
+
+    from reducelab.plots import RankHeatmaps
+    from reducelab.plots.reduce import ReduceGrid
+    from reducelab.plots.sharded import ShardingFigure
+    from reducelab.widgets.reduce import buffer_status
+
+    def heat(plot, ws):
+        return plot.draw([np.arange(ws * 6.0).reshape(ws, 6)] * 2, title=f"{ws} ranks")
+
+    def grid(plot, ws, n=9):
+        before = np.arange(ws * n, dtype=float).reshape(ws, n) + 1
+        after = before.copy()
+        after[0] = before.sum(0)
+        return plot.draw(before, after, buffer_status(before, after), 0, title=f"{ws} ranks")
+
+    def sharding(plot, ws, numel=64):
+        a = np.linspace(-1, 1, ws * numel).reshape(ws, numel)
+        memory = [{"parameters": 4.0 * numel, "gradients": 4.0 * numel, "optimizer state": 0.0}] * ws
+        sent = [{"all_reduce": 8.0 * numel}] * ws
+        return plot.draw(a, a / 2, a / 3, memory, sent, 4.0 * numel, 8.0 * numel, "formula",
+                         title=f"{ws} ranks")
+
+    for make, draw, prepare in [
+            (lambda: RankHeatmaps(("before", "after")), heat, lambda p, ws: p.preparation(ws, 6)),
+            (ReduceGrid, grid, lambda p, ws: p.preparation(ws, 9)),
+            (lambda: ShardingFigure(64), sharding, lambda p, ws: p.preparation(ws))]:
+        alone, prepared = make(), make()
+        draw(alone, 2), draw(prepared, 2)
+        assert prepare(prepared, 2) is None           # current: nothing to prepare
+        expected = draw(alone, 5)
+        prepare(prepared, 5)()
+        builds = []
+        prepared._build = lambda *args: builds.append(args)
+        assert draw(prepared, 5) == expected and builds == []
+
+
 def test_functions_explorers_send_to_ranks_come_from_light_modules():
     """A rank imports the module of a function it is sent by reference. The explorers'
     own rank functions live in modules that import neither ipywidgets nor matplotlib,

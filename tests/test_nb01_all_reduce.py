@@ -448,3 +448,15 @@ def test_the_notebook_gives_no_answer_before_its_question():
     before = "\n".join(cells[:exercise])
     assert "local_values({rank}, 4)" in before and "(rank + 1) * (i + 1)" in before   # the inputs
     assert "ReduceOp.SUM` only" in cells[exercise - 1] and "correction=0" in cells[exercise - 1]
+
+
+def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
+    """The explorer builds the figure of a world size it has not shown while the new
+    ranks start and run (Explorer.preparation), not after them."""
+    import threading
+    plot, builds = explorer.plot, []
+    original = plot._build
+    plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
+    explorer.controls["world_size"].value = 3
+    assert builds == ["reducelab-prepare"] and explorer.result.world_size == 3
+    explorer.group.resize(4)

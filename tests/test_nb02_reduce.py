@@ -635,3 +635,16 @@ def test_the_notebooks_exercise_cell_is_the_stub_the_check_names(group):
         assert rule in text, rule
     assert expected_sums(4, 1)[2].item() == 3333.0     # the number the text gives
     assert "reduce_to_owners" not in cells[0] and "reduce_scatter" not in cells[0]
+
+
+def test_a_new_world_size_figure_is_built_while_the_ranks_run(group):
+    """The explorer builds the figure of a world size it has not shown while the new
+    ranks start and run (Explorer.preparation), not after them."""
+    import threading
+    e = ReduceExplorer(group, reduce_once, world_size=4, dst=0, n=8)
+    builds = []
+    original = e.plot._build
+    e.plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
+    e.controls["world_size"].value = 3
+    assert builds == ["reducelab-prepare"] and e.result.world_size == 3
+    group.resize(4)

@@ -729,3 +729,15 @@ def test_world_sizes_that_share_a_layout_draw_what_their_own_layout_draws(monkey
 def test_reduce_dtypes_and_shardings_are_the_fields_names():
     assert SHARDINGS == ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
     assert REDUCE_DTYPES == ("float32", "bfloat16")
+
+
+def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
+    """The explorer builds the figure of a world size it has not shown while the new
+    ranks start and run (Explorer.preparation), not after them."""
+    import threading
+    plot, builds = explorer.figure, []
+    original = plot._build
+    plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
+    explorer.controls["world_size"].value = 3
+    assert builds == ["reducelab-prepare"] and explorer.result.world_size == 3
+    explorer.group.resize(4)

@@ -203,6 +203,9 @@ def freeze_layout(fig: Figure, key=None) -> None:
     fig.set_layout_engine("none")
 
 
+_NOTHING = object()
+
+
 class BuiltFigures:
     """Mixin for a plot that keeps one persistent figure per shape (world size, number of
     elements): :meth:`_use` makes the figure of a shape current, restoring the figure
@@ -211,6 +214,13 @@ class BuiltFigures:
     hundred milliseconds). The last :data:`KEEP` shapes are kept (about 2 MB each)."""
 
     KEEP = 4
+
+    def _preparation(self, shape, build):
+        """``None`` if ``shape``'s figure is current; else the callable that makes it
+        current (:meth:`_use`), for :meth:`reducelab.widgets.Explorer.preparation`."""
+        if self.__dict__.get("_built_shape", _NOTHING) == shape:
+            return None
+        return lambda: self._use(shape, build)
 
     def _use(self, shape, build) -> None:
         """Make ``shape``'s figure current; ``build()`` makes it the first time (it sets
@@ -311,6 +321,12 @@ class RankHeatmaps(BuiltFigures):
         cell_px = axes[0].get_window_extent().width / n
         self._max_chars = int(0.9 * cell_px / (0.6 * MIN_FONT * DPI / 72))
 
+    def preparation(self, world_size: int, n: int):
+        """The callable that builds (or restores) the figure of ``world_size`` ranks and
+        ``n`` elements, or ``None`` if it is current: an explorer runs it while the
+        ranks compute (:meth:`reducelab.widgets.Explorer.preparation`)."""
+        return self._preparation((world_size, n), lambda: self._build(world_size, n))
+
     def draw(self, panels: list, subtitles: list[str] | None = None,
              title: str | None = None, highlight_rows: dict[int, str] | None = None) -> bytes:
         """Draw the panels and return PNG bytes.
@@ -330,8 +346,9 @@ class RankHeatmaps(BuiltFigures):
         if len(arrays) != len(self.titles):
             raise ValueError(f"expected {len(self.titles)} panels ({self.titles}), got {len(arrays)}")
         world_size, n = arrays[0].shape
-        if self._shape != (world_size, n):
-            self._use((world_size, n), lambda: self._build(world_size, n))
+        build = self.preparation(world_size, n)
+        if build is not None:
+            build()
         finite = np.concatenate([a[np.isfinite(a)] for a in arrays]) if arrays else np.zeros(1)
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
         if lo == hi:

@@ -118,7 +118,6 @@ class ReduceGrid(BuiltFigures):
 
     def __init__(self):
         self.fig = None
-        self._shape = None
 
     @staticmethod
     def width(n: int) -> float:
@@ -180,6 +179,23 @@ class ReduceGrid(BuiltFigures):
         self._cell_px = self._axes[0].get_window_extent().width / n
         self._columns = n
 
+    def preparation(self, world_size: int, n: int):
+        """The callable that makes the figure of ``world_size`` ranks and ``n`` elements
+        current (built, restored, or given ``n`` columns), or ``None`` if it is: an
+        explorer runs it while the ranks compute
+        (:meth:`reducelab.widgets.Explorer.preparation`)."""
+        shape = (world_size, self.width(n))
+        use = self._preparation(shape, lambda: self._build(world_size, n))
+        if use is None and self._columns == n:
+            return None
+
+        def prepare():
+            if use is not None:
+                use()
+            if self._columns != n:
+                self._set_columns(n)
+        return prepare
+
     def draw(self, before, after, status, dst: int, title: str = "") -> bytes:
         """Draw and return PNG bytes.
 
@@ -203,12 +219,9 @@ class ReduceGrid(BuiltFigures):
         world_size, n = before.shape
         if not 0 <= dst < world_size:
             raise ValueError(f"dst must be a rank from 0 to {world_size - 1}, got {dst}")
-        shape = (world_size, self.width(n))
-        if self._shape != shape:
-            self._use(shape, lambda: self._build(world_size, n))
-            self._shape = shape
-        if self._columns != n:
-            self._set_columns(n)
+        build = self.preparation(world_size, n)
+        if build is not None:
+            build()
         norm = _value_norm(before)
         self._input.set_norm(norm)
         self._input.set_data(before)

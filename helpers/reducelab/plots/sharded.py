@@ -413,6 +413,12 @@ class ShardingFigure(BuiltFigures):
             self.cell_texts = [[] for _ in self.cell_texts]
         self.fig, self.world_size = fig, ws
 
+    def preparation(self, world_size: int):
+        """The callable that builds (or restores) the figure of ``world_size`` ranks, or
+        ``None`` if it is current: an explorer runs it while the ranks compute
+        (:meth:`reducelab.widgets.Explorer.preparation`)."""
+        return self._preparation(world_size, lambda: self._build(world_size))
+
     def draw(self, before: np.ndarray, grad: np.ndarray, after: np.ndarray,
              memory: list[dict], sent: list[dict], memory_formula_total: float,
              sent_formula: float, sent_formula_text: str, title: str = "") -> bytes:
@@ -434,8 +440,9 @@ class ShardingFigure(BuiltFigures):
         ws = before.shape[0]
         if not (grad.shape[0] == after.shape[0] == len(memory) == len(sent) == ws):
             raise ValueError("before, grad, after, memory and sent need one entry per rank")
-        if self.world_size != ws:
-            self._use(ws, lambda: self._build(ws))
+        build = self.preparation(ws)
+        if build is not None:
+            build()
         cols = self.columns
         params = np.concatenate([before[:, cols], after[:, cols]])
         finite = params[np.isfinite(params)]

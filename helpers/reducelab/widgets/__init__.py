@@ -28,6 +28,11 @@ What every explorer does, whatever its topic:
   back to earlier settings), reuses that figure's PNG bytes instead of drawing it again
   (:data:`PNG_CACHE` states). The values are part of the key because a control may
   change only the view of an equal result (notebook 14's parameter).
+* **It draws while the ranks run.** An explorer whose figure is rebuilt for a new shape
+  (a world size it has not shown recently) builds that figure in a thread while
+  :meth:`Explorer.compute` waits for the ranks (:meth:`Explorer.preparation`). A
+  world-size move then waits for the longer of the two, not their sum: the new ranks
+  start in other processes, and the kernel would only wait for them.
 * **No long collection pauses.** In a Jupyter kernel, making an explorer collects
   garbage once and then moves every object that exists (torch, matplotlib, the
   notebook's own) out of the garbage collector's scans (``gc.freeze``). A full
@@ -50,6 +55,7 @@ import gc
 import hashlib
 import html
 import pickle
+import threading
 import time
 
 import ipywidgets as W
@@ -71,6 +77,33 @@ PNG_CACHE = 32
 def in_kernel() -> bool:
     """True inside a Jupyter kernel, False in a script or a plain test process."""
     return current_kernel() is not None
+
+
+class _Preparation:
+    """Runs an explorer's :meth:`~Explorer.preparation` in a daemon thread; :meth:`wait`
+    joins it and raises what it raised (a bug in the figure code is not hidden)."""
+
+    def __init__(self, work):
+        self.error: BaseException | None = None
+        self.thread = None
+        if work is not None:
+            self.thread = threading.Thread(target=self._run, args=(work,),
+                                           name="reducelab-prepare", daemon=True)
+            self.thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - re-raised by wait()
+            self.error = err
+
+    def wait(self, quiet: bool = False) -> None:
+        """Join the thread; then raise its error, unless ``quiet``."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None and not quiet:
+            raise self.error
 
 
 class Explorer:
@@ -136,6 +169,17 @@ class Explorer:
     def describe(self, result) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def preparation(self, **values):
+        """What :meth:`draw` will need for ``values`` whatever the ranks return, as a
+        callable of no arguments, or ``None`` (the default) if nothing needs making.
+
+        :meth:`refresh` calls it in a thread of its own while :meth:`compute` runs, and
+        waits for it before drawing: typically it builds the figure of a new shape
+        (:meth:`reducelab.plots.BuiltFigures._use`). It must touch only the explorer's
+        figure objects, never the group or the widgets, and must leave them as
+        :meth:`draw` would (a draw for another shape simply builds its own)."""
+        return None
+
     def explain_error(self, values: dict, err: RankError) -> str:
         """One sentence for a refused combination; the default quotes the rank's error."""
         first = err.first_summary
@@ -186,8 +230,14 @@ class Explorer:
         """
         t0 = time.perf_counter()
         values = self.values
+        prepared = _Preparation(self.preparation(**values))
         try:
-            result = self.compute(**values)
+            try:
+                result = self.compute(**values)
+            except BaseException:
+                prepared.wait(quiet=True)   # the ranks' error is the one to tell
+                raise
+            prepared.wait()
         except GroupClosedError as err:
             self.result, self.error = None, None
             self._refuse(str(err))

@@ -113,6 +113,9 @@ class AllReduceExplorer(Explorer):
         after = np.stack([a.numpy() for _, a in out])
         return AllReduceResult(op, pattern, dtype, before, after)
 
+    def preparation(self, op, world_size, pattern, dtype):
+        return self.plot.preparation(world_size, self.n)  # a new world size's figure
+
     def draw(self, result: AllReduceResult) -> bytes:
         return self.plot.draw([result.before, result.after],
                               title=f"all_reduce(op=ReduceOp.{result.op}) on "

@@ -186,6 +186,9 @@ class ReduceExplorer(Explorer):
         after = np.stack([np.asarray(a, dtype=float).reshape(-1) for _, a in out])
         return ReduceResult(dst, pattern, before, after, buffer_status(before, after))
 
+    def preparation(self, world_size, dst, n, pattern):
+        return self.plot.preparation(world_size, n)  # a new world size's or n's figure
+
     def draw(self, result: ReduceResult) -> bytes:
         return self.plot.draw(result.before, result.after, result.status, result.dst,
                               title=f"dist.reduce(x, dst={result.dst}) on "

@@ -141,6 +141,9 @@ class ShardingExplorer(Explorer):
         return ShardingResult(world_size, sharding, reduce_dtype, stack("before"), stack("grad"),
                               stack("after"), [dict(o["bytes"]) for o in out], sent, error)
 
+    def preparation(self, world_size, sharding, reduce_dtype):
+        return self.figure.preparation(world_size)  # a new world size's figure
+
     def draw(self, r: ShardingResult) -> bytes:
         mem = sum(memory_formula(r.sharding, NUMEL, r.world_size).values())
         sent, text = sent_formula(r.sharding, NUMEL, r.world_size, grad_bytes=r.grad_bytes)
