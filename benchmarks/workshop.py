@@ -106,6 +106,12 @@ def pss_of_tree(pid: int) -> float:
     return total
 
 
+def p95(times: list[float]) -> float:
+    """The 95th percentile of ``times`` (the nearest rank at or above it)."""
+    times = sorted(times)
+    return times[min(len(times) - 1, int(0.95 * len(times)))]
+
+
 HEAVY = ("02", "08", "10")
 """The notebooks whose explorers the class moves: the heaviest figures and runs."""
 
@@ -118,13 +124,13 @@ def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
             learner = Learner(notebooks[i % len(notebooks)])
             learners.append(learner)
             learner.setup()
-        results: list[list[float]] = [[] for _ in range(k)]
+        results: list[list[tuple]] = [[] for _ in range(k)]   # (control, value, seconds)
         errors: list[str] = []
 
         def learner_moves(i: int) -> None:
             try:
                 for _ in range(rounds):
-                    results[i] += [w for _, _, w in learners[i].sweep(think=think)]
+                    results[i] += list(learners[i].sweep(think=think))
             except Exception as err:  # noqa: BLE001 - reported below
                 errors.append(f"{learners[i].name}: {err}")
         threads = [threading.Thread(target=learner_moves, args=(i,)) for i in range(k)]
@@ -134,11 +140,19 @@ def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
         pss = [pss_of_tree(learner.km.provisioner.process.pid) for learner in learners]
         for t in threads:
             t.join()
-        times = sorted(t for r in results for t in r)
-        p95 = times[min(len(times) - 1, int(0.95 * len(times)))]
+        times = sorted(t for r in results for _, _, t in r)
+        by_notebook = {}
+        for learner, moves in zip(learners, results):
+            by_notebook.setdefault(learner.name, []).extend(moves)
         return {"learners": k, "notebooks": [x.name for x in learners], "think_s": think,
                 "moves": len(times), "pss_per_learner_gib": statistics.mean(pss) / 2**30,
-                "wait_median_s": statistics.median(times), "wait_p95_s": p95,
+                "wait_median_s": statistics.median(times), "wait_p95_s": p95(times),
+                "by_notebook": {name: {"moves": len(moves),
+                                       "wait_median_s": statistics.median(t for *_, t in moves),
+                                       "wait_p95_s": p95([t for *_, t in moves]),
+                                       "slowest": [f"{c}={v}: {t * 1e3:.0f} ms" for c, v, t in
+                                                   sorted(moves, key=lambda m: -m[2])[:3]]}
+                                for name, moves in by_notebook.items() if moves},
                 "errors": errors}
     finally:
         for learner in learners:
@@ -191,6 +205,14 @@ def report(r: dict) -> str:
         lines.append(f"| {c['learners']} | {c['moves']} | {c['pss_per_learner_gib']:.2f} GiB | "
                      f"{c['wait_median_s'] * 1e3:.0f} ms | {c['wait_p95_s'] * 1e3:.0f} ms |"
                      + (f" errors: {'; '.join(c['errors'])}" if c.get("errors") else ""))
+    largest = max(r["classroom"], key=lambda c: c["learners"], default=None)
+    if largest and largest.get("by_notebook"):
+        lines += ["", f"The class of {largest['learners']}, by notebook:", "",
+                  "| notebook | moves | wait median | wait p95 | slowest moves |",
+                  "|---|---|---|---|---|"]
+        for name, b in sorted(largest["by_notebook"].items()):
+            lines.append(f"| {name} | {b['moves']} | {b['wait_median_s'] * 1e3:.0f} ms | "
+                         f"{b['wait_p95_s'] * 1e3:.0f} ms | {'; '.join(b['slowest'])} |")
     return "\n".join(lines) + "\n"
 
 
