@@ -151,7 +151,9 @@ def test_a_preparation_runs_in_a_thread_while_the_ranks_compute():
     sum, and the preparation is done before the figure is drawn."""
     ex = PreparingExplorer(compute_seconds=0.3, prepare_seconds=0.3)
     ex.controls["n"].value = 4
-    assert ex.prepared_in == ["reducelab-prepare"] * 2 and ex.drawn == [0, 4]
+    assert len(ex.prepared_in) == 2 and ex.drawn == [0, 4]
+    assert ex.prepared_in[0].startswith("reducelab-prepare")
+    assert len(set(ex.prepared_in)) == 1   # one thread: matplotlib caches fonts per thread
     assert 0.3 <= ex.seconds < 0.5
 
 

@@ -646,5 +646,6 @@ def test_a_new_world_size_figure_is_built_while_the_ranks_run(group):
     original = e.plot._build
     e.plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
     e.controls["world_size"].value = 3
-    assert builds == ["reducelab-prepare"] and e.result.world_size == 3
+    assert len(builds) == 1 and builds[0].startswith("reducelab-prepare")
+    assert e.result.world_size == 3
     group.resize(4)

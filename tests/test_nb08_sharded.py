@@ -739,5 +739,6 @@ def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
     original = plot._build
     plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
     explorer.controls["world_size"].value = 3
-    assert builds == ["reducelab-prepare"] and explorer.result.world_size == 3
+    assert len(builds) == 1 and builds[0].startswith("reducelab-prepare")
+    assert explorer.result.world_size == 3
     explorer.group.resize(4)

@@ -51,11 +51,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import concurrent.futures
 import gc
 import hashlib
 import html
 import pickle
-import threading
 import time
 
 import ipywidgets as W
@@ -79,31 +79,33 @@ def in_kernel() -> bool:
     return current_kernel() is not None
 
 
+_PREPARER: concurrent.futures.ThreadPoolExecutor | None = None
+"""The one thread that runs preparations, made at the first: one thread for the kernel's
+life, because matplotlib caches its fonts per thread."""
+
+
 class _Preparation:
-    """Runs an explorer's :meth:`~Explorer.preparation` in a daemon thread; :meth:`wait`
-    joins it and raises what it raised (a bug in the figure code is not hidden)."""
+    """Runs an explorer's :meth:`~Explorer.preparation` in the preparer thread;
+    :meth:`wait` waits for it and raises what it raised (a bug in the figure code is not
+    hidden)."""
 
     def __init__(self, work):
-        self.error: BaseException | None = None
-        self.thread = None
+        global _PREPARER
+        self.future = None
         if work is not None:
-            self.thread = threading.Thread(target=self._run, args=(work,),
-                                           name="reducelab-prepare", daemon=True)
-            self.thread.start()
-
-    def _run(self, work) -> None:
-        try:
-            work()
-        except BaseException as err:  # noqa: BLE001 - re-raised by wait()
-            self.error = err
+            if _PREPARER is None:
+                _PREPARER = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="reducelab-prepare")
+            self.future = _PREPARER.submit(work)
 
     def wait(self, quiet: bool = False) -> None:
-        """Join the thread; then raise its error, unless ``quiet``."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None and not quiet:
-            raise self.error
+        """Wait for the work; then raise its error, unless ``quiet``."""
+        if self.future is None:
+            return
+        future, self.future = self.future, None
+        concurrent.futures.wait([future])
+        if future.exception() is not None and not quiet:
+            raise future.exception()
 
 
 class Explorer:
