@@ -273,7 +273,6 @@ class StepFigure(BuiltFigures):
 
     def __init__(self):
         self.fig = None
-        self._shape = None
 
     def _build(self, world_size: int, groups, units: int) -> None:
         fig = new_figure(9.6, 2.6 + 0.7 * world_size)
@@ -300,7 +299,15 @@ class StepFigure(BuiltFigures):
                                   "4 ranks", fontsize=MIN_FONT + 1)     # room for the longest title
         freeze_layout(fig)
         self.fig = fig
-        self._shape = (world_size, tuple(groups), units)
+
+    def preparation(self, world_size: int, groups, units: int):
+        """The callable that builds (or restores) the figure of ``world_size`` ranks,
+        ``groups`` (``[(name, n_columns), ...]``) and ``units`` hidden units, or ``None``
+        if it is current: an explorer runs it while the ranks compute
+        (:meth:`reducelab.widgets.Explorer.preparation`)."""
+        groups = [(str(name), int(k)) for name, k in groups]
+        return self._preparation((world_size, tuple(groups), units),
+                                 lambda: self._build(world_size, groups, units))
 
     def draw(self, built, wrapped, dropped, grad, after, groups, title: str = "") -> bytes:
         """Draw and return PNG bytes.
@@ -326,9 +333,9 @@ class StepFigure(BuiltFigures):
             raise ValueError(f"dropped must have one row per rank ({ws}), got shape {d.shape}")
         groups = [(str(name), int(k)) for name, k in groups]
         _check_groups(groups, b.shape[1])
-        shape = (ws, tuple(groups), d.shape[1])
-        if self._shape != shape:
-            self._use(shape, lambda: self._build(ws, groups, d.shape[1]))
+        build = self.preparation(ws, groups, d.shape[1])
+        if build is not None:
+            build()
         for panel, values in zip(self.panels, (b, w, g, a)):
             panel.update(values)
         self.mask.update(d)

@@ -178,6 +178,12 @@ class DDPStepExplorer(Explorer):
                           np.stack([np.asarray(o["dropped"], dtype=bool) for o in out]),
                           [str(o["next_forward"]) for o in out])
 
+    def preparation(self, aux_used_on, option, seeding, world_size):
+        if self.figure is None or self.result is None:
+            return None
+        # a new world size's figure; the model's hidden units are those of the last step
+        return self.figure.preparation(world_size, GROUPS, self.result.dropped.shape[1])
+
     def draw(self, result: StepResult) -> bytes:
         if self.figure is None:
             from ..plots.ddp_model import StepFigure
