@@ -396,3 +396,82 @@ def test_a_function_imported_from_a_module_keeps_its_modules_globals(group):
     first = group.run(conftest.count_calls)
     second = group.run(conftest.count_calls)
     assert [b - a for a, b in zip(first, second)] == [1] * 4
+
+
+# --- spares: processes forked ahead of a resize ---------------------------------------------------
+def forkserver() -> bool:
+    from reducelab import processes
+    return processes.context().get_start_method() == "forkserver"
+
+
+def pid_and_rank():
+    return os.getpid(), dist.get_rank(), dist.get_world_size(), os.environ["RANK"]
+
+
+def test_a_resize_starts_its_first_ranks_on_the_spares_kept_for_it():
+    with LocalGroup(world_size=2, timeout=30) as g:
+        g.run(lambda: globals().__setitem__("left_behind", 1))
+        assert g.run(lambda: "left_behind" in globals()) == [True] * 2
+        if not forkserver():                       # spawn: a spare would import torch itself
+            assert g.keep_spares(3) == 0
+            return
+        g.resize(1)                                 # a second start: the forkserver makes the
+        g.resize(2)                                 # later imports asked for, before any spare
+        assert g.keep_spares(3) == 3
+        spares = [p.pid for p in g._spares]
+        end = time.monotonic() + 10                 # once booted, each leads a process
+        while time.monotonic() < end and not all(os.getpgid(p) == p for p in spares):
+            time.sleep(0.05)                        # group: the reaper stops it as one
+        assert all(os.getpgid(pid) == pid for pid in spares)
+        g.resize(4)                                 # 3 spares, then 1 process forked
+        out = g.run(pid_and_rank)
+        assert [pid for pid, *_ in out][:3] == spares and out[3][0] not in spares
+        assert [o[1:] for o in out] == [(r, 4, str(r)) for r in range(4)]
+        assert g.run(lambda: "left_behind" in globals()) == [False] * 4   # fresh processes
+        assert g.keep_spares(2) == 2 and g.keep_spares(1) == 1  # one stopped
+        g.resize(1)
+        assert g.run(pid_and_rank)[0][1:] == (0, 1, "0")
+
+
+def test_spares_stop_with_the_group_and_unused_ones_wait_for_the_next_start():
+    g = LocalGroup(world_size=1, timeout=30)
+    try:
+        if not forkserver():
+            return
+        g.resize(2)                                 # later imports made (see above)
+        g.resize(1)
+        g.keep_spares(3)
+        g.resize(2)                                 # takes 2; the third waits for the next
+        assert len(g._spares) == 1
+        spare = g._spares[0].pid
+        g.resize(1)
+        assert g.run(os.getpid) == [spare]
+        g.keep_spares(2)
+        kept = [p.pid for p in g._spares]
+    finally:
+        g.close()
+    assert g._spares == [] and gone(kept, 5.0)
+
+
+def test_spares_forked_before_the_forkservers_later_imports_are_not_used(monkeypatch):
+    """A spare forked before the forkserver imported DDP's modules (say) lacks them: the
+    next start forks new ranks and stops it."""
+    from reducelab import processes
+    with LocalGroup(world_size=2, timeout=30) as g:
+        if not forkserver():
+            return
+        g.keep_spares(2)
+        stale = [p.pid for p in g._spares]
+        now = processes.generation()
+        monkeypatch.setattr(processes, "generation", lambda: (now[0], now[1] + 1))
+        g.resize(3)
+        assert not set(g.run(os.getpid)) & set(stale) and gone(stale, 5.0)
+
+
+def test_keep_spares_names_what_it_takes():
+    with LocalGroup(world_size=1, timeout=30) as g:
+        for bad, error in ((-1, ValueError), (65, ValueError), (True, TypeError), (2.0, TypeError)):
+            with pytest.raises(error, match="n must be an int from 0 to 64|n must be from 0 to 64"):
+                g.keep_spares(bad)
+        assert g.run(lambda: 1) == [1]                  # nothing was lost
+    assert g.keep_spares(2) == 0                        # closed: nothing kept

@@ -461,3 +461,23 @@ def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
     assert len(builds) == 1 and builds[0].startswith("reducelab-prepare")
     assert explorer.result.world_size == 3
     explorer.group.resize(4)
+
+
+def test_after_a_world_size_move_the_next_one_starts_on_spares(explorer):
+    """A move that resized the group has it keep world_size + 1 spares (in the
+    background); the next world size starts its ranks on them, not on new forks."""
+    import os
+    import time
+
+    from reducelab import processes
+    group = explorer.group
+    explorer.controls["world_size"].value = 3
+    if processes.context().get_start_method() != "forkserver":
+        return
+    end = time.monotonic() + 10
+    while time.monotonic() < end and len(group._spares) < 4:
+        time.sleep(0.05)
+    spares = [p.pid for p in group._spares]
+    assert len(spares) == 4
+    explorer.controls["world_size"].value = 4
+    assert group.run(os.getpid) == spares and explorer.result.world_size == 4

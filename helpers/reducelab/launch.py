@@ -119,7 +119,8 @@ class _Proc:
 
 
 def start_ranks(ctx, procs: list[_Proc], world_size: int, backend: str, tmpdir: str,
-                timeout: float, ifname: str, env: dict[str, str]) -> None:
+                timeout: float, ifname: str, env: dict[str, str],
+                spares: list[_Proc] | None = None) -> None:
     """Start ``world_size`` rank processes from the multiprocessing context ``ctx`` and
     append their handles to ``procs``, by rank, as each starts (so that the caller can
     stop those that started if a later one fails); then tell the reaper of their
@@ -132,27 +133,69 @@ def start_ranks(ctx, procs: list[_Proc], world_size: int, backend: str, tmpdir: 
         timeout: the ranks' process group timeout in seconds.
         ifname: the loopback interface (:func:`loopback_interface`).
         env: each rank's whole environment.
+        spares: processes from :func:`start_spares`, taken from the front (and removed
+            from the list) for the first ranks, before any new process is forked. A
+            spare that cannot be told its rank (it died) is stopped and replaced.
 
     Raises:
         OSError: a process or a pipe could not be made.
     """
+    forked = []
     for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=True)
-        try:
-            proc = ctx.Process(
-                target=_rank_main, name=f"{processes.PROCESS_PREFIX}rank-{rank}",
-                daemon=True,
-                args=(rank, world_size, backend, tmpdir, timeout, child, ifname,
-                      list(sys.path), env))
-            proc.start()
-        except BaseException:
-            parent.close()
-            child.close()
-            raise
+        args = (rank, world_size, backend, tmpdir, timeout, ifname, list(sys.path), env)
+        while spares:
+            spare = spares.pop(0)
+            try:
+                spare.send({"kind": "assign", "args": args})
+            except (OSError, ValueError):
+                processes.stop([spare], None)
+                continue
+            spare.rank = rank
+            procs.append(spare)
+            break
+        else:
+            procs.append(_fork(ctx, _rank_main, rank, f"rank-{rank}", args[:5], args[5:]))
+            forked.append(procs[-1])
+    _tell_reaper(forked)
+
+
+def start_spares(ctx, spares: list[_Proc], n: int) -> None:
+    """Fork ``n`` spares from ``ctx`` and append them to ``spares``: processes that import
+    what a rank imports and then wait to be told their rank (``assign``;
+    :func:`reducelab.rank_loop.spare_main`), so that :func:`start_ranks` need not fork.
+    Told to the reaper like ranks. Call it with interrupts deferred.
+
+    Raises:
+        OSError: a process or a pipe could not be made.
+    """
+    new = []
+    try:
+        for _ in range(n):
+            new.append(_fork(ctx, _spare_main, -1, "spare", (), ()))
+    finally:
+        spares.extend(new)
+        _tell_reaper(new)
+
+
+def _fork(ctx, target, rank: int, name: str, before: tuple, after: tuple) -> _Proc:
+    """One process running ``target(*before, conn, *after)``, and its handle as ``rank``
+    (-1: a spare, until it is given one)."""
+    parent, child = ctx.Pipe(duplex=True)
+    try:
+        proc = ctx.Process(target=target, name=f"{processes.PROCESS_PREFIX}{name}",
+                           daemon=True, args=(*before, child, *after))
+        proc.start()
+    except BaseException:
+        parent.close()
         child.close()
-        procs.append(_Proc(rank, proc, parent))
-    Reaper.tell(*[f"pg {p.pid} {p.created}" for p in procs])
+        raise
+    child.close()
+    return _Proc(rank, proc, parent)
+
+
+def _tell_reaper(procs: list[_Proc]) -> None:
     if procs:
+        Reaper.tell(*[f"pg {p.pid} {p.created}" for p in procs])
         processes.register_forkserver(procs[0].pid)
 
 
@@ -160,3 +203,9 @@ def _rank_main(*args) -> None:
     """A rank's target: imports the rank loop (and torch) only in the rank."""
     from .rank_loop import main
     main(*args)
+
+
+def _spare_main(conn) -> None:
+    """A spare's target (see :func:`start_spares`)."""
+    from .rank_loop import spare_main
+    spare_main(conn)

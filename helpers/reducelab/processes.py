@@ -149,6 +149,7 @@ def _serve_noop(ctx) -> None:
 _groups_started: dict[int, int] = {}  # {forkserver pid: groups started from it}
 _later_asked: dict[int, set[str]] = {}  # {forkserver pid: modules of LATER asked for}
 _later_unserved: set[int] = set()  # forkservers asked since their last group start
+_imports_served: dict[int, int] = {}  # {forkserver pid: later-import requests waited for}
 
 
 def _server():
@@ -210,6 +211,15 @@ def _before_group(ctx) -> None:
     if pid in _later_unserved:
         _later_unserved.discard(pid)
         _serve_noop(ctx)
+        _imports_served[pid] = _imports_served.get(pid, 0) + 1
+
+
+def generation() -> tuple:
+    """What the processes the forkserver forks now start with: ``(server pid, how many
+    of its later-import requests a group has waited for)``. A spare forked under an
+    older value lacks modules a new rank would have (:meth:`reducelab.LocalGroup.keep_spares`)."""
+    pid, _ = _server()
+    return pid, _imports_served.get(pid, 0)
 
 
 def create_time(pid: int) -> float | None:

@@ -52,7 +52,7 @@ from .rank_reports import (MAX_SUMMARY, MAX_TRACEBACK, cut, describe_exception, 
 # The public names of this module; MAIN, NAMESPACE and leave live in rank_env, and
 # MAX_SUMMARY, MAX_TRACEBACK, describe_exception, safe_str and where in rank_reports.
 __all__ = ["CHUNK", "MAIN", "MAX_SUMMARY", "MAX_TRACEBACK", "NAMESPACE", "describe_exception",
-           "leave", "main", "safe_str", "where"]
+           "leave", "main", "safe_str", "spare_main", "where"]
 
 CHUNK = 16 << 20
 """Bytes per message of a return value: a large one arrives as ``chunk`` messages, so the
@@ -234,6 +234,31 @@ def main(rank: int, world_size: int, backend: str, tmpdir: str, timeout: float, 
     """
     lead_process_group()  # stopped as one, whatever it starts
     conn.send_bytes(pickle.dumps({"kind": "booted"}, protocol=pickle.HIGHEST_PROTOCOL))
+    _serve_as(rank, world_size, backend, tmpdir, timeout, conn, loopback_ifname, sys_path, env)
+
+
+def spare_main(conn) -> None:
+    """Entry point of a spare: a process forked ahead of a resize
+    (:meth:`reducelab.LocalGroup.keep_spares`). It reports ``booted``, then waits on its
+    pipe for ``assign`` (``args``: :func:`main`'s arguments after ``conn``), and from
+    there is the rank it was given, as if :func:`main` had started it. It leaves
+    without a trace when the pipe closes first (the group closed, or the kernel is gone).
+    """
+    lead_process_group()
+    conn.send_bytes(pickle.dumps({"kind": "booted"}, protocol=pickle.HIGHEST_PROTOCOL))
+    try:
+        msg = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    if msg.get("kind") != "assign":
+        return
+    rank, world_size, backend, tmpdir, timeout, loopback_ifname, sys_path, env = msg["args"]
+    _serve_as(rank, world_size, backend, tmpdir, timeout, conn, loopback_ifname, sys_path, env)
+
+
+def _serve_as(rank, world_size, backend, tmpdir, timeout, conn, loopback_ifname, sys_path,
+              env) -> None:
+    """What a rank does once booted: set up, join, report ``ready``, serve jobs."""
     step = "start"
     try:
         me = _Rank(rank, world_size, backend, tmpdir, timeout, conn)

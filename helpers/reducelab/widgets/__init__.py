@@ -33,6 +33,10 @@ What every explorer does, whatever its topic:
   :meth:`Explorer.compute` waits for the ranks (:meth:`Explorer.preparation`). A
   world-size move then waits for the longer of the two, not their sum: the new ranks
   start in other processes, and the kernel would only wait for them.
+* **A resize need not fork.** After a move that resized the group, the explorer has the
+  group keep spare processes (one more than its world size, forked in the background;
+  :meth:`reducelab.LocalGroup.keep_spares`), so that the learner's next world size
+  starts on processes that already exist.
 * **No long collection pauses.** In a Jupyter kernel, making an explorer collects
   garbage once and then moves every object that exists (torch, matplotlib, the
   notebook's own) out of the garbage collector's scans (``gc.freeze``). A full
@@ -82,6 +86,26 @@ def in_kernel() -> bool:
 _PREPARER: concurrent.futures.ThreadPoolExecutor | None = None
 """The one thread that runs preparations, made at the first: one thread for the kernel's
 life, because matplotlib caches its fonts per thread."""
+
+
+SPARES = 8
+"""At most this many spare processes per group (:func:`_keep_spares`): 3 MB each, the
+world sizes of the explorers' sliders."""
+
+
+def _keep_spares(group) -> None:
+    """After a move that started ranks anew (a resize), have ``group`` keep spares for
+    the next one, in the preparer thread, so the learner's next resize need not fork
+    (:meth:`reducelab.LocalGroup.keep_spares`): one more than its world size, enough for
+    a step of the slider either way. A failure only means the next resize forks."""
+    n = min(SPARES, group.world_size + 1)
+
+    def keep():
+        try:
+            group.keep_spares(n)
+        except Exception:  # noqa: BLE001 - closed, out of processes: the resize forks
+            pass
+    _Preparation(keep)
 
 
 class _Preparation:
@@ -232,6 +256,8 @@ class Explorer:
         """
         t0 = time.perf_counter()
         values = self.values
+        group = self.group
+        starts = getattr(group, "restarts", None)
         prepared = _Preparation(self.preparation(**values))
         try:
             try:
@@ -252,6 +278,8 @@ class Explorer:
             self.message.value = html.escape(self.describe(result))
         self.refreshes += 1
         self.seconds = time.perf_counter() - t0
+        if starts is not None and group.restarts != starts:
+            _keep_spares(group)
 
     def _png(self, result) -> bytes:
         """:meth:`draw`'s PNG bytes for ``result``, from the cache when an equal result
