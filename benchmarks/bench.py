@@ -255,12 +255,13 @@ def drag_control(controls: dict) -> str | None:
     return (views or sliders or [None])[-1]
 
 
-def bench_notebook_explorers(notebooks: list[str] | None = None) -> dict:
+def bench_notebook_explorers(notebooks: list[str] | None = None, think: float = 0.5) -> dict:
     """Each notebook's explorer in a real kernel (``explorer_moves``): every control moved
-    through each of its options and back, as the browser sends the change; the wait per
-    move until the figure for the new value is drawn. Then the drag test: one slider
-    dragged across its range at 60 changes a second. By notebook: the median and worst
-    wait, the worst move, and the drag's result."""
+    through each of its options and back, as the browser sends the change, ``think``
+    seconds after each new figure (a learner looks at it; 0 sends the next move at
+    once); the wait per move until the figure for the new value is drawn. Then the drag
+    test: one slider dragged across its range at 60 changes a second. By notebook: the
+    median and worst wait, the worst move, and the drag's result."""
     from explorer_moves import NOTEBOOKS, Learner
     out = {}
     names = notebooks or sorted(p.stem[:2] for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -272,7 +273,7 @@ def bench_notebook_explorers(notebooks: list[str] | None = None) -> dict:
         learner = Learner(nb)
         try:
             learner.setup()
-            moves = list(learner.sweep())
+            moves = list(learner.sweep(think=think))
             slider = drag_control(learner.controls)
             drag = learner.drag(slider) if slider else None
         finally:
@@ -367,18 +368,22 @@ def main() -> None:
     ap.add_argument("--explorers-only", nargs="*", metavar="NN",
                     help="only the explorers (of these notebooks, e.g. 01 08; all if none "
                          "given), merged into the last results")
+    ap.add_argument("--think", type=float, default=0.5,
+                    help="seconds between a new figure and the next move in the explorer "
+                         "sweep (a learner looks at it; 0: at once)")
     args = ap.parse_args()
     if args.explorers_only is not None:
         results = json.loads((OUT / "latest.json").read_text()) if (OUT / "latest.json").exists() \
             else {}
         print("every notebook's explorer ...", flush=True)
-        explorers = bench_notebook_explorers(args.explorers_only or None)
+        explorers = bench_notebook_explorers(args.explorers_only or None, args.think)
         results.setdefault("explorers", {})
         results["explorers"] = {k: v for k, v in results["explorers"].items()
                                 if "median_s" in v}   # drop the old refresh-only rows
         results["explorers"].update(explorers)
         results["explorers_when"] = _now()
         results["explorers_load"] = os.getloadavg()
+        results["explorers_think_s"] = args.think
         OUT.mkdir(exist_ok=True)
         (OUT / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
         md = report(results)
@@ -409,9 +414,10 @@ def main() -> None:
     results["widget"] = bench_widget()
     if not args.quick:
         print("every notebook's explorer ...", flush=True)
-        results["explorers"] = bench_notebook_explorers()
+        results["explorers"] = bench_notebook_explorers(think=args.think)
         results["explorers_when"] = _now()
         results["explorers_load"] = os.getloadavg()
+        results["explorers_think_s"] = args.think
     if not args.quick:
         results["failures"] = {}
         for name, code in FAILURES.items():
@@ -454,7 +460,8 @@ def report(r: dict) -> str:
         load = r.get("explorers_load")
         lines += ["", f"Explorers, {r.get('explorers_when', '')} (load average "
                       f"{', '.join(f'{x:.1f}' for x in load) if load else 'n/a'}): every control "
-                      f"moved through its options and back as the browser sends it; wait per "
+                      f"moved through its options and back as the browser sends it, "
+                      f"{r.get('explorers_think_s', 0):g} s after each new figure; wait per "
                       f"move from the change to the new figure. Drag test: one slider dragged "
                       f"across its range at 60 changes per second.", "",
                   "| notebook explorer | moves | median wait | worst wait (move) | drag test: "
