@@ -1,8 +1,8 @@
-"""The forkserver's later imports (reducelab/forkserver_imports.py): the first group
-starts before the server imports anything DDP, DTensor, FSDP or DCP need; once the
-notebook uses one of them (a rank imported it, or the kernel did), every later group
-inherits it, even one started right after; a notebook that never uses them never pays
-for them. Each case runs in a fresh process, since the forkserver lives as long as the
+"""The forkserver's later imports (reducelab/forkserver_imports.py): a first group whose
+kernel has imported nothing of DDP, DTensor, FSDP or DCP starts before the server imports
+anything they need; once the notebook uses one of them (a rank imported it, or the kernel
+did, even before the first group), every group started from then on inherits it; a
+notebook that never uses them never pays for them. Each case runs in a fresh process, since the forkserver lives as long as the
 process that started it."""
 from __future__ import annotations
 
@@ -64,11 +64,22 @@ def test_what_a_rank_imported_reaches_the_group_started_right_after():
     assert r["first"]["sigusr1_default"] and r["later"]["sigusr1_default"]
 
 
-def test_what_the_kernel_imported_reaches_later_groups_but_does_not_delay_the_first():
+def test_what_the_kernel_imported_before_the_first_group_reaches_its_ranks():
+    """A setup cell that imports DCP (say) says its ranks will use it: the first group
+    waits for the server to import it, so that the ranks' first call does not import it
+    under the group's timeout."""
     r = run_case(kernel_imports="import torch.distributed.checkpoint")
-    assert r["first"]["modules"] == [False] * 5       # the setup cell did not wait for it
-    assert r["later"]["modules"][3]                    # DCP, and what it imports with it
-    assert r["later"]["modules"][0] and r["later"]["modules"][2]
+    assert r["first"]["modules"][3]                    # DCP, and what it imports with it
+    assert r["first"]["modules"][0] and r["first"]["modules"][2]
+    assert r["later"]["modules"] == r["first"]["modules"]
+
+
+def test_a_kernel_that_imported_ddp_gets_ranks_with_what_ddp_imports_when_built():
+    """Notebook 13's setup cell: DDP imported in the kernel. Building DDP imports dynamo
+    on a rank (FIRST_USE); the first group's ranks have it, so the first DDP(model) does
+    not import it under the group's 3 s timeout. DCP, not asked for, does not come."""
+    r = run_case(kernel_imports="from torch.nn.parallel import DistributedDataParallel")
+    assert r["first"]["modules"][1] and not r["first"]["modules"][3]
 
 
 def test_eager_preload_imports_everything_before_the_first_group():

@@ -41,6 +41,12 @@ LATER = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.fsdp",
 with DCP, a fresh rank's first checkpoint round trip in notebook 14's explorer took
 284 ms instead of 619 ms at 8 ranks (one run, idle 2-core machine). A module a torch
 version lacks is skipped."""
+FIRST_USE = {"torch.nn.parallel.distributed": ("torch._dynamo",)}
+"""Modules of :data:`LATER` that a rank imports on a module's first use rather than on its
+import: constructing ``DistributedDataParallel`` imports ``torch._dynamo`` (about 2 s of
+CPU per fresh rank, seen in a rank's stack when notebook 13's first ``DDP(model)`` ran past
+its group's 3 s timeout on a loaded 2-core machine). A kernel that imported the first
+asks for both (:func:`reducelab.processes.kernel_later`)."""
 FILE_ENV = "REDUCELAB_LATER_IMPORTS"
 """Environment variable with the path of the file in which the kernel lists the modules
 of :data:`LATER` it wants, one per line (in the kernel's private temporary directory).

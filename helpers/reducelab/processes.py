@@ -164,9 +164,11 @@ def _server():
 
 def kernel_later() -> set[str]:
     """The modules of :data:`~reducelab.forkserver_imports.LATER` this kernel has imported
-    (what the notebook's own imports say its ranks will use)."""
-    from .forkserver_imports import LATER
-    return {m for m in LATER if m in sys.modules}
+    (what the notebook's own imports say its ranks will use), with what their first use
+    imports on a rank (:data:`~reducelab.forkserver_imports.FIRST_USE`)."""
+    from .forkserver_imports import FIRST_USE, LATER
+    found = {m for m in LATER if m in sys.modules}
+    return found.union(*(FIRST_USE.get(m, ()) for m in found))
 
 
 def ask_for_later(modules) -> None:
@@ -197,17 +199,21 @@ def ask_for_later(modules) -> None:
 
 
 def _before_group(ctx) -> None:
-    """Count a group start. From the second group on, ask for the later imports this
-    kernel's own imports call for; then, if the server has requests this kernel has not
-    waited for, wait until it has made them (the fork of a no-op process waits for them
-    in the server), so that this group's ranks are forked with them. The first group
-    starts at once: the setup cell waits for nothing but torch."""
+    """Count a group start. Ask for the later imports this kernel's own imports call for
+    (from the second group on; for the first group too when the kernel has imported some
+    already: a setup cell that imports DDP says its ranks will call it, and a first DDP
+    call that imports dynamo on every rank took longer than notebook 13's 3 s timeout on a
+    loaded machine); then, if the server has requests this kernel has not waited for,
+    wait until it has made them (the fork of a no-op process waits for them in the
+    server), so that this group's ranks are forked with them. A first group whose kernel
+    imported none of them starts at once: that setup cell waits for nothing but torch."""
     pid, _ = _server()
     if not pid:
         return
     _groups_started[pid] = n = _groups_started.get(pid, 0) + 1
-    if n >= 2:
-        ask_for_later(kernel_later())
+    wanted = kernel_later()
+    if n >= 2 or wanted:
+        ask_for_later(wanted)
     if pid in _later_unserved:
         _later_unserved.discard(pid)
         _serve_noop(ctx)

@@ -192,7 +192,17 @@ def run_all(page) -> float:
     wait_until(lambda: "[*]:" in "".join(page.locator(".jp-InputArea-prompt")
                                           .all_text_contents()) or finished(), 60,
                "Run All to start")
-    wait_until(finished, 300, "all cells to run")
+    try:
+        wait_until(finished, 240, "all cells to run")
+    except Failure:
+        # Run All stops at a cell that raised: say which, and what it raised
+        prompts = [t.strip() for t in
+                   page.locator(".jp-CodeCell .jp-InputArea-prompt").all_text_contents()]
+        stuck = [(i, t) for i, t in enumerate(prompts) if t in ("[*]:", "[ ]:", "")]
+        errors = page.locator(".jp-OutputArea-output[data-mime-type="
+                              "'application/vnd.jupyter.stderr']").all_text_contents()
+        raise Failure(f"Run All did not finish in 240 s; code cells not run or running: "
+                      f"{stuck[:5]}; error outputs: {[e[-1500:] for e in errors[-2:]]}")
     return time.monotonic() - t0
 
 
