@@ -475,3 +475,12 @@ def test_keep_spares_names_what_it_takes():
                 g.keep_spares(bad)
         assert g.run(lambda: 1) == [1]                  # nothing was lost
     assert g.keep_spares(2) == 0                        # closed: nothing kept
+
+
+def test_started_orders_the_starts_of_ranks_whatever_their_process_ids():
+    """An explorer that follows the kernel's groups picks the one whose ranks started
+    last; with spares forked ahead, process ids do not tell that."""
+    with LocalGroup(world_size=1, timeout=30) as a, LocalGroup(world_size=1, timeout=30) as b:
+        assert 0 < a.started < b.started
+        a.resize(2)
+        assert a.started > b.started

@@ -43,6 +43,7 @@ Design, and the failures of the usual tools it avoids:
 from __future__ import annotations
 
 import atexit
+import itertools
 import multiprocessing as mp
 import multiprocessing.util
 import os
@@ -73,6 +74,7 @@ not counted against ``timeout``."""
 
 
 _LIVE: "weakref.WeakSet[LocalGroup]" = weakref.WeakSet()
+_START_ORDER = itertools.count(1)  # LocalGroup.started: which group's ranks started last
 _STARTED: list = []  # weakrefs to the LocalGroups that started, oldest first
 
 
@@ -156,6 +158,9 @@ class LocalGroup:
         self._restart_next = False  # the ranks disagree on the default process group
         self.restarts = 0
         """How many times the ranks were (re)started, the first start included."""
+        self.started = 0
+        """When the ranks last started, in this kernel's order of starts (an int): process
+        ids do not tell it, since a start may take spares forked earlier."""
         self._finalizer = None
         self._spares: list[_Proc] = []  # forked ahead for the next start (keep_spares)
         self._spares_lock = threading.Lock()  # guards _spares (keep_spares runs in a thread)
@@ -457,6 +462,7 @@ class LocalGroup:
             raise
         self._sent_sources = set()
         self.restarts += 1
+        self.started = next(_START_ORDER)
         progress = StartProgress(self._world_size, self._backend,
                                  self._progress if announce else False)
         call = Call(procs, self._gate, self._timeout)

@@ -275,13 +275,14 @@ def _debug_of(group: LocalGroup) -> str:
 def _open_group(debug: str) -> LocalGroup | None:
     """An open LocalGroup of this kernel with ``TORCH_DISTRIBUTED_DEBUG`` at ``debug``
     (after the learner ran the setup cell again): the kernel's newest group if it fits,
-    else the one whose ranks started last (the highest process ids)."""
+    else the one whose ranks started last (:attr:`~reducelab.LocalGroup.started`; not the
+    highest process ids, since a start may take spares forked earlier)."""
     from ..group import _LIVE
     newest = current_group()
     if newest is not None and _debug_of(newest) == debug:
         return newest
     fits = [g for g in list(_LIVE) if g.state != "closed" and _debug_of(g) == debug]
-    return max(fits, key=lambda g: max(g.pids, default=0), default=None)
+    return max(fits, key=lambda g: g.started, default=None)
 
 
 @dataclass
