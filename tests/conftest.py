@@ -108,6 +108,23 @@ def gone(pids, within: float) -> bool:
     return False
 
 
+def assert_new_world_size_is_built_on_the_preparer(explorer, figure, world_size: int = 3):
+    """Move ``explorer``'s world_size control to ``world_size`` (one it has not shown) and
+    assert that ``figure._build`` ran exactly once, on the preparation thread
+    (``Explorer.preparation``), while the new ranks started and ran; then the result is
+    the new world size with no error. The group is put back to 4 ranks afterwards."""
+    import threading
+    builds, original = [], figure._build
+    figure._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
+    try:
+        explorer.controls["world_size"].value = world_size
+    finally:
+        figure._build = original
+    assert len(builds) == 1 and builds[0].startswith("reducelab-prepare"), builds
+    assert explorer.result.world_size == world_size and explorer.error is None
+    explorer.group.resize(4)
+
+
 CALLS = 0
 
 

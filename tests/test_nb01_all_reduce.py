@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import conftest
 from conftest import SOLUTIONS, load_solution
 from reducelab.checks import reveal
 from reducelab.checks.all_reduce import check_spread_over_ranks, local_values, reference_spread
@@ -453,14 +454,7 @@ def test_the_notebook_gives_no_answer_before_its_question():
 def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
     """The explorer builds the figure of a world size it has not shown while the new
     ranks start and run (Explorer.preparation), not after them."""
-    import threading
-    plot, builds = explorer.plot, []
-    original = plot._build
-    plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
-    explorer.controls["world_size"].value = 3
-    assert len(builds) == 1 and builds[0].startswith("reducelab-prepare")
-    assert explorer.result.world_size == 3
-    explorer.group.resize(4)
+    conftest.assert_new_world_size_is_built_on_the_preparer(explorer, explorer.plot)
 
 
 def test_after_a_world_size_move_the_next_one_starts_on_spares(explorer):

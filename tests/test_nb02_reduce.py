@@ -640,12 +640,5 @@ def test_the_notebooks_exercise_cell_is_the_stub_the_check_names(group):
 def test_a_new_world_size_figure_is_built_while_the_ranks_run(group):
     """The explorer builds the figure of a world size it has not shown while the new
     ranks start and run (Explorer.preparation), not after them."""
-    import threading
     e = ReduceExplorer(group, reduce_once, world_size=4, dst=0, n=8)
-    builds = []
-    original = e.plot._build
-    e.plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
-    e.controls["world_size"].value = 3
-    assert len(builds) == 1 and builds[0].startswith("reducelab-prepare")
-    assert e.result.world_size == 3
-    group.resize(4)
+    conftest.assert_new_world_size_is_built_on_the_preparer(e, e.plot)

@@ -734,11 +734,4 @@ def test_reduce_dtypes_and_shardings_are_the_fields_names():
 def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
     """The explorer builds the figure of a world size it has not shown while the new
     ranks start and run (Explorer.preparation), not after them."""
-    import threading
-    plot, builds = explorer.figure, []
-    original = plot._build
-    plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
-    explorer.controls["world_size"].value = 3
-    assert len(builds) == 1 and builds[0].startswith("reducelab-prepare")
-    assert explorer.result.world_size == 3
-    explorer.group.resize(4)
+    conftest.assert_new_world_size_is_built_on_the_preparer(explorer, explorer.figure)
