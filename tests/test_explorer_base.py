@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass
 
 import ipywidgets as W
+import pytest
 
 from reducelab.plots import new_figure, png
 from reducelab.widgets import QUIET, Explorer
@@ -283,3 +284,80 @@ def test_in_a_kernel_making_an_explorer_freezes_what_exists_out_of_gc_scans(monk
         assert not any(o is kept for o in gc.get_objects())   # frozen: in no generation
     finally:
         gc.unfreeze()
+
+
+def _titled_figure(ys=(0.0, 1.0), ticks_on_top: bool = False, layout: str = "none"):
+    from reducelab.plots import new_figure
+    fig = new_figure(6, 3)
+    fig.set_layout_engine(layout)
+    left, right = fig.subplots(1, 2)
+    for ax in (left, right):
+        ax.plot([0, 1], ys)
+        ax.set_title("a title with descenders: gyp")
+        ax.set_title("left", loc="left")
+    if ticks_on_top:
+        right.xaxis.tick_top()
+        right.set_xlabel("on top")
+        right.xaxis.set_label_position("top")
+    return fig
+
+
+@pytest.mark.parametrize("ys, ticks_on_top, layout", [
+    ((0.0, 1.0), False, "none"), ((0.0, 1.0), False, "constrained"),
+    ((0.0, 1.0), True, "none"),             # x tick labels and label above the axes
+    ((0.0, 1e7), False, "none"),            # a y offset text ("1e7") over the axes
+    ((1.0, 1.001), False, "none"),          # and one of another kind ("+1")
+])
+def test_titles_placed_without_measuring_the_y_axis_land_on_the_same_pixels(
+        monkeypatch, ys, ticks_on_top, layout):
+    """png() skips matplotlib's title placement only where it would not move a title:
+    every case draws the same pixels as with the placement run on every draw."""
+    from reducelab import plots
+    fast = plots.png(_titled_figure(ys, ticks_on_top, layout))
+    monkeypatch.setattr(plots, "_place_titles", lambda fig: None)
+    assert plots.png(_titled_figure(ys, ticks_on_top, layout)) == fast
+
+
+def test_a_plain_titled_axes_is_drawn_without_measuring_its_y_axis(monkeypatch):
+    """The saving itself: with titles on plain axes, a draw measures no y axis (without
+    the shortcut, each titled axes measures its own); with x ticks on top it still does."""
+    from matplotlib.axis import YAxis
+    from reducelab import plots
+    calls = []
+    original = YAxis.get_tightbbox
+    monkeypatch.setattr(YAxis, "get_tightbbox",
+                        lambda self, *a, **k: (calls.append(self), original(self, *a, **k))[1])
+    fig = _titled_figure()
+    plots.png(fig)
+    assert calls == []
+    for ax in fig.axes:                     # an explorer's panel cleared and drawn again
+        ax.clear()
+        ax.plot([0, 1], [0, 2])
+        ax.set_title("again")
+    plots.png(fig)
+    assert calls == []
+    plots.png(_titled_figure(ticks_on_top=True))
+    assert len(calls) >= 1
+    calls.clear()
+    monkeypatch.setattr(plots, "_place_titles", lambda fig: None)
+    plots.png(_titled_figure())
+    assert len(calls) >= 2
+
+
+def test_a_redrawn_figure_whose_y_axis_gains_an_offset_places_its_title_again(monkeypatch):
+    """One figure drawn three times, as an explorer redraws it: plain values, then values
+    with a y offset text, then plain again. Each draw has the pixels of a fresh figure
+    drawn with matplotlib's placement on every draw."""
+    from reducelab import plots
+    fig = _titled_figure()
+    lines = [ax.lines[0] for ax in fig.axes]
+    drawn = []
+    for ys in ((0.0, 1.0), (0.0, 1e7), (0.0, 1.0)):
+        for line in lines:
+            line.set_ydata(ys)
+        for ax in fig.axes:
+            ax.relim()
+            ax.autoscale_view()
+        drawn.append(plots.png(fig))
+    monkeypatch.setattr(plots, "_place_titles", lambda fig: None)
+    assert drawn == [plots.png(_titled_figure(ys)) for ys in ((0.0, 1.0), (0.0, 1e7), (0.0, 1.0))]
