@@ -13,6 +13,7 @@ import pathlib
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -575,6 +576,22 @@ def test_plots_return_png_and_refuse_bad_input():
         loss_curves({"a": [1.0]}, reference="z")
     with pytest.raises(ValueError, match="empty"):
         loss_curves({})
+
+
+def test_the_scatter_redrawn_shows_what_a_fresh_one_shows():
+    """The explorer redraws one GradientScatter on every move (its weight panel keeps
+    its axes, removing only the last bars, labels, line and legend): each draw has the
+    pixels of a new figure drawn with the same input, across world sizes, both
+    reductions, and the panel without local batch sizes, in and out of it."""
+    rng = np.random.default_rng(4)
+    moves = [([8] * 4, "mean"), ([3, 9, 1, 7], "mean"), ([3, 9, 1, 7], "sum"), (None, None),
+             ([2, 5], "mean"), ([1, 2, 3, 4, 5, 6, 7, 8], "mean"), ([8] * 3, "sum")]
+    kept = GradientScatter()
+    for sizes, reduction in moves:
+        x = rng.standard_normal(20)
+        args = (1.5 * x, x, 1.5, True, sizes, reduction)
+        assert kept.draw(*args, title=f"{sizes}") == GradientScatter().draw(*args, title=f"{sizes}"), \
+            (sizes, reduction)
 
 
 def test_figures_fit_beside_the_controls_and_legends_cover_no_data(drawn):

@@ -80,6 +80,7 @@ class GradientScatter:
         ax.set_xlabel("one process, full batch")
         ax.set_ylabel("DDP (rank 0)")
         self._legend = None
+        self._weights = None       # the weight panel's artists, removed on the next draw
 
     def draw(self, ddp, full, factor: float, constant: bool, sizes=None, reduction=None,
              title: str = "") -> bytes:
@@ -120,8 +121,17 @@ class GradientScatter:
 
     def _draw_weights(self, sizes, reduction) -> None:
         ax = self.wax
-        ax.clear()
-        ax.set_title("why: one sample's weight, DDP / one process", fontsize=MIN_FONT + 1)
+        if self._weights is None or sizes is None or reduction is None:
+            # the first draw, and any draw into or out of "no local batch sizes": a
+            # clean panel
+            ax.clear()
+            ax.set_title("why: one sample's weight, DDP / one process", fontsize=MIN_FONT + 1)
+        else:
+            # the panel keeps its axes, ticks and title (clearing them costs about a
+            # quarter of a redraw); only what shows the last sizes goes
+            for artist in self._weights:
+                artist.remove()
+        self._weights = None
         if sizes is None or reduction is None:
             ax.text(0.5, 0.5, "no local batch sizes given", ha="center", va="center",
                     transform=ax.transAxes, fontsize=MIN_FONT)
@@ -132,15 +142,17 @@ class GradientScatter:
         bars = ax.bar(ranks, w, 0.7, color=WEIGHT_COLOUR, edgecolor=SAME_COLOUR, linewidth=0.6)
         top = max(1.0, float(w.max()))
         digits = 3 if len(w) <= 4 else 2  # narrower bars, shorter labels
-        for bar, v in zip(bars, w):
+        labels = [
             ax.annotate(f"{v:.{digits}g}", (bar.get_x() + bar.get_width() / 2, v),
                         xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
                         fontsize=MIN_FONT, zorder=5,
                         bbox=dict(boxstyle="square,pad=0.1", facecolor="white",
                                   edgecolor="none"))
+            for bar, v in zip(bars, w)]
         line = ax.axhline(1.0, color=SAME_COLOUR, ls=(0, (2, 2)), lw=1.4,
                           label="one process: weight ratio 1")
-        ax.legend(handles=[line], loc="upper right", fontsize=MIN_FONT, framealpha=0.9)
+        legend = ax.legend(handles=[line], loc="upper right", fontsize=MIN_FONT, framealpha=0.9)
+        self._weights = [bars, *labels, line, legend]
         ax.set_ylim(0, top * 1.5)  # the legend sits above the tallest bar and its value
         ax.set_xlim(-0.6, len(w) - 0.4)
         ax.set_xticks(ranks, [f"{r}\nn={n}" if len(w) <= 4 else f"{r}\n{n}"
