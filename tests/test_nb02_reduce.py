@@ -359,7 +359,8 @@ def test_grid_follows_the_figure_rules_at_the_extremes(ws, n):
 def test_a_new_number_of_elements_reuses_the_figure_and_draws_what_a_new_one_draws():
     """The slider of n costs a redraw, not a new figure (issue 23's speed): at one
     world size, every n of full width shares one figure, and each PNG is the same,
-    pixel for pixel, as a new ReduceGrid's for that state, whatever n came before."""
+    pixel for pixel, as a new ReduceGrid's for that state, whatever n came before, and
+    whether the colour scale changed (the colour bar is redrawn) or not (it is kept)."""
     import io
 
     from PIL import Image
@@ -368,8 +369,9 @@ def test_a_new_number_of_elements_reuses_the_figure_and_draws_what_a_new_one_dra
     from reducelab.widgets.reduce import MAX_ELEMENTS
     assert LAYOUT_N == MAX_ELEMENTS
 
-    def state(ws, n, dst):
-        inputs = inputs_10(ws, n)
+    def state(ws, n, dst, scale="log"):
+        # "log": 10**rank, a logarithmic colour scale; "linear": rank + 1, a linear one
+        inputs = inputs_10(ws, n) if scale == "log" else [np.full(n, r + 1.0) for r in range(ws)]
         before, after = np.stack(inputs), np.stack(gloo_reduce_reference(inputs, dst))
         return before, after, buffer_status(before, after), dst
 
@@ -379,15 +381,18 @@ def test_a_new_number_of_elements_reuses_the_figure_and_draws_what_a_new_one_dra
     grid = ReduceGrid()
     grid.draw(*state(4, 8, 0))
     fig = grid.fig
-    for ws, n, dst in ((4, 32, 0), (4, 9, 1), (4, 17, 3), (4, 5, 0), (2, 3, 1), (2, 12, 1),
-                       (2, 9, 0)):
-        reused = pixels(grid.draw(*state(ws, n, dst)))
+    for ws, n, dst, scale in ((4, 32, 0, "log"), (4, 9, 1, "log"), (4, 17, 3, "linear"),
+                              (4, 20, 3, "linear"), (4, 5, 0, "log"), (2, 3, 1, "log"),
+                              (2, 12, 1, "linear"), (2, 9, 0, "log")):
+        reused = pixels(grid.draw(*state(ws, n, dst, scale)))
         want = list(range(n)) if n <= 16 else sorted({*range(0, n, 4), n - 1})
         assert [int(x) for x in grid.fig.axes[0].get_xticks()] == want
-        np.testing.assert_array_equal(reused, pixels(ReduceGrid().draw(*state(ws, n, dst))),
-                                      err_msg=f"world_size={ws}, n={n}, dst={dst}")
+        np.testing.assert_array_equal(reused, pixels(ReduceGrid().draw(*state(ws, n, dst, scale))),
+                                      err_msg=f"world_size={ws}, n={n}, dst={dst}, {scale}")
         if ws == 4 and n >= 6:
             assert grid.fig is fig, f"n={n} at world size 4 built a new figure"
+        top = 10.0 ** (ws - 1) if scale == "log" else float(ws)   # the colour bar's range
+        assert grid.fig.axes[2].get_xlim() == pytest.approx((1.0, top)), (ws, n, scale)
 
 
 def test_values_on_the_hatched_panel_sit_on_a_white_box():

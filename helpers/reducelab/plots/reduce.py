@@ -223,7 +223,13 @@ class ReduceGrid(BuiltFigures):
         if build is not None:
             build()
         norm = _value_norm(before)
-        self._input.set_norm(norm)
+        shown = self._input.norm
+        if type(shown) is not type(norm) or (shown.vmin, shown.vmax) != (norm.vmin, norm.vmax):
+            # a new scale redraws the colour bar (its mesh and ticks); the n slider
+            # mostly keeps the scale, and then the colour bar as it is
+            self._input.set_norm(norm)
+        else:
+            norm = shown
         self._input.set_data(before)
         self._status.set_data(status)
         _set_hatches(self._hatches, status)
