@@ -54,6 +54,28 @@ def test_a_notebook_that_never_uses_them_never_imports_them():
     assert r["later"]["modules"] == [False] * 5
 
 
+def test_a_setup_cell_that_imports_torch_waits_for_nothing_more():
+    """Every notebook's setup cell imports torch, and ``import torch`` imports DDP's module
+    by itself (WITH_TORCH): that says nothing about the notebook, so the first group's
+    ranks start without dynamo, and the resize after them too. (From fbcc9a3 to this
+    test, every first group waited for dynamo: the setup cell took 2.4 times a bare
+    ``import torch``, and one learner held 0.51 GiB instead of 0.44.)"""
+    r = run_case(kernel_imports="import torch\nimport torch.distributed as dist")
+    assert r["first"]["modules"] == [False] * 5
+    assert r["later"]["modules"] == [False] * 5
+
+
+def test_import_torch_brings_exactly_the_later_modules_the_kernel_discounts():
+    """WITH_TORCH is what a fresh ``import torch`` puts of LATER in sys.modules: a torch
+    that imports more (or less) by itself fails here, not in a slow setup cell."""
+    from reducelab.forkserver_imports import LATER, WITH_TORCH
+    code = ("import sys, torch\n"
+            f"print([m for m in {list(LATER)!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == repr(list(WITH_TORCH)), out.stderr[-2000:]
+
+
 def test_what_a_rank_imported_reaches_the_group_started_right_after():
     """The run reports DTensor; the resize waits for the server's import, so its ranks
     start with DTensor, and with nothing that was not asked for (DCP, FSDP). No rank

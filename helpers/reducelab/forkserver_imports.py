@@ -47,6 +47,13 @@ import: constructing ``DistributedDataParallel`` imports ``torch._dynamo`` (abou
 CPU per fresh rank, seen in a rank's stack when notebook 13's first ``DDP(model)`` ran past
 its group's 3 s timeout on a loaded 2-core machine). A kernel that imported the first
 asks for both (:func:`reducelab.processes.kernel_later`)."""
+WITH_TORCH = ("torch.nn.parallel.distributed",)
+"""Modules of :data:`LATER` that ``import torch`` imports by itself
+(``torch/nn/parallel/__init__.py`` imports ``DistributedDataParallel``): that one is in
+the kernel's ``sys.modules`` says nothing about the notebook. The kernel counts as having
+imported it only when its namespace holds something of it, as ``from torch.nn.parallel
+import DistributedDataParallel as DDP`` does (:func:`reducelab.processes.kernel_later`).
+``test_forkserver_imports`` checks this list against a fresh ``import torch``."""
 FILE_ENV = "REDUCELAB_LATER_IMPORTS"
 """Environment variable with the path of the file in which the kernel lists the modules
 of :data:`LATER` it wants, one per line (in the kernel's private temporary directory).

@@ -162,12 +162,29 @@ def _server():
     return pid, later
 
 
+def _named_in_main(module: str) -> bool:
+    """True when the kernel's namespace (``__main__``: a notebook's globals) holds
+    ``module`` itself or something defined in it (a class or function it imported)."""
+    main = sys.modules.get("__main__")
+    target = sys.modules.get(module)
+    for value in list(vars(main).values()) if main is not None else ():
+        try:
+            if value is target or getattr(value, "__module__", None) == module:
+                return True
+        except Exception:  # an object whose attributes raise says nothing
+            continue
+    return False
+
+
 def kernel_later() -> set[str]:
     """The modules of :data:`~reducelab.forkserver_imports.LATER` this kernel has imported
     (what the notebook's own imports say its ranks will use), with what their first use
-    imports on a rank (:data:`~reducelab.forkserver_imports.FIRST_USE`)."""
-    from .forkserver_imports import FIRST_USE, LATER
-    found = {m for m in LATER if m in sys.modules}
+    imports on a rank (:data:`~reducelab.forkserver_imports.FIRST_USE`). A module that
+    ``import torch`` imports by itself (:data:`~reducelab.forkserver_imports.WITH_TORCH`)
+    counts only when the notebook's namespace holds something of it."""
+    from .forkserver_imports import FIRST_USE, LATER, WITH_TORCH
+    found = {m for m in LATER if m in sys.modules
+             and (m not in WITH_TORCH or _named_in_main(m))}
     return found.union(*(FIRST_USE.get(m, ()) for m in found))
 
 
