@@ -361,3 +361,55 @@ def test_a_redrawn_figure_whose_y_axis_gains_an_offset_places_its_title_again(mo
         drawn.append(plots.png(fig))
     monkeypatch.setattr(plots, "_place_titles", lambda fig: None)
     assert drawn == [plots.png(_titled_figure(ys)) for ys in ((0.0, 1.0), (0.0, 1e7), (0.0, 1.0))]
+
+
+def _texts_figure(canvas_class, size: float = 11, antialiased: bool = True):
+    """Texts of every kind an explorer draws: rotated, multi-line, non-ASCII, mathtext,
+    bold, at two sizes, and the same string twice (the second drawn from the cache)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(4, 3), dpi=100)
+    canvas_class(fig)
+    kw = dict(fontsize=size, antialiased=antialiased)
+    fig.text(0.05, 0.9, "rank 0: −2.5 ◆ µs", **kw)
+    fig.text(0.05, 0.75, "two lines\nof gyp", ha="left", va="top", **kw)
+    fig.text(0.6, 0.5, "rotated 90", rotation=90, **kw)
+    fig.text(0.3, 0.3, "rotated 30", rotation=30, **kw)
+    fig.text(0.05, 0.15, r"$\sum_r x_r^2$ and text", **kw)
+    fig.text(0.55, 0.15, "bold", fontweight="bold", **kw)
+    fig.text(0.8, 0.9, "bold", fontsize=size + 7)
+    fig.text(0.8, 0.7, "rank 0: −2.5 ◆ µs"[:6], **kw)
+    return fig
+
+
+@pytest.mark.parametrize("size, antialiased", [(11, True), (10, True), (11, False)])
+def test_the_canvas_that_keeps_text_bitmaps_draws_agg_s_pixels(size, antialiased):
+    """Every package figure is drawn by plots.Canvas, which rasterises each text once and
+    blits the bitmap on later draws: the pixels equal FigureCanvasAgg's on the first
+    draw and on the redraws that hit the cache, at every size and antialiasing."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from reducelab import plots
+    agg = plots.png(_texts_figure(FigureCanvasAgg, size, antialiased))
+    fig = _texts_figure(plots.Canvas, size, antialiased)
+    before = plots._text_bitmap.cache_info().hits
+    assert [plots.png(fig) for _ in range(3)] == [agg] * 3
+    assert plots._text_bitmap.cache_info().hits >= before + 2 * 7    # the redraws hit it
+    assert type(new_figure(2, 2).canvas) is plots.Canvas
+
+
+def test_a_text_bitmap_is_not_reused_for_another_size_dpi_or_font():
+    """The cache's key holds what changes a bitmap: two figures that differ only in size,
+    dpi or font draw what FigureCanvasAgg draws for each, in either order."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from reducelab import plots
+
+    def one(canvas_class, dpi=100, **kw):
+        fig = Figure(figsize=(2, 1), dpi=dpi)
+        canvas_class(fig)
+        fig.text(0.1, 0.4, "same string", **kw)
+        return plots.png(fig)
+
+    for kw in (dict(fontsize=10), dict(fontsize=14), dict(fontsize=10, dpi=150),
+               dict(fontsize=10, family="serif"), dict(fontsize=10, family="monospace"),
+               dict(fontsize=10)):
+        assert one(plots.Canvas, **kw) == one(FigureCanvasAgg, **kw), kw

@@ -13,11 +13,10 @@ from __future__ import annotations
 import math
 
 import matplotlib
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ..palette import PANEL_GREY, TEXT_GREY
-from . import DPI, HATCHES, MARKERS, MAX_WIDTH, MIN_FONT, PALETTE, RANK_COLOURS, new_figure, png
+from . import DPI, HATCHES, MARKERS, MAX_WIDTH, MIN_FONT, PALETTE, RANK_COLOURS, Canvas, new_figure, png
 
 GLOBAL_COLOUR = PALETTE["black"]
 """Lines and markers that stand for the global norm."""
@@ -123,7 +122,7 @@ class CheckpointFigure:
         n_save, n_load = len(saved), len(loaded)
         height = 1.8 + 0.27 * (n_save + n_load)
         fig = Figure(figsize=(MAX_WIDTH, height), dpi=DPI)     # fixed margins, in inches: a third
-        FigureCanvasAgg(fig)                                  # less time than a constrained layout
+        Canvas(fig)                                           # less time than a constrained layout
         margins = dict(left=1.3, right=0.7, top=0.64, bottom=0.55, gap=0.46)
         panels = height - margins["top"] - margins["bottom"] - margins["gap"]
         fig.subplots_adjust(left=margins["left"] / MAX_WIDTH, right=1 - margins["right"] / MAX_WIDTH,
