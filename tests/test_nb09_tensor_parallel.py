@@ -25,7 +25,7 @@ from reducelab import LocalGroup
 from reducelab.checks.tensor_parallel import (DIM, IDS_SHAPE, VOCAB, check_vocab_parallel_embedding,
                                               layer_tensors, reference)
 from reducelab.plots.tensor_parallel import (COLOUR_BAR_LABEL, MAX_HEIGHT, MIN_CELL, VALUE_GID,
-                                             Diagram, Stage, draw_diagram)
+                                             Diagram, Operator, Stage, draw_diagram)
 from reducelab.widgets.tensor_parallel import TP_DEGREES, WIDTHS, TensorParallelExplorer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -403,6 +403,40 @@ def test_a_stage_that_differs_across_ranks_is_drawn_once_per_rank_not_as_the_sam
         Stage("y", [torch.ones(1, 4).numpy()], "whole")
     with pytest.raises(ValueError, match="wider than the 12"):
         draw_diagram(Diagram("t", [Stage("y", [torch.ones(1, 13).numpy()])]))
+
+
+def test_a_diagram_drawn_into_a_kept_figure_has_a_fresh_figure_s_pixels(monkeypatch):
+    """draw_diagram keeps a figure per height and empties it for the next diagram of that
+    height: diagrams of two heights drawn in turn (values, colour scales, widths, a
+    partial sum and a note that come and go) give the bytes a new figure gives each, and the second
+    diagram of a height adds no axes."""
+    import numpy as np
+    from matplotlib.figure import Figure
+    from reducelab.plots import tensor_parallel as tp_plots
+    rng = np.random.default_rng(0)
+
+    def diagram(seed: int, kind: str, note: str = "", columns: int = 4) -> Diagram:
+        values = [np.round(rng.normal(seed, 3, (2, columns)), 2) for _ in range(2)]
+        return Diagram(f"diagram {seed}", [Stage("x", values, kind),
+                                           Operator("Linear", "all_reduce", "identity"),
+                                           Stage("y", [v * seed for v in values], "same")],
+                       subtitle="a subtitle" if seed % 2 else "", note=note)
+
+    diagrams = [diagram(1, "partial", "a note"), diagram(2, "each"), diagram(3, "partial", columns=3),
+                diagram(4, "each", "another note")]
+    monkeypatch.setattr(tp_plots, "_FIGURES", tp_plots.collections.OrderedDict())
+    kept = [draw_diagram(d) for d in diagrams]
+    assert len(tp_plots._FIGURES) == 2                  # two heights, one figure each
+    made = []
+    original = Figure.add_axes
+    monkeypatch.setattr(Figure, "add_axes", lambda self, *a, **k: (made.append(a),
+                                                                   original(self, *a, **k))[1])
+    assert draw_diagram(diagrams[0]) == kept[0] and made == []
+    fresh = []
+    for d in diagrams:
+        tp_plots._FIGURES.clear()
+        fresh.append(draw_diagram(d))
+    assert kept == fresh
 
 
 def test_the_hatch_of_a_partial_sum_is_thin_and_light():

@@ -27,6 +27,7 @@ row-parallel MLP, the conjugate operators f and g); ``torch.distributed.tensor.p
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -204,13 +205,7 @@ def draw_diagram(diagram: Diagram) -> bytes:
         lo, hi = lo - 1, hi + 1
     mid = (lo + hi) / 2
 
-    fig = new_figure(MAX_WIDTH, height)
-    fig.set_layout_engine("none")
-    ax = fig.add_axes([0, 0, 1, 1])
-    ax.set_axis_off()
-    ax.patch.set_alpha(0)
-    ax.set_xlim(0, MAX_WIDTH)
-    ax.set_ylim(height, 0)                         # inches from the top-left corner
+    fig, ax, cax = _figure(height)
     canvas = np.zeros((round(height * DPI), round(MAX_WIDTH * DPI), 4), dtype=np.uint8)
     ax.text(0.08, 0.08, diagram.title, ha="left", va="top", fontsize=11, color="black")
     y = TITLE
@@ -264,11 +259,46 @@ def draw_diagram(diagram: Diagram) -> bytes:
     if diagram.note:
         ax.text(0.08, height - 0.34, diagram.note, ha="left", va="bottom",
                 fontsize=MIN_FONT, color=TEXT_GREY)
-    _colour_bar(fig, ax, height, lo, hi)
+    _colour_bar(fig, ax, cax, height, lo, hi)
     return png(fig)
 
 
-def _colour_bar(fig, ax, height: float, lo: float, hi: float) -> None:
+_FIGURES: collections.OrderedDict = collections.OrderedDict()
+"""The last :data:`KEEP` figures, by height: ``(figure, axes, colour bar axes)``."""
+KEEP = 4
+"""Figures kept: the explorer's settings give a few heights (one per tp and split)."""
+
+
+def _figure(height: float):
+    """An empty figure of ``height`` inches, its full-size axes in inches from the top-left
+    corner, and the colour bar's axes (placed by :func:`_colour_bar`). A diagram of a
+    height drawn before gets that figure back, emptied of its texts, bands and cells:
+    making the two axes was a fifth of a redraw of the explorer."""
+    kept = _FIGURES.pop(height, None)
+    if kept is not None:
+        fig, ax, cax = kept
+        for artist in [*ax.texts, *ax.patches, *fig.images]:
+            artist.remove()
+    else:
+        fig = new_figure(MAX_WIDTH, height)
+        fig.set_layout_engine("none")
+        ax = fig.add_axes([0, 0, 1, 1])
+        ax.set_axis_off()
+        ax.patch.set_alpha(0)
+        ax.set_xlim(0, MAX_WIDTH)
+        ax.set_ylim(height, 0)                     # inches from the top-left corner
+        cax = fig.add_axes([0, 0, 1, 1])
+        cax.imshow(np.linspace(0, 1, 256)[None, :], cmap=CMAP, aspect="auto", vmin=0, vmax=1)
+        cax.set_xticks([])
+        cax.set_yticks([])
+        cax.set_label("colour bar")
+    _FIGURES[height] = (fig, ax, cax)
+    while len(_FIGURES) > KEEP:
+        _FIGURES.popitem(last=False)
+    return fig, ax, cax
+
+
+def _colour_bar(fig, ax, cax, height: float, lo: float, hi: float) -> None:
     """The last line of the figure: :data:`COLOUR_BAR_LABEL`, then a horizontal colour bar
     from ``lo`` to ``hi`` (:data:`~reducelab.plots.CMAP`) with both ends written."""
     label = ax.text(0.08, height - 0.06, COLOUR_BAR_LABEL + ":", ha="left", va="bottom",
@@ -280,11 +310,7 @@ def _colour_bar(fig, ax, height: float, lo: float, hi: float) -> None:
             va="center", fontsize=MIN_FONT, color=TEXT_GREY)
     ax.text(left + width + 0.06, height - bottom - bar_h / 2, fmt_value(round(hi, 2)),
             ha="left", va="center", fontsize=MIN_FONT, color=TEXT_GREY)
-    cax = fig.add_axes([left / MAX_WIDTH, bottom / height, width / MAX_WIDTH, bar_h / height])
-    cax.imshow(np.linspace(0, 1, 256)[None, :], cmap=CMAP, aspect="auto", vmin=0, vmax=1)
-    cax.set_xticks([])
-    cax.set_yticks([])
-    cax.set_label("colour bar")
+    cax.set_position([left / MAX_WIDTH, bottom / height, width / MAX_WIDTH, bar_h / height])
 
 
 __all__ = ["Stage", "Operator", "Diagram", "draw_diagram", "KINDS", "MAX_HEIGHT",
