@@ -413,3 +413,51 @@ def test_a_text_bitmap_is_not_reused_for_another_size_dpi_or_font():
                dict(fontsize=10, family="serif"), dict(fontsize=10, family="monospace"),
                dict(fontsize=10)):
         assert one(plots.Canvas, **kw) == one(FigureCanvasAgg, **kw), kw
+
+
+def _kept_plot(seed: int) -> bytes:
+    """A plot an explorer draws anew: errorbars with a legend, a log axis autoscaled to
+    the data, a line, a patch, a text and a collection, all from ``seed`` (seed 1 leaves
+    the right axes empty, seed 2 sets a margin)."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+    from reducelab import plots
+
+    def make_axes(fig):
+        return fig.subplots(1, 2)
+    fig, (ax, bx) = plots.kept_figure("kept test", 6, 3, make_axes)
+    rng = np.random.default_rng(seed)
+    xs = np.geomspace(4, 4 ** (4 + seed), 5)
+    ys = rng.uniform(1, 10, 5) * (seed + 1)
+    ax.errorbar(xs, ys, yerr=ys / 4, marker="o", label=f"seed {seed}")
+    ax.axvline(xs[seed % 5])
+    ax.set_xscale("log")
+    if seed == 2:                            # a margin set by one draw only
+        ax.set_ymargin(0.3)
+    ax.legend(loc="upper left")
+    ax.set_title(f"draw {seed}")
+    if seed != 1:                            # an axes left empty by one draw
+        bx.add_patch(Rectangle((seed, 0), 1, seed + 1))
+        bx.scatter(rng.uniform(0, 5, 4 + seed), rng.uniform(0, 5, 4 + seed))
+        bx.text(0.5, 0.5, f"text {seed}")
+    return plots.png(fig)
+
+
+def test_a_kept_figure_is_emptied_to_what_a_new_one_draws(monkeypatch):
+    """plots.kept_figure gives the figure of a key back emptied: plots of other data drawn
+    into it in turn (autoscaled limits, legends, errorbar containers, patches, texts,
+    collections) have the bytes of a new figure for each, and no container or legend
+    entry of an earlier draw is left."""
+    from reducelab import plots
+    monkeypatch.setattr(plots, "_KEPT", plots.collections.OrderedDict())
+    kept = [_kept_plot(seed) for seed in (0, 2, 1, 0)]
+    fig, (ax, bx) = plots._KEPT["kept test"]
+    assert len(ax.containers) == 1 and len(ax.get_legend().get_texts()) == 1
+    fresh = []
+    for seed in (0, 2, 1, 0):
+        plots._KEPT.clear()
+        fresh.append(_kept_plot(seed))
+    assert kept == fresh and kept[0] == kept[3] and kept[0] != kept[1]
+    for k in range(plots.KEEP_FIGURES + 1):
+        plots.kept_figure(("another", k), 2, 2, lambda fig: [fig.subplots()])
+    assert len(plots._KEPT) == plots.KEEP_FIGURES and "kept test" not in plots._KEPT

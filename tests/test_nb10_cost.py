@@ -648,3 +648,33 @@ def test_the_gpu_part_says_what_was_not_run_and_shows_gloos_timeout():
         source = header.read_text()
         assert "kProcessGroupNCCLDefaultTimeout =\n    std::chrono::milliseconds(10 * 60 * 1000)" in source
         assert "the default value (3 - SkipCleanUp)" in source
+
+
+def _cost_view(world_size: int, collective: str, spot_bytes: int, seed: int):
+    from reducelab.widgets.cost import CostView, Sweep, Timing
+    rng = np.random.default_rng(seed)
+    sizes = [4 ** k for k in range(1, 9 + seed % 3)]
+    timings = [Timing(collective, world_size, s, 1e-4 + 1e-9 * s * rng.uniform(1, 2, (world_size, 5)))
+               for s in sizes]
+    spot = Timing(collective, world_size, spot_bytes,
+                  1e-4 + 1e-9 * spot_bytes * rng.uniform(1, 2, (world_size, 5)))
+    return CostView(Sweep(collective, world_size, timings), 1e-4, 1e-9, spot)
+
+
+def test_the_explorer_s_kept_figure_draws_what_a_new_one_draws(monkeypatch):
+    """10's figure is kept per world size (plots.kept_figure): views of other collectives,
+    sweeps, sizes and fits drawn in turn into it (log axes, errorbars, a legend, the
+    crossover line) give the bytes of a new figure for each."""
+    from reducelab import plots
+    from reducelab.plots.cost import explorer_figure
+    views = [_cost_view(4, "all_reduce", 4096, 0), _cost_view(4, "all_gather_single", 4 ** 10, 1),
+             _cost_view(2, "broadcast", 64, 2), _cost_view(4, "reduce_scatter_single", 16, 3),
+             _cost_view(4, "all_reduce", 4096, 0)]
+    monkeypatch.setattr(plots, "_KEPT", plots.collections.OrderedDict())
+    kept = [explorer_figure(v) for v in views]
+    assert len(plots._KEPT) == 2
+    fresh = []
+    for v in views:
+        plots._KEPT.clear()
+        fresh.append(explorer_figure(v))
+    assert kept == fresh and kept[0] == kept[-1]

@@ -253,6 +253,46 @@ def test_explorer_runs_ddp_on_real_ranks(group):
     assert [cap_value(c) for c in CAPS] == [None, 1.0, 0.25, 0.05]
 
 
+def _bucket_view(world_size: int, params: int, buckets: int, seed: int):
+    from reducelab.widgets.buckets import BucketView
+    rng = np.random.default_rng(seed)
+    names = [f"layer{i}.weight" for i in range(params)]
+    passes = []
+    for _ in range(3):
+        ready = sorted(zip(rng.uniform(0, 20, params), names))
+        groups = np.array_split(np.array([n for _, n in ready]), buckets)
+        spans = sorted(rng.uniform(5, 30, buckets))
+        passes.append({"ready": [(float(t), n) for t, n in ready], "end_ms": 32.0 + seed,
+                       "buckets": [(t, t + 4.0, k, list(g)) for k, (t, g) in
+                                   enumerate(zip(spans, groups))], "bytes_sent": 1000})
+    return BucketView("0.25", "allreduce_hook", world_size, passes,
+                      rng.uniform(20, 40, (world_size, 3)), [4000] * buckets, 1000, 0.0)
+
+
+def test_the_explorer_s_kept_figure_draws_what_a_new_one_draws(monkeypatch):
+    """16's figure is kept between draws (plots.kept_figure): views that change the world
+    size, the parameters and the buckets, drawn in turn into it, give the bytes of a new
+    figure for each; the second draw makes no tick objects for ticks it had."""
+    from matplotlib.axis import Tick
+    from reducelab import plots
+    from reducelab.plots.buckets import explorer_figure
+    views = [_bucket_view(4, 8, 3, 0), _bucket_view(2, 5, 1, 1), _bucket_view(4, 8, 7, 2),
+             _bucket_view(3, 8, 3, 3)]
+    monkeypatch.setattr(plots, "_KEPT", plots.collections.OrderedDict())
+    kept = [explorer_figure(v) for v in views]
+    made = []
+    original = Tick.__init__
+    monkeypatch.setattr(Tick, "__init__", lambda self, *a, **k: (made.append(self),
+                                                                 original(self, *a, **k))[1])
+    assert explorer_figure(views[0]) == kept[0] and made == []
+    fresh = []
+    for v in views:
+        plots._KEPT.clear()
+        fresh.append(explorer_figure(v))
+    assert len(made) > 20
+    assert kept == fresh
+
+
 def test_explorer_refuses_bad_values_and_follows_the_newest_group(group):
     ns = notebook("ddp_passes", "make_model", "HOOKS", "counting_all_reduce", "bf16_hook_by_another_name")
     with pytest.raises(ValueError, match="None, 1, 0.25, 0.05"):

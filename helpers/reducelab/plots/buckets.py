@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 from ..checks.cost import size_label
-from . import HATCHES, MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, new_figure, png
+from . import HATCHES, MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, kept_figure, new_figure, png
 
 
 def _timeline(ax, run: dict, names_axis: bool = True) -> None:
@@ -89,9 +89,10 @@ def explorer_figure(view) -> bytes:
     marker of the rank) and on the slowest rank (hollow stars), with the median of the
     slowest (a bar), in milliseconds.
     """
-    fig = new_figure(9.6, 4.6, layout_key="bucket explorer")
-    grid = fig.add_gridspec(1, 2, width_ratios=[1.7, 1])
-    ax, bx = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
+    def make_axes(fig):
+        grid = fig.add_gridspec(1, 2, width_ratios=[1.7, 1])
+        return fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
+    fig, (ax, bx) = kept_figure("bucket explorer", 9.6, 4.6, make_axes)
     _timeline(ax, view.median_pass)
     ax.set_title(f"{view.hook}, bucket_cap_mb={view.bucket_cap_mb}:\n"
                  f"{len(view.bucket_bytes)} buckets on {view.world_size} ranks, "

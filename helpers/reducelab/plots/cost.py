@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ..checks.cost import crossover_bytes, gloo_factor, model_seconds, seconds_label, size_label
-from . import MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, TEXT_GREY, new_figure, png
+from . import MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, TEXT_GREY, kept_figure, new_figure, png
 
 HEIGHT = 4.2
 """Height of the explorer's figure, inches: controls and figure fit on one screen."""
@@ -144,9 +144,10 @@ def explorer_figure(view) -> bytes:
     """
     sweep, spot = view.sweep, view.spot
     f = gloo_factor(sweep.collective, sweep.world_size)
-    fig = new_figure(9.6, HEIGHT, layout_key=("cost explorer", spot.seconds.shape[0]))
-    grid = fig.add_gridspec(1, 2, width_ratios=[1.45, 1])
-    ax, bx = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
+    def make_axes(fig):
+        grid = fig.add_gridspec(1, 2, width_ratios=[1.45, 1])
+        return fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
+    fig, (ax, bx) = kept_figure(("cost explorer", spot.seconds.shape[0]), 9.6, HEIGHT, make_axes)
     lo_x, hi_x = min(sweep.sizes.min(), spot.size_bytes), max(sweep.sizes.max(), spot.size_bytes)
     xs = np.geomspace(lo_x, hi_x, 80)
     lows, highs = sweep.spread
