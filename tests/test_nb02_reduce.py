@@ -395,6 +395,30 @@ def test_a_new_number_of_elements_reuses_the_figure_and_draws_what_a_new_one_dra
         assert grid.fig.axes[2].get_xlim() == pytest.approx((1.0, top)), (ws, n, scale)
 
 
+@pytest.mark.parametrize("ws,n,dst", [(4, 8, 0), (8, 32, 5), (3, 17, 2), (1, 1, 0)])
+def test_hatches_drawn_as_one_path_per_status_have_the_pixels_of_a_patch_per_cell(
+        monkeypatch, ws, n, dst):
+    """plots.reduce hatches all cells of a status as one path (a path per cell made Agg
+    rasterise the hatch per cell): the figure is the same, pixel for pixel, as with one
+    hatched square patch per cell, and differs from one with no hatches."""
+    from matplotlib.patches import Rectangle
+
+    from reducelab.plots import reduce as reduce_plots
+    inputs = inputs_10(ws, n)
+    before, after = np.stack(inputs), np.stack(gloo_reduce_reference(inputs, dst))
+    state = (before, after, buffer_status(before, after), dst)
+    one_path = ReduceGrid().draw(*state)
+
+    def per_cell(layers, status):
+        for k, layer in layers.items():
+            rows, cols = np.nonzero(status == k)
+            layer.set_paths([Rectangle((j - 0.5, i - 0.5), 1, 1) for i, j in zip(rows, cols)])
+    monkeypatch.setattr(reduce_plots, "_set_hatches", per_cell)
+    assert ReduceGrid().draw(*state) == one_path
+    monkeypatch.setattr(reduce_plots, "_set_hatches", lambda layers, status: None)
+    assert ReduceGrid().draw(*state) != one_path
+
+
 def test_values_on_the_hatched_panel_sit_on_a_white_box():
     """At the explorer's first state (4 ranks, 8 elements) every value in the after
     panel is written, black on a white box, so no hatch line runs through its digits."""
