@@ -286,7 +286,11 @@ def test_in_a_kernel_making_an_explorer_freezes_what_exists_out_of_gc_scans(monk
         gc.unfreeze()
 
 
-def _titled_figure(ys=(0.0, 1.0), ticks_on_top: bool = False, layout: str = "none"):
+def _titled_figure(ys=(0.0, 1.0), ticks_on_top: bool = False, layout: str = "none",
+                   extra: str = ""):
+    """Two titled axes; ``extra`` adds to the right one a ``"secondary"`` y axis (13's
+    "same / differs" labels), a ``"twin"`` (twinx), one whose values need an offset text
+    (``"twin offset"``), or a secondary x axis on top (``"secondary top"``)."""
     from reducelab.plots import new_figure
     fig = new_figure(6, 3)
     fig.set_layout_engine(layout)
@@ -299,23 +303,33 @@ def _titled_figure(ys=(0.0, 1.0), ticks_on_top: bool = False, layout: str = "non
         right.xaxis.tick_top()
         right.set_xlabel("on top")
         right.xaxis.set_label_position("top")
+    if extra == "secondary":
+        labels = right.secondary_yaxis("right")
+        labels.set_yticks([0.2, 0.8], ["same", "differs"])
+    elif extra.startswith("twin"):
+        twin = right.twinx()
+        twin.plot([0, 1], [1.0, 1.001] if extra == "twin offset" else [0.0, 5.0])
+    elif extra == "secondary top":
+        right.secondary_xaxis("top").set_xticks([0.2, 0.8], ["a", "b"])
     return fig
 
 
-@pytest.mark.parametrize("ys, ticks_on_top, layout", [
-    ((0.0, 1.0), False, "none"), ((0.0, 1.0), False, "constrained"),
-    ((0.0, 1.0), True, "none"),             # x tick labels and label above the axes
-    ((0.0, 1e7), False, "none"),            # a y offset text ("1e7") over the axes
-    ((1.0, 1.001), False, "none"),          # and one of another kind ("+1")
+@pytest.mark.parametrize("ys, ticks_on_top, layout, extra", [
+    ((0.0, 1.0), False, "none", ""), ((0.0, 1.0), False, "constrained", ""),
+    ((0.0, 1.0), True, "none", ""),             # x tick labels and label above the axes
+    ((0.0, 1e7), False, "none", ""),            # a y offset text ("1e7") over the axes
+    ((1.0, 1.001), False, "none", ""),          # and one of another kind ("+1")
+    ((0.0, 1.0), False, "constrained", "secondary"), ((0.0, 1.0), False, "none", "twin"),
+    ((0.0, 1.0), False, "none", "twin offset"), ((0.0, 1.0), False, "constrained", "secondary top"),
 ])
 def test_titles_placed_without_measuring_the_y_axis_land_on_the_same_pixels(
-        monkeypatch, ys, ticks_on_top, layout):
+        monkeypatch, ys, ticks_on_top, layout, extra):
     """png() skips matplotlib's title placement only where it would not move a title:
     every case draws the same pixels as with the placement run on every draw."""
     from reducelab import plots
-    fast = plots.png(_titled_figure(ys, ticks_on_top, layout))
+    fast = plots.png(_titled_figure(ys, ticks_on_top, layout, extra))
     monkeypatch.setattr(plots, "_place_titles", lambda fig: None)
-    assert plots.png(_titled_figure(ys, ticks_on_top, layout)) == fast
+    assert plots.png(_titled_figure(ys, ticks_on_top, layout, extra)) == fast
 
 
 def test_a_plain_titled_axes_is_drawn_without_measuring_its_y_axis(monkeypatch):
@@ -342,6 +356,23 @@ def test_a_plain_titled_axes_is_drawn_without_measuring_its_y_axis(monkeypatch):
     monkeypatch.setattr(plots, "_place_titles", lambda fig: None)
     plots.png(_titled_figure())
     assert len(calls) >= 2
+
+
+@pytest.mark.parametrize("extra", ["secondary", "twin"])
+def test_titled_axes_with_a_secondary_y_axis_or_a_twin_skip_the_measurement(monkeypatch, extra):
+    """13's panels have a secondary y axis: their titles are placed without measuring any
+    y axis, as are those of an axes with a twin."""
+    from matplotlib.axis import YAxis
+    from reducelab import plots
+    calls = []
+    original = YAxis.get_tightbbox
+    monkeypatch.setattr(YAxis, "get_tightbbox",
+                        lambda self, *a, **k: (calls.append(self), original(self, *a, **k))[1])
+    plots.png(_titled_figure(extra=extra))
+    assert calls == []
+    monkeypatch.setattr(plots, "_place_titles", lambda fig: None)
+    plots.png(_titled_figure(extra=extra))
+    assert len(calls) >= 3                  # two axes, and the right one's sibling
 
 
 def test_a_redrawn_figure_whose_y_axis_gains_an_offset_places_its_title_again(monkeypatch):

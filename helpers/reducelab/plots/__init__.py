@@ -258,20 +258,37 @@ def _reuse_layout(fig: Figure, key) -> bool:
 
 def _titles_stay(ax) -> bool:
     """True when matplotlib's automatic title placement would leave ``ax``'s titles where
-    they are (at the top of the axes, plus ``axes.titlepad``): nothing of the x axis is
-    on top, no y-axis offset text (``1e7``) could meet a title, and no twin, child or
-    colorbar axes takes part. Checked on every draw, for what the draw will show."""
-    if ax.child_axes or "outline" in ax.spines:
-        return False
+    they are (at the top of the axes, plus ``axes.titlepad``). It looks at ``ax``, its
+    twins and its child axes (a ``secondary_yaxis``), as matplotlib does: none may have
+    x tick labels or an x label on top, a y-axis offset text (``1e7``) that could meet a
+    title, or a top above ``ax``'s; titles aligned across axes and colour bars are left
+    to matplotlib. Checked on every draw, for what the draw will show."""
     twins = getattr(ax, "_twinned_axes", None)
-    if twins is None or len(twins.get_siblings(ax)) > 1:
-        return False
     aligned = getattr(ax.get_figure(root=False), "_align_label_groups", {}).get("title")
-    if aligned is None or len(aligned.get_siblings(ax)) > 1:
+    if twins is None or aligned is None or len(aligned.get_siblings(ax)) > 1:
         return False
-    if ax.xaxis.get_ticks_position() in ("top", "unknown") or \
-            ax.xaxis.get_label_position() == "top":
+    others = [*ax.child_axes, *(twin for twin in twins.get_siblings(ax) if twin is not ax)]
+    if ax.child_axes:          # where the child axes will be, as matplotlib places them
+        renderer = ax.get_figure(root=True).canvas.get_renderer()
+        for child in ax.child_axes:
+            locator = child.get_axes_locator()
+            child.apply_aspect(locator(ax, renderer) if locator else None)
+    top = ax.bbox.ymax
+    return _pushes_no_title(ax) and all(
+        _pushes_no_title(other) and other.bbox.ymax <= top + 1 for other in others)
+
+
+def _pushes_no_title(ax) -> bool:
+    """Whether ``ax``'s own x axis and y offset text leave a title above it in place (see
+    :func:`_titles_stay`)."""
+    if "outline" in ax.spines:
         return False
+    xaxis = ax.xaxis
+    if xaxis.get_ticks_position() in ("top", "unknown") or xaxis.get_label_position() == "top":
+        # matplotlib measures this x axis; it has a box only with ticks or a label
+        if xaxis.get_visible() and (len(xaxis.get_majorticklocs()) or
+                                    len(xaxis.get_minorticklocs()) or xaxis.label.get_text()):
+            return False
     formatter = ax.yaxis.get_major_formatter()
     if hasattr(formatter, "get_offset"):
         formatter.set_locs(ax.yaxis.get_majorticklocs())
