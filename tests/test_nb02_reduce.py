@@ -399,8 +399,9 @@ def test_a_new_number_of_elements_reuses_the_figure_and_draws_what_a_new_one_dra
 def test_hatches_drawn_as_one_path_per_status_have_the_pixels_of_a_patch_per_cell(
         monkeypatch, ws, n, dst):
     """plots.reduce hatches all cells of a status as one path (a path per cell made Agg
-    rasterise the hatch per cell): the figure is the same, pixel for pixel, as with one
-    hatched square patch per cell, and differs from one with no hatches."""
+    rasterise the hatch per cell): the explorer's grid, whose cells meet on whole
+    pixels, is the same, pixel for pixel, as with one hatched square patch per cell,
+    and differs from one with no hatches."""
     from matplotlib.patches import Rectangle
 
     from reducelab.plots import reduce as reduce_plots
