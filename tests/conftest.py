@@ -125,6 +125,20 @@ def assert_new_world_size_is_built_on_the_preparer(explorer, figure, world_size:
     explorer.group.resize(4)
 
 
+def record_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap the method ``owner.name`` so that each call is recorded, then runs as before;
+    returns the list of the ``self`` of each call (how a test counts the work a draw
+    does: y-axis measurements, axes made, tick objects made)."""
+    calls = []
+    original = getattr(owner, name)
+
+    def recorded(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(owner, name, recorded)
+    return calls
+
+
 CALLS = 0
 
 

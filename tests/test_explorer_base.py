@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import ipywidgets as W
 import pytest
 
+from conftest import record_calls
 from reducelab.plots import new_figure, png
 from reducelab.widgets import QUIET, Explorer
 
@@ -337,10 +338,7 @@ def test_a_plain_titled_axes_is_drawn_without_measuring_its_y_axis(monkeypatch):
     the shortcut, each titled axes measures its own); with x ticks on top it still does."""
     from matplotlib.axis import YAxis
     from reducelab import plots
-    calls = []
-    original = YAxis.get_tightbbox
-    monkeypatch.setattr(YAxis, "get_tightbbox",
-                        lambda self, *a, **k: (calls.append(self), original(self, *a, **k))[1])
+    calls = record_calls(monkeypatch, YAxis, "get_tightbbox")
     fig = _titled_figure()
     plots.png(fig)
     assert calls == []
@@ -364,10 +362,7 @@ def test_titled_axes_with_a_secondary_y_axis_or_a_twin_skip_the_measurement(monk
     y axis, as are those of an axes with a twin."""
     from matplotlib.axis import YAxis
     from reducelab import plots
-    calls = []
-    original = YAxis.get_tightbbox
-    monkeypatch.setattr(YAxis, "get_tightbbox",
-                        lambda self, *a, **k: (calls.append(self), original(self, *a, **k))[1])
+    calls = record_calls(monkeypatch, YAxis, "get_tightbbox")
     plots.png(_titled_figure(extra=extra))
     assert calls == []
     monkeypatch.setattr(plots, "_place_titles", lambda fig: None)

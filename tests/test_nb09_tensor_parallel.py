@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import record_calls
 from reducelab import LocalGroup
 from reducelab.checks.tensor_parallel import (DIM, IDS_SHAPE, VOCAB, check_vocab_parallel_embedding,
                                               layer_tensors, reference)
@@ -427,10 +428,7 @@ def test_a_diagram_drawn_into_a_kept_figure_has_a_fresh_figure_s_pixels(monkeypa
     monkeypatch.setattr(tp_plots, "_FIGURES", tp_plots.collections.OrderedDict())
     kept = [draw_diagram(d) for d in diagrams]
     assert len(tp_plots._FIGURES) == 2                  # two heights, one figure each
-    made = []
-    original = Figure.add_axes
-    monkeypatch.setattr(Figure, "add_axes", lambda self, *a, **k: (made.append(a),
-                                                                   original(self, *a, **k))[1])
+    made = record_calls(monkeypatch, Figure, "add_axes")
     assert draw_diagram(diagrams[0]) == kept[0] and made == []
     fresh = []
     for d in diagrams:

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import SOLUTIONS, load_solution
+from conftest import SOLUTIONS, load_solution, record_calls
 from reducelab import LocalGroup, RankError
 from reducelab.checks.buckets import (CASES, EXERCISE_LAYERS, MISTAKES, _rule, check_ddp_buckets,
                                       ddp_bucket_bytes, param_bytes_of)
@@ -280,10 +280,7 @@ def test_the_explorer_s_kept_figure_draws_what_a_new_one_draws(monkeypatch):
              _bucket_view(3, 8, 3, 3)]
     monkeypatch.setattr(plots, "_KEPT", plots.collections.OrderedDict())
     kept = [explorer_figure(v) for v in views]
-    made = []
-    original = Tick.__init__
-    monkeypatch.setattr(Tick, "__init__", lambda self, *a, **k: (made.append(self),
-                                                                 original(self, *a, **k))[1])
+    made = record_calls(monkeypatch, Tick, "__init__")
     assert explorer_figure(views[0]) == kept[0] and made == []
     fresh = []
     for v in views:
