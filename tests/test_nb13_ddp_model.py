@@ -582,6 +582,48 @@ def test_explorer_figure_fits_and_labels_fit_their_cells(drawn, world_size):
         StepFigure().draw(data, data, dropped[:1], grad, data, GROUPS)
 
 
+def _label_boxes(ax, renderer):
+    """The drawn extent of each non-empty text of a panel, its white box included."""
+    boxes = []
+    for t in ax.texts:
+        if t.get_text():
+            patch = t.get_bbox_patch()
+            boxes.append((t.get_text(), patch.get_window_extent(renderer) if patch
+                          else t.get_window_extent(renderer)))
+    return boxes
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_a_run_of_cells_with_no_value_says_none_once_and_no_labels_touch(drawn, world_size):
+    """At 4 ranks the aux group's two "none" boxes used to touch and read "none,none"
+    across the cell border (3 pixels of hatch between them): now each run of empty cells
+    within a column group has one "none", centred on the run, and any two labels' boxes
+    are 6 pixels (0.06 in) apart or more. A run stops at a group
+    border (body | head | aux), and a cell that has a value again shows its own number."""
+    rng = np.random.default_rng(world_size)
+    data = rng.normal(0, 0.3, (world_size, 6))
+    grad = data.copy()
+    grad[:, 1:] = np.nan            # body's second column, both of head's, both of aux's
+    dropped = rng.random((world_size, 8)) < 0.5
+    figure = StepFigure()
+    figure.draw(data, data, dropped, grad, data, GROUPS, "t")
+    fig = drawn[-1]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("gradient"))
+    nones = [t for t in panel.texts if t.get_text() == "none"]
+    assert sorted(t.get_position() for t in nones) == sorted(
+        (x, float(i)) for i in range(world_size) for x in (1.0, 2.5, 4.5))
+    for ax in (a for a in fig.axes if a.get_images()):
+        boxes = _label_boxes(ax, renderer)
+        for k, (a, box) in enumerate(boxes):
+            for b, other in boxes[k + 1:]:
+                assert not box.padded(3).overlaps(other.padded(3)), (ax.get_title(), a, b)
+    # the same figure, drawn again with every gradient present, equals a new figure's
+    again = figure.draw(data, data, dropped, data, data, GROUPS, "t")
+    assert again == StepFigure().draw(data, data, dropped, data, data, GROUPS, "t")
+
+
 def test_going_back_to_a_world_size_reuses_its_figure_and_draws_the_same(drawn):
     """Back at a world size drawn before, the explorer's figure is the one built for it
     (no new figure and layout), and its PNG is the same as a new figure's."""

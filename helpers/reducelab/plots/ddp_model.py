@@ -75,12 +75,15 @@ def _hatched_cell(x: float, y: float) -> Rectangle:
 
 class _HeatPanel:
     """One heatmap panel, built once and updated: rows are ranks, each cell shows its
-    value in the panel's unit; a NaN cell is grey, hatched and says "none"; the right
-    side says whether each row equals rank 0's."""
+    value in the panel's unit; a NaN cell is grey and hatched, and each run of NaN cells
+    within a column group says "none" once, centred on the run (one label per cell
+    would touch its neighbour's and read as one word across the cells); the right side
+    says whether each row equals rank 0's."""
 
     def __init__(self, ax, world_size: int, groups, title: str):
         n = sum(int(k) for _, k in groups)
         self.ax, self.title, self.world_size = ax, title, world_size
+        self.group_of = np.repeat(np.arange(len(groups)), [int(k) for _, k in groups])
         ax.set_facecolor(NO_VALUE)
         self.image = ax.imshow(np.zeros((world_size, n)), cmap=CMAP, aspect="auto")
         self.cells = []
@@ -113,13 +116,23 @@ class _HeatPanel:
             if np.isfinite(v):
                 patch.set_visible(False)
                 text.set_text(labels[i, j])
+                text.set_position((j, i))
                 text.set_color("black" if v > mid else "white")
                 text.set_bbox(None)
-            else:
-                patch.set_visible(True)
-                text.set_text("none")
-                text.set_color("black")
-                text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+                continue
+            patch.set_visible(True)
+            first = j == 0 or np.isfinite(values[i, j - 1]) or self.group_of[j - 1] != self.group_of[j]
+            if not first:
+                text.set_text("")
+                continue
+            last = j
+            while (last + 1 < values.shape[1] and not np.isfinite(values[i, last + 1])
+                   and self.group_of[last + 1] == self.group_of[j]):
+                last += 1
+            text.set_text("none")
+            text.set_position(((j + last) / 2, i))
+            text.set_color("black")
+            text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})
         self.right.set_yticks(range(self.world_size),
                               ["rank 0" if r == 0 else ("same" if s else "differs")
                                for r, s in enumerate(same_as_rank0(values))])
