@@ -661,6 +661,61 @@ def _cost_view(world_size: int, collective: str, spot_bytes: int, seed: int):
     return CostView(Sweep(collective, world_size, timings), 1e-4, 1e-9, spot)
 
 
+def _noisy_view(world_size: int, collective: str, spot_bytes: int, alpha: float, beta: float,
+                seed: int):
+    """A view like a real run's: a sweep from 4 B to 64 MiB, 25 repeats per size, each
+    repeat slowed 2 to 12 times one time in ten (a descheduled rank)."""
+    from reducelab.widgets.cost import CostView, Sweep, Timing
+    rng = np.random.default_rng(seed)
+
+    def timing(size):
+        seconds = (alpha + beta * size) * rng.lognormal(0, 0.15, (world_size, 25))
+        slowed = rng.random((world_size, 25)) < 0.1
+        return Timing(collective, world_size, size,
+                      seconds * np.where(slowed, rng.uniform(2, 12, slowed.shape), 1))
+    sweep = Sweep(collective, world_size, [timing(4 ** k) for k in range(1, 14)])
+    return CostView(sweep, alpha, beta, timing(spot_bytes))
+
+
+@pytest.mark.parametrize("world_size, collective, spot_bytes, alpha, beta", [
+    (2, "all_reduce", 256 * 1024, 3e-4, 1e-9), (8, "all_reduce", 4, 2e-3, 3e-9),
+    (4, "broadcast", 64 * 2 ** 20, 1e-4, 1e-9), (4, "all_gather_single", 4 ** 6, 5e-4, 2e-9)])
+def test_no_measurement_covers_the_explorer_s_labels_or_legend(world_size, collective, spot_bytes,
+                                                               alpha, beta):
+    """The stored figure of 10's explorer had a sweep's error bar across "latency-bound:
+    t ≈ α" and the run's star on the rotated "S* = ..." label. Now no point, error bar or
+    model curve of the run enters the box of a regime's name or of the legend (the
+    crossover's vertical line may pass behind the legend, as grid lines do)."""
+    from reducelab import plots
+    from reducelab.plots.cost import explorer_figure
+    plots._KEPT.clear()
+    explorer_figure(_noisy_view(world_size, collective, spot_bytes, alpha, beta, world_size))
+    fig = plots._KEPT[("cost explorer", world_size)][0]
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    points = []                                                  # display coordinates
+    for line in ax.lines:
+        if line.get_transform() is not ax.transData:             # the crossover's axvline
+            continue
+        xy = ax.transData.transform(line.get_xydata())
+        step = np.linspace(0, 1, 40)[:, None, None]              # along each segment
+        points.append((xy[:-1] + step * (xy[1:] - xy[:-1])).reshape(-1, 2) if len(xy) > 1 else xy)
+        points.append(xy)
+    for bars in ax.collections:
+        for seg in bars.get_segments():
+            xy = ax.transData.transform(seg)
+            points.append(xy[0] + np.linspace(0, 1, 40)[:, None] * (xy[1] - xy[0]))
+    points = np.concatenate(points)
+    labels = {t.get_text(): t.get_window_extent(renderer) for t in ax.texts}
+    assert set(labels) == {"latency-bound: t ≈ α", "bandwidth-bound"}
+    labels["legend"] = ax.get_legend().get_window_extent(renderer)
+    radius = 17 / 72 * fig.dpi / 2                                # the star's half size, pixels
+    for name, box in labels.items():
+        (x0, y0), (x1, y1) = box.padded(radius).get_points()
+        inside = (x0 <= points[:, 0]) & (points[:, 0] <= x1) & (y0 <= points[:, 1]) & (points[:, 1] <= y1)
+        assert not inside.any(), (name, points[inside][:3])
+
+
 def test_the_explorer_s_kept_figure_draws_what_a_new_one_draws(monkeypatch):
     """10's figure is kept per world size (plots.kept_figure): views of other collectives,
     sweeps, sizes and fits drawn in turn into it (log axes, errorbars, a legend, the

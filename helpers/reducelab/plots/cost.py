@@ -132,6 +132,21 @@ def fits_figure(panels: dict[str, list[Curve]], title: str = "") -> bytes:
     return png(fig)
 
 
+LABEL_BAND = 0.13
+"""Fraction of the explorer's time axis kept free of measurements at the bottom, for
+the labels of the two regimes."""
+LEGEND_BAND = 0.28
+"""Fraction kept free at the top, for the legend (three rows)."""
+
+
+def _clear_bands(low: float, high: float) -> tuple[float, float]:
+    """Limits of a log axis (seconds) on which measurements from ``low`` to ``high`` fill
+    the middle, leaving :data:`LABEL_BAND` under them and :data:`LEGEND_BAND` above
+    them, whatever their range (at least a decade)."""
+    span = max(np.log10(high / low), 1.0) / (1 - LABEL_BAND - LEGEND_BAND)
+    return low / 10 ** (LABEL_BAND * span), high * 10 ** (LEGEND_BAND * span)
+
+
 def explorer_figure(view) -> bytes:
     """The explorer's figure for a :class:`~reducelab.widgets.cost.CostView`.
 
@@ -140,7 +155,9 @@ def explorer_figure(view) -> bytes:
     ``β·f·S``, the bandwidth term), the crossover ``S*``, and the measurement just taken
     (a hollow star). Right: that measurement's spread: every repeat's time on each rank
     (colour and marker of the rank) and on the slowest rank (hollow stars), with the
-    medians (bars) and the model's prediction (dashed).
+    medians (bars) and the model's prediction (dashed). The legend and the names of the
+    two regimes have bands of their own above and below the measurements
+    (:func:`_clear_bands`), so no point or bar of a run covers them.
     """
     sweep, spot = view.sweep, view.spot
     f = gloo_factor(sweep.collective, sweep.world_size)
@@ -163,15 +180,13 @@ def explorer_figure(view) -> bytes:
     star = crossover_bytes(view.alpha, view.beta, f)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    y_lo = min(lows.min(), spot.slowest.min()) / 3
-    y_hi = max(highs.max(), spot.slowest.max()) * 12
-    ax.set_ylim(y_lo, y_hi)
+    ax.set_ylim(*_clear_bands(min(lows.min(), spot.slowest.min()), max(highs.max(), spot.slowest.max())))
     if lo_x <= star <= hi_x:
-        ax.axvline(star, color=TEXT_GREY, lw=1, ls="-.")
-        ax.text(star, np.sqrt(y_lo * y_hi) / 4, f"S* = {size_label(star)} ", fontsize=MIN_FONT,
-                color=TEXT_GREY, ha="right", va="center", rotation=90)
-    ax.text(lo_x, view.alpha * 1.25, " latency-bound: t ≈ α", fontsize=MIN_FONT,
-            color=PALETTE["vermillion"], ha="left", va="bottom")
+        ax.axvline(star, color=TEXT_GREY, lw=1, ls="-.", label=f"crossover S* = {size_label(star)}")
+    # the two regimes are named in the band under the lowest measurement, which only the
+    # bandwidth term crosses (left of S*, where it is below α)
+    ax.text(0.02, 0.03, "latency-bound: t ≈ α", transform=ax.transAxes,
+            fontsize=MIN_FONT, color=PALETTE["vermillion"], ha="left", va="bottom")
     ax.text(0.98, 0.03, "bandwidth-bound", transform=ax.transAxes,
             fontsize=MIN_FONT, color=PALETTE["green"], ha="right", va="bottom")
     ax.plot([spot.size_bytes], [spot.median], ls="none", marker="*", ms=17, mfc="white",
