@@ -438,6 +438,30 @@ def test_values_on_the_hatched_panel_sit_on_a_white_box():
         assert t.get_zorder() > max(c.get_zorder() for c in grid.fig.axes[1].collections)
 
 
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_values_side_by_side_never_touch_and_read_as_one_number(world_size):
+    """Boxed values of the after panel stay 4 pixels apart or more, and the input
+    panel's 2 or more, at every n the slider offers from 8 up: at 4 ranks and 17
+    elements the boxes of 10 and 10 touched and read "1010". Where two boxed values
+    would come closer, the panel shows colours and hatches only; at 12 elements the
+    2-digit sums are still written."""
+    grid = ReduceGrid()
+    for n in (8, 12, 14, 15, 16, 17, 24, 32):
+        linear = [np.full(n, r + 1.0) for r in range(world_size)]       # sums of 1 or 2 digits
+        for inputs in (inputs_10(world_size, n), linear):
+            before, after = np.stack(inputs), np.stack(gloo_reduce_reference(inputs, 0))
+            grid.draw(before, after, buffer_status(before, after), 0)
+            renderer = grid.fig.canvas.get_renderer()
+            for panel, gap in ((grid.fig.axes[0], 2), (grid.fig.axes[1], 4)):
+                boxes = [(t.get_bbox_patch() or t).get_window_extent(renderer)
+                         for t in panel.texts if t.get_text()]
+                if n == 12 and inputs is linear and panel is grid.fig.axes[1]:
+                    assert len(boxes) == after.size, (world_size, n)
+                for k, box in enumerate(boxes):
+                    for other in boxes[k + 1:]:
+                        assert not box.padded(gap / 2).overlaps(other.padded(gap / 2)), (world_size, n)
+
+
 # --- the exercise check and its solution --------------------------------------------------
 def test_solution_passes(group):
     group.resize(4)

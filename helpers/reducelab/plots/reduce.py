@@ -41,6 +41,10 @@ _STATUS_NORM = BoundaryNorm([-0.5, 0.5, 1.5, 2.5], _STATUS_CMAP.N)
 
 _DIGIT_PX = 0.6 * MIN_FONT * DPI / 72
 """Width of one digit at :data:`MIN_FONT` points, in pixels (a digit is about 0.6 em)."""
+_BOXED_PX = (2 * 0.2 + 0.4) * MIN_FONT * DPI / 72
+"""What a value on a :data:`LABEL_BOX` needs beside its digits, in pixels: the box's
+pad on both sides (0.2 em each) and a gap of 0.4 em to the next box, so that two boxed
+values side by side never read as one number ("1010" for 10 and 10)."""
 
 
 def cell_label(v: float) -> str:
@@ -243,13 +247,14 @@ class ReduceGrid(BuiltFigures):
         self._input.set_data(before)
         self._status.set_data(status)
         _set_hatches(self._hatches, status)
-        fits = self._cell_px * 0.9 / _DIGIT_PX
+        fits = (self._cell_px * 0.9 / _DIGIT_PX,                 # digits that fit a cell
+                (self._cell_px - _BOXED_PX) / _DIGIT_PX)            # ... and a boxed value
         # dark text on the light end of viridis, light on the dark end (one call of the
         # norm for every cell: a call per cell was a fifth of a redraw)
         light = np.ma.filled(norm(before) > 0.5, False)
         for k, values in enumerate((before, after)):
             labels = [[cell_label(v) for v in row] for row in values]
-            show = max(len(x) for row in labels for x in row) <= fits
+            show = max(len(x) for row in labels for x in row) <= fits[k]
             for i in range(world_size):
                 for j in range(n):
                     t = self._texts[k][i][j]
