@@ -926,6 +926,38 @@ def test_timeline_figure_draws_every_status_within_the_rules():
     assert int.from_bytes(eight[20:24], "big") <= 450
 
 
+@pytest.mark.parametrize("slots, ranks, name", [(3, 4, "all_reduce"), (5, 3, "reduce_scatter"),
+                                                (6, 8, "all_reduce"), (6, 4, "all_gather"),
+                                                (8, 2, "broadcast")])
+def test_every_box_s_words_stay_inside_their_box(drawn, slots, ranks, name):
+    """With six collectives on eight ranks, "all_reduce [4]" ran over its box into the
+    next one's words. A box's words now take the first form that fits it (one line; the
+    shape on its own line; the name broken after an underscore; the name alone; each
+    part cut short with "…"): no word leaves its box sideways, and none touches another
+    box's words."""
+    rows = [TimelineRow(r, [TimelineEntry(name, "[4]")] * (slots - 1) +
+                        [TimelineEntry(name, "[4]", "waiting" if r else "failed")], "✓ returned 1")
+            for r in range(ranks)]
+    timeline_figure(rows, "t")
+    fig = drawn[-1]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    texts = [t for t in ax.texts if t.get_text()]
+    assert len(texts) == slots * ranks
+    extents = []
+    for t in texts:
+        x, y = t.get_position()
+        (left, _), (right, _) = ax.transData.transform([(x - 0.45, y), (x + 0.45, y)])
+        extent = (t.get_bbox_patch() or t).get_window_extent(renderer)
+        assert left <= extent.x0 and extent.x1 <= right, (t.get_text(), slots, ranks)
+        extents.append(extent)
+    for k, extent in enumerate(extents):
+        assert not any(extent.overlaps(other) for other in extents[k + 1:])
+    if slots <= 4:                                  # the notebook's timelines: one line as before
+        assert {t.get_text().split("\n")[0] for t in texts} == {f"{name} [4]"}
+
+
 # --- the notebook's outline and texts ------------------------------------------------------
 
 def test_the_outline_has_one_purpose_per_markdown_cell():

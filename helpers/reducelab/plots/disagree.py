@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from matplotlib.font_manager import FontProperties
 from matplotlib.patches import Patch, Rectangle
 
 from . import (MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, TEXT_GREY, freeze_layout,
@@ -80,6 +81,42 @@ class TimelineRow:
     note: str = ""
 
 
+def _measure(fig):
+    """``measure(line) -> (width, height)`` of one line at :data:`MIN_FONT` points, in
+    pixels of ``fig``'s renderer (the height is the line's spacing, 1.2 em)."""
+    renderer, font = fig.canvas.get_renderer(), FontProperties(size=MIN_FONT)
+    height = 1.2 * renderer.points_to_pixels(MIN_FONT)
+
+    def measure(line: str) -> tuple[float, float]:
+        return renderer.get_text_width_height_descent(line, font, ismath=False)[0], height
+    return measure
+
+
+def _box_label(entry: TimelineEntry, word: str, box: tuple[float, float], measure) -> str:
+    """The text of an entry's box, in the first form that fits ``box`` (width, height in
+    pixels): ``"all_reduce [4]"``; the shape on a line of its own; the name broken after
+    its underscores too; the name alone (the box's style and the legend still say how
+    it ended); at last, in a box narrower than a part of the name (seven or more
+    collectives), each part cut short with "…". ``word`` (the status, or ``""``) is a
+    last line where it fits."""
+    parts = re.findall(r"[^_]+_?", entry.name) or [entry.name]
+    shape = [entry.shape] if entry.shape else []
+    tail = [word] if word else []
+    forms = [[" ".join([entry.name, *shape]), *tail], [entry.name, *shape, *tail],
+             [*parts, *shape, *tail], [entry.name, *shape], [*parts, *shape], [entry.name],
+             parts]
+    width, height = box[0] - 6, box[1] - 2      # 3 pixels clear of each side of the box
+
+    def fits(lines):
+        sizes = [measure(line) for line in lines]
+        return max(w for w, _ in sizes) <= width and sum(h for _, h in sizes) <= height
+    def cut(line):
+        while measure(line)[0] > width and len(line) > 2:
+            line = line[:-2] + "…"
+        return line
+    return "\n".join(next((f for f in forms if fits(f)), [cut(part) for part in parts]))
+
+
 def timeline_figure(rows: list[TimelineRow], title: str = "", hit: int | None = None) -> bytes:
     """Draw the collectives each rank entered and where it stopped; return PNG bytes.
 
@@ -115,12 +152,6 @@ def timeline_figure(rows: list[TimelineRow], title: str = "", hit: int | None = 
             face, edge, hatch, word = STYLES[entry.status]
             ax.add_patch(Rectangle((x - 0.45, y - 0.36), 0.9, 0.72, facecolor=face,
                                    edgecolor=edge, hatch=hatch, linewidth=1.8))
-            label = entry.name + (f" {entry.shape}" if entry.shape else "")
-            if entry.status != "done" and three_lines:
-                label += "\n" + word  # more rows: the hatching and the legend say it
-            ax.text(x, y, label, ha="center", va="center", fontsize=MIN_FONT,
-                    bbox=None if entry.status == "done" else
-                    dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none"))
     side.set_xlim(0, 1)
     side.axis("off")
     for y, row in enumerate(rows):
@@ -132,6 +163,15 @@ def timeline_figure(rows: list[TimelineRow], title: str = "", hit: int | None = 
                fontsize=MIN_FONT, title=None)
     fig.suptitle(title or " ")
     freeze_layout(fig)  # the same layout whichever rank is hit
+    # the boxes' words, fitted to the boxes as laid out (a box narrows as entries grow)
+    box = (0.9 * ax.bbox.width / (slots + 0.1), 0.72 * ax.bbox.height / n)
+    measure = _measure(fig)
+    for y, row in enumerate(rows):
+        for x, entry in enumerate(row.entries, start=1):
+            word = STYLES[entry.status][3] if entry.status != "done" and three_lines else ""
+            ax.text(x, y, _box_label(entry, word, box, measure), ha="center", va="center",
+                    fontsize=MIN_FONT, bbox=None if entry.status == "done" else
+                    dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none"))
     ax.set_yticks(range(n), [f"rank {r.rank}" + (" (hit)" if r.rank == hit else "")
                              for r in rows])
     return png(fig)
