@@ -126,6 +126,43 @@ def test_explorer_resizes_the_group_and_redraws(group):
     assert "(equal)" in ex.text()
 
 
+def test_a_new_world_size_s_figure_is_built_while_the_ranks_run(group):
+    """Local batch sizes of a new length (a new world size) build that world size's
+    figure once, on the preparation thread, while the ranks start and run
+    (Explorer.preparation); back at a length shown before, nothing is built."""
+    import threading
+    ex = LossExplorer(group, rank_losses, mean_of_means, weighted_mean, local_batch_sizes="3,5,8,2")
+    builds, original = [], ex.plot._build
+    ex.plot._build = lambda *a: (builds.append(threading.current_thread().name), original(*a))
+    try:
+        ex.controls["local_batch_sizes"].value = "2,6,4"
+        assert ex.result.local_batch_sizes == [2, 6, 4] and ex.error is None
+        assert len(builds) == 1 and builds[0].startswith("reducelab-prepare"), builds
+        ex.controls["local_batch_sizes"].value = "1,1,1,1"
+        assert ex.result.local_batch_sizes == [1, 1, 1, 1] and len(builds) == 1
+    finally:
+        ex.plot._build = original
+        group.resize(4)
+
+
+def test_going_back_to_a_world_size_reuses_its_figure_and_draws_the_same():
+    """Each world size keeps its figure (plots.BuiltFigures): back at one shown before,
+    the figure is the one built for it, and its PNG is what a new plot draws."""
+    def state(sizes):
+        losses = [losses_of(r, sizes).numpy() for r in range(len(sizes))]
+        means = [float(np.mean(a)) for a in losses]
+        return losses, float(np.mean(means)), reference_mean(sizes), reference_mean(sizes)
+
+    plot = LossAggregationPlot()
+    plot.draw(*state([3, 5, 8, 2]))
+    first = plot.fig
+    plot.draw(*state([2, 6, 4]))
+    assert plot.fig is not first
+    again = plot.draw(*state([1, 1, 1, 30]))
+    assert plot.fig is first
+    assert again == LossAggregationPlot().draw(*state([1, 1, 1, 30]))
+
+
 NOTE_PNG = message_png("No figure for these settings: see the message below.")
 """What an explorer shows in place of its figure after a refusal."""
 

@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from . import HATCHES, MARKERS, MIN_FONT, NEUTRAL, PALETTE, RANK_COLOURS, new_figure, png
+from . import (HATCHES, MARKERS, MIN_FONT, NEUTRAL, PALETTE, RANK_COLOURS, BuiltFigures,
+               new_figure, png)
 
 REFERENCE_STYLE = dict(color=PALETTE["black"], lw=3.0, ls="-")
 """The single-process reference: a thick black solid line."""
@@ -40,22 +41,28 @@ LOCAL_MEAN_COLOUR = PALETTE["blue"]
 """Short bars of each rank's local mean."""
 
 
-class LossAggregationPlot:
-    """One persistent figure: per-sample losses by rank, and the three global numbers.
+class LossAggregationPlot(BuiltFigures):
+    """One persistent figure per world_size: per-sample losses by rank, and the three
+    global numbers.
 
-    9.6 x 3.4 inches. The artists are made once per world_size; each :meth:`draw` only
-    moves them (scatter offsets, line heights, labels), so a widget change does not
-    build a new figure.
+    9.6 x 3.4 inches. The figure and its artists are made once per world_size
+    (:class:`~reducelab.plots.BuiltFigures`: going back to a world size shown before
+    gets its figure back); each :meth:`draw` only moves them (scatter offsets, line
+    heights, labels), so a widget change does not build a new figure.
     """
 
     def __init__(self):
-        self.fig = new_figure(9.6, 3.4)
-        self.ax = self.fig.subplots()
-        self._world_size = None
+        self.fig = None
+
+    def preparation(self, world_size: int):
+        """The callable that builds (or restores) the figure of ``world_size`` ranks, or
+        ``None`` if it is current: the explorer runs it while the ranks compute
+        (:meth:`reducelab.widgets.Explorer.preparation`)."""
+        return self._preparation(world_size, lambda: self._build(world_size))
 
     def _build(self, world_size: int) -> None:
-        ax = self.ax
-        ax.clear()
+        self.fig = new_figure(9.6, 3.4)
+        self.ax = ax = self.fig.subplots()
         self._dots = [ax.scatter([], [], s=22, color=SAMPLE_COLOUR, marker="o", alpha=0.8,
                                  linewidths=0.5, edgecolors=LOCAL_MEAN_COLOUR, zorder=2)
                       for _ in range(world_size)]
@@ -78,7 +85,6 @@ class LossAggregationPlot:
         ax.set_ylabel("per-sample loss")
         ax.set_title("dots: per-sample losses; short bars: each rank's local mean; "
                      "n: local batch size", fontsize=MIN_FONT, loc="left")
-        self._world_size = world_size
 
     def draw(self, per_rank_losses: Sequence, mean_of_means: float, weighted: float,
              reference: float) -> bytes:
@@ -98,8 +104,9 @@ class LossAggregationPlot:
         if len(per_rank_losses) == 0:
             raise ValueError("per_rank_losses needs one entry per rank, got none")
         world_size = len(per_rank_losses)
-        if self._world_size != world_size:
-            self._build(world_size)
+        build = self.preparation(world_size)
+        if build is not None:
+            build()
         rng = np.random.default_rng(0)  # fixed jitter: equal inputs give equal figures
         lo, hi = min(reference, weighted, mean_of_means), max(reference, weighted, mean_of_means)
         for r, losses in enumerate(per_rank_losses):

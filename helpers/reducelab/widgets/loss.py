@@ -152,6 +152,13 @@ class LossExplorer(Explorer):
         reference = float(np.concatenate(losses).mean())
         return LossResult(sizes, losses, float(values[0, 0]), float(values[0, 1]), reference, agree)
 
+    def preparation(self, local_batch_sizes: str):
+        try:
+            sizes = parse_batch_sizes(local_batch_sizes)
+        except ValueError:
+            return None                                # refused before any run
+        return self.plot.preparation(len(sizes))      # a new world size's figure
+
     def draw(self, result: LossResult) -> bytes:
         return self.plot.draw(result.losses, result.mean_of_means, result.weighted, result.reference)
 
