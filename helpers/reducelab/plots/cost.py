@@ -180,11 +180,12 @@ def explorer_figure(view) -> bytes:
     star = crossover_bytes(view.alpha, view.beta, f)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_ylim(*_clear_bands(min(lows.min(), spot.slowest.min()), max(highs.max(), spot.slowest.max())))
+    ax.set_ylim(*_clear_bands(min(lows.min(), spot.slowest.min()),
+                              max(highs.max(), spot.slowest.max())))
     if lo_x <= star <= hi_x:
         ax.axvline(star, color=TEXT_GREY, lw=1, ls="-.", label=f"crossover S* = {size_label(star)}")
-    # the two regimes are named in the band under the lowest measurement, which only the
-    # bandwidth term crosses (left of S*, where it is below α)
+    # the two regimes are named in the band under the lowest measurement (the bandwidth
+    # term crosses it left of S*, where it falls below α)
     ax.text(0.02, 0.03, "latency-bound: t ≈ α", transform=ax.transAxes,
             fontsize=MIN_FONT, color=PALETTE["vermillion"], ha="left", va="bottom")
     ax.text(0.98, 0.03, "bandwidth-bound", transform=ax.transAxes,

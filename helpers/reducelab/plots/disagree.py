@@ -110,6 +110,7 @@ def _box_label(entry: TimelineEntry, word: str, box: tuple[float, float], measur
     def fits(lines):
         sizes = [measure(line) for line in lines]
         return max(w for w, _ in sizes) <= width and sum(h for _, h in sizes) <= height
+
     def cut(line):
         while measure(line)[0] > width and len(line) > 2:
             line = line[:-2] + "…"

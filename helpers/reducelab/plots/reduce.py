@@ -32,7 +32,9 @@ STATUS_HATCHES = {UNCHANGED: "", PARTIAL: "//", FULL: "xx"}
 HATCH_COLOUR = PALETTE["black"]
 HATCH_WIDTH = 0.6
 """Line width of the hatching, points."""
-LABEL_BOX = dict(boxstyle="round,pad=0.2", facecolor="white", linewidth=0)
+LABEL_PAD = 0.2
+"""Pad of :data:`LABEL_BOX` on each side of its value, em."""
+LABEL_BOX = dict(boxstyle=f"round,pad={LABEL_PAD}", facecolor="white", linewidth=0)
 """The white box behind each value in the after panel: the hatching never runs through
 the digits, which stay readable on a projector (as notebook 05's mesh figure does)."""
 _STATUS_CMAP = ListedColormap([STATUS_COLOURS[k] for k in (UNCHANGED, PARTIAL, FULL)]
@@ -41,10 +43,10 @@ _STATUS_NORM = BoundaryNorm([-0.5, 0.5, 1.5, 2.5], _STATUS_CMAP.N)
 
 _DIGIT_PX = 0.6 * MIN_FONT * DPI / 72
 """Width of one digit at :data:`MIN_FONT` points, in pixels (a digit is about 0.6 em)."""
-_BOXED_PX = (2 * 0.2 + 0.4) * MIN_FONT * DPI / 72
+_BOXED_PX = (2 * LABEL_PAD + 0.4) * MIN_FONT * DPI / 72
 """What a value on a :data:`LABEL_BOX` needs beside its digits, in pixels: the box's
-pad on both sides (0.2 em each) and a gap of 0.4 em to the next box, so that two boxed
-values side by side never read as one number ("1010" for 10 and 10)."""
+pad on both sides and a gap of 0.4 em to the next box, so that two boxed values side
+by side never read as one number ("1010" for 10 and 10)."""
 
 
 def cell_label(v: float) -> str:
