@@ -255,6 +255,40 @@ def test_a_figure_drawn_anew_reuses_the_layout_of_its_key_only_where_it_fits():
     assert wider._reducelab_layout_reused is False
 
 
+def test_a_persistent_figure_that_reused_a_layout_is_laid_out_again_for_new_margins(monkeypatch):
+    """A figure drawn again and again (04's scatter) reuses the layout of its key while the
+    margins stay, and is laid out anew when they change. Placing the axes at the cached
+    positions (``Axes.set_position``) used to take them out of constrained layout for
+    good: after one reuse, longer tick labels kept the old margin, and 04's "DDP (rank 0)"
+    ran off the figure's left edge. Now the PNG equals a new figure's."""
+    from reducelab import plots
+    from reducelab.plots import new_figure, png
+    monkeypatch.setattr(plots, "_LAYOUTS", {})
+    fig = new_figure(6, 3, layout_key="persistent test figure")
+    ax = fig.subplots()
+    (line,) = ax.plot([0, 1], [0, 1])
+    ax.set_ylabel("value")
+
+    def draw(top):
+        line.set_ydata([0, top])
+        ax.set_ylim(0, top)
+        return png(fig)
+
+    draw(1.0)
+    draw(1.0)
+    assert fig._reducelab_layout_reused is True
+    wide = draw(123456.0)                     # y tick labels like 120000: a wider margin
+    assert fig._reducelab_layout_reused is False
+    plots._LAYOUTS.clear()
+    fresh = new_figure(6, 3, layout_key="persistent test figure")
+    fax = fresh.subplots()
+    fax.plot([0, 1], [0, 123456.0])
+    fax.set_ylim(0, 123456.0)
+    fax.set_ylabel("value")
+    assert wide == png(fresh)
+    assert ax.get_position().x0 == pytest.approx(fax.get_position().x0)
+
+
 def test_in_a_kernel_making_an_explorer_freezes_what_exists_out_of_gc_scans(monkeypatch):
     """In a kernel, an explorer is made after the notebook's imports: every object that
     exists then leaves the garbage collector's scans (``gc.freeze``), after one

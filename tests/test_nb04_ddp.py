@@ -578,20 +578,31 @@ def test_plots_return_png_and_refuse_bad_input():
         loss_curves({})
 
 
-def test_the_scatter_redrawn_shows_what_a_fresh_one_shows():
+def test_the_scatter_redrawn_shows_what_a_fresh_one_shows(monkeypatch):
     """The explorer redraws one GradientScatter on every move (its weight panel keeps
     its axes, removing only the last bars, labels, line and legend): each draw has the
     pixels of a new figure drawn with the same input, across world sizes, both
-    reductions, and the panel without local batch sizes, in and out of it."""
+    reductions, gradients of other scales (longer tick labels, wider margins, after a
+    draw that reused a cached layout), and the panel without local batch sizes, in and
+    out of it. The new figure is laid out on its own (no cached layouts): a kept figure
+    that kept stale margins also cached them, so a new one with that key drew the same
+    wrong layout and the comparison held."""
     rng = np.random.default_rng(4)
-    moves = [([8] * 4, "mean"), ([3, 9, 1, 7], "mean"), ([3, 9, 1, 7], "sum"), (None, None),
-             ([2, 5], "mean"), ([1, 2, 3, 4, 5, 6, 7, 8], "mean"), ([8] * 3, "sum")]
-    kept = GradientScatter()
-    for sizes, reduction in moves:
-        x = rng.standard_normal(20)
+    moves = [([8] * 4, "mean", 1), ([3, 9, 1, 7], "mean", 1), ([3, 9, 1, 7], "sum", 1000),
+             (None, None, 1), ([2, 5], "mean", 1), ([2, 5], "mean", 1e-3),
+             ([1, 2, 3, 4, 5, 6, 7, 8], "mean", 1), ([8] * 3, "sum", 1)]
+    cached = {}
+    monkeypatch.setattr(plots, "_LAYOUTS", cached)
+    kept, reused = GradientScatter(), []
+    for sizes, reduction, scale in moves:
+        x = scale * rng.standard_normal(20)
         args = (1.5 * x, x, 1.5, True, sizes, reduction)
-        assert kept.draw(*args, title=f"{sizes}") == GradientScatter().draw(*args, title=f"{sizes}"), \
-            (sizes, reduction)
+        shown = kept.draw(*args, title=f"{sizes}")
+        reused.append(kept.fig._reducelab_layout_reused)
+        monkeypatch.setattr(plots, "_LAYOUTS", {})
+        assert shown == GradientScatter().draw(*args, title=f"{sizes}"), (sizes, reduction, scale)
+        monkeypatch.setattr(plots, "_LAYOUTS", cached)
+    assert reused.index(True) < moves.index(([2, 5], "mean", 1e-3))   # a reuse came before
 
 
 def test_figures_fit_beside_the_controls_and_legends_cover_no_data(drawn):

@@ -253,6 +253,9 @@ def _reuse_layout(fig: Figure, key) -> bool:
             sub._suptitle.set_position(place)
     for ax, pos in zip(fig.axes, positions):
         ax.set_position(pos)
+        # set_position takes the axes out of constrained layout; a later draw of this
+        # figure with other margins (a new key) must lay it out again, not keep this place
+        ax.set_in_layout(True)
     return True
 
 
