@@ -620,6 +620,25 @@ def test_figures_fit_beside_the_controls_and_legends_cover_no_data(drawn):
     assert drawn[-1].get_figheight() <= 4.5
 
 
+@pytest.mark.parametrize("factor, constant, spread", [(1.011, False, 0.004), (0.25, True, 0.0),
+                                                     (1.0, True, 0.0), (0.9, False, 0.008)])
+def test_the_scatter_s_legend_covers_no_gradient_element(factor, constant, spread):
+    """The legend sits in the upper-left corner, where gradient elements of positive
+    ratio do not go; with the fit's label on one line ("y = 1.011 x, best fit: the points
+    miss it") it reached right of x = 0 and covered elements near the diagonal (16 of
+    them in 04's explorer at 2 ranks, mean, uneven). The label now takes two lines."""
+    rng = np.random.default_rng(1)
+    full = rng.normal(0, 0.03, 600)
+    ddp = factor * full + rng.normal(0, spread, full.size)
+    s = GradientScatter()
+    s.draw(ddp, full, factor, constant, sizes=[280, 560], reduction="mean")
+    box = s._legend.get_window_extent(s.fig.canvas.get_renderer())
+    points = s.ax.transData.transform(np.column_stack([full, ddp]))
+    inside = ((box.x0 < points[:, 0]) & (points[:, 0] < box.x1) &
+              (box.y0 < points[:, 1]) & (points[:, 1] < box.y1))
+    assert not inside.any(), points[inside][:3]
+
+
 # --- the notebook's text ------------------------------------------------------------------
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "04_ddp_gradients.ipynb"

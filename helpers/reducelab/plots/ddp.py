@@ -106,7 +106,7 @@ class GradientScatter:
         self._points.set_offsets(np.column_stack([x, y]))
         self._same.set_data([-lim, lim], [-lim, lim])
         self._fit.set_data([-lim, lim], [-factor * lim, factor * lim])
-        self._fit.set_label(f"y = {factor:.4g} x" + ("" if constant else ", best fit: the points miss it"))
+        self._fit.set_label(f"y = {factor:.4g} x" + ("" if constant else "\n(best fit: the points miss it)"))
         self.ax.set_xlim(-lim, lim)
         self.ax.set_ylim(-lim, lim)
         self.ax.set_title("each gradient element", fontsize=MIN_FONT + 1)
