@@ -639,6 +639,23 @@ def test_the_scatter_s_legend_covers_no_gradient_element(factor, constant, sprea
     assert not inside.any(), points[inside][:3]
 
 
+@pytest.mark.parametrize("scale", [0.0093, 0.085, 0.093, 0.17, 0.93, 9.3, 93.0])
+def test_the_scatter_s_tick_labels_stay_apart(scale):
+    """At gradients up to about 0.1, matplotlib's ticks of 0.025 ran together on the
+    x axis ("−0.100−0.075"); the scatter's x ticks step by 1, 2 or 5 times a power of
+    ten, at most 9, and no two drawn tick labels come within 2 pixels."""
+    full = np.linspace(-scale, scale, 50)
+    s = GradientScatter()
+    s.draw(full, full, 1.0, True, sizes=[4, 4], reduction="mean")
+    renderer = s.fig.canvas.get_renderer()
+    lo, hi = s.ax.get_xlim()
+    boxes = sorted((t.get_window_extent(renderer) for t, x in
+                    zip(s.ax.get_xticklabels(), s.ax.get_xticks()) if lo <= x <= hi),
+                   key=lambda b: b.x0)
+    assert 3 <= len(boxes) <= 9
+    assert all(b.x0 - a.x1 >= 2 for a, b in zip(boxes, boxes[1:])), scale
+
+
 # --- the notebook's text ------------------------------------------------------------------
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "04_ddp_gradients.ipynb"

@@ -17,6 +17,7 @@ Source: DDP divides each gradient by ``world_size`` and all_reduces it with a su
 from __future__ import annotations
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from . import MARKERS, MIN_FONT, NEUTRAL, PALETTE, new_figure, png
 
@@ -79,6 +80,9 @@ class GradientScatter:
                                   linewidths=0, label="one gradient element")
         ax.set_xlabel("one process, full batch")
         ax.set_ylabel("DDP (rank 0)")
+        # steps of 1, 2 or 5 (no 2.5: at ±0.1, ticks of 0.025 ran together as
+        # "−0.100−0.075"), at most 9 of them
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=9, steps=[1, 2, 5, 10]))
         self._legend = None
         self._weights = None       # the weight panel's artists, removed on the next draw
 
