@@ -139,6 +139,29 @@ def record_calls(monkeypatch, owner, name: str) -> list:
     return calls
 
 
+def text_boxes(ax, renderer) -> list:
+    """``[(text, box), ...]`` for each non-empty text of ``ax``: its drawn extent in
+    pixels, its white box (``bbox``) included when it has one."""
+    return [(t.get_text(), (t.get_bbox_patch() or t).get_window_extent(renderer))
+            for t in ax.texts if t.get_text()]
+
+
+def assert_apart(boxes, gap: float, context=None) -> None:
+    """Assert that no two of ``boxes`` (``[(name, Bbox), ...]``, pixels) come within
+    ``gap`` pixels of each other (0: they may not touch)."""
+    for k, (a, box) in enumerate(boxes):
+        for b, other in boxes[k + 1:]:
+            assert not box.padded(gap / 2).overlaps(other.padded(gap / 2)), (context, a, b)
+
+
+def points_inside(box, points, margin: float = 0.0):
+    """Boolean mask of the ``points`` (``(k, 2)`` array, pixels) inside ``box`` grown by
+    ``margin`` pixels on every side (its edges included)."""
+    (x0, y0), (x1, y1) = box.padded(margin).get_points()
+    return ((x0 <= points[:, 0]) & (points[:, 0] <= x1) &
+            (y0 <= points[:, 1]) & (points[:, 1] <= y1))
+
+
 CALLS = 0
 
 

@@ -453,13 +453,10 @@ def test_values_side_by_side_never_touch_and_read_as_one_number(world_size):
             grid.draw(before, after, buffer_status(before, after), 0)
             renderer = grid.fig.canvas.get_renderer()
             for panel, gap in ((grid.fig.axes[0], 2), (grid.fig.axes[1], 4)):
-                boxes = [(t.get_bbox_patch() or t).get_window_extent(renderer)
-                         for t in panel.texts if t.get_text()]
+                boxes = conftest.text_boxes(panel, renderer)
                 if n == 12 and inputs is linear and panel is grid.fig.axes[1]:
                     assert len(boxes) == after.size, (world_size, n)
-                for k, box in enumerate(boxes):
-                    for other in boxes[k + 1:]:
-                        assert not box.padded(gap / 2).overlaps(other.padded(gap / 2)), (world_size, n)
+                conftest.assert_apart(boxes, gap, (world_size, n))
 
 
 # --- the exercise check and its solution --------------------------------------------------

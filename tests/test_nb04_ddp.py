@@ -634,8 +634,7 @@ def test_the_scatter_s_legend_covers_no_gradient_element(factor, constant, sprea
     s.draw(ddp, full, factor, constant, sizes=[280, 560], reduction="mean")
     box = s._legend.get_window_extent(s.fig.canvas.get_renderer())
     points = s.ax.transData.transform(np.column_stack([full, ddp]))
-    inside = ((box.x0 < points[:, 0]) & (points[:, 0] < box.x1) &
-              (box.y0 < points[:, 1]) & (points[:, 1] < box.y1))
+    inside = conftest.points_inside(box, points)
     assert not inside.any(), points[inside][:3]
 
 

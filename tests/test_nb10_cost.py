@@ -37,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import conftest
 from conftest import SOLUTIONS, load_solution
 from reducelab import LocalGroup
 from reducelab import RankError
@@ -711,8 +712,7 @@ def test_no_measurement_covers_the_explorer_s_labels_or_legend(world_size, colle
     labels["legend"] = ax.get_legend().get_window_extent(renderer)
     radius = 17 / 72 * fig.dpi / 2                                # the star's half size, pixels
     for name, box in labels.items():
-        (x0, y0), (x1, y1) = box.padded(radius).get_points()
-        inside = (x0 <= points[:, 0]) & (points[:, 0] <= x1) & (y0 <= points[:, 1]) & (points[:, 1] <= y1)
+        inside = conftest.points_inside(box, points, radius)
         assert not inside.any(), (name, points[inside][:3])
 
 

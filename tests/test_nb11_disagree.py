@@ -945,15 +945,12 @@ def test_every_box_s_words_stay_inside_their_box(drawn, slots, ranks, name):
     ax = fig.axes[0]
     texts = [t for t in ax.texts if t.get_text()]
     assert len(texts) == slots * ranks
-    extents = []
-    for t in texts:
+    boxes = conftest.text_boxes(ax, renderer)
+    for t, (_, extent) in zip(texts, boxes):
         x, y = t.get_position()
         (left, _), (right, _) = ax.transData.transform([(x - 0.45, y), (x + 0.45, y)])
-        extent = (t.get_bbox_patch() or t).get_window_extent(renderer)
         assert left <= extent.x0 and extent.x1 <= right, (t.get_text(), slots, ranks)
-        extents.append(extent)
-    for k, extent in enumerate(extents):
-        assert not any(extent.overlaps(other) for other in extents[k + 1:])
+    conftest.assert_apart(boxes, 0, (slots, ranks))
     if slots <= 4:                                  # the notebook's timelines: one line as before
         assert {t.get_text().split("\n")[0] for t in texts} == {f"{name} [4]"}
 

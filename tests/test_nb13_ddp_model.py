@@ -582,17 +582,6 @@ def test_explorer_figure_fits_and_labels_fit_their_cells(drawn, world_size):
         StepFigure().draw(data, data, dropped[:1], grad, data, GROUPS)
 
 
-def _label_boxes(ax, renderer):
-    """The drawn extent of each non-empty text of a panel, its white box included."""
-    boxes = []
-    for t in ax.texts:
-        if t.get_text():
-            patch = t.get_bbox_patch()
-            boxes.append((t.get_text(), patch.get_window_extent(renderer) if patch
-                          else t.get_window_extent(renderer)))
-    return boxes
-
-
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_a_run_of_cells_with_no_value_says_none_once_and_no_labels_touch(drawn, world_size):
     """At 4 ranks the aux group's two "none" boxes used to touch and read "none,none"
@@ -615,10 +604,7 @@ def test_a_run_of_cells_with_no_value_says_none_once_and_no_labels_touch(drawn, 
     assert sorted(t.get_position() for t in nones) == sorted(
         (x, float(i)) for i in range(world_size) for x in (1.0, 2.5, 4.5))
     for ax in (a for a in fig.axes if a.get_images()):
-        boxes = _label_boxes(ax, renderer)
-        for k, (a, box) in enumerate(boxes):
-            for b, other in boxes[k + 1:]:
-                assert not box.padded(3).overlaps(other.padded(3)), (ax.get_title(), a, b)
+        conftest.assert_apart(conftest.text_boxes(ax, renderer), 6, ax.get_title())
     # the same figure, drawn again with every gradient present, equals a new figure's
     again = figure.draw(data, data, dropped, data, data, GROUPS, "t")
     assert again == StepFigure().draw(data, data, dropped, data, data, GROUPS, "t")
