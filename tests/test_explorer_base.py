@@ -172,6 +172,32 @@ def test_a_failed_preparation_is_raised_but_a_refusal_is_told_first():
     assert ex.result is None and "refused" in ex.message.value
 
 
+class InterimExplorer(PreparingExplorer):
+    """A toy whose long compute shows an interim result halfway (as notebook 10's sweep
+    does); it records the figure and message the learner sees at that moment."""
+
+    def compute(self, n, parity):
+        self.seen_before_interim = (self.image.value, self.message.value)
+        self.show_interim(Square(-n, 0), f"half of n={n} done")
+        self.seen_at_interim = (self.image.value, self.message.value, list(self.prepared_in))
+        return super().compute(n, parity)
+
+
+def test_an_interim_figure_is_shown_during_compute_then_replaced_by_the_complete_one():
+    ex = InterimExplorer(compute_seconds=0.0, prepare_seconds=0.2)
+    sent = []
+    ex.image.observe(lambda change: sent.append(change["new"]), names="value")
+    ex.controls["n"].value = 6
+    image, message, prepared = ex.seen_at_interim
+    assert message == "⏳ half of n=6 done" and ex.interims == 2
+    assert len(prepared) == 2        # it waited for the refresh's preparation before drawing
+    assert ex.drawn[-2:] == [-6, 6] and sent == [image, ex.image.value] and image != ex.image.value
+    assert ex.message.value == "n=6"                 # the complete figure's description
+    ex.controls["n"].value = 7
+    ex.controls["n"].value = 6                       # back: the complete figure is cached,
+    assert ex.image.value == sent[1] and ex.drawn[-1] == -6   # the interim one is drawn anew
+
+
 def test_a_preparation_leaves_the_figure_as_its_draw_would():
     """Each persistent figure, prepared for a new shape and then drawn, gives the bytes a
     draw alone gives, and the draw builds nothing more."""

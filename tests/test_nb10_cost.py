@@ -331,6 +331,67 @@ def test_explorer_runs_real_ranks_and_draws_the_model(group):
     assert "CostExplorer(collective=broadcast" in ex.text()
 
 
+def test_a_new_sweep_is_shown_as_it_is_measured_the_chosen_size_first(group, monkeypatch):
+    """A sweep of a pair not seen yet measures the chosen size first, then the others
+    from the smallest. With two sizes or more done, the learner sees them (their fit,
+    the chosen size as this run) once INTERIM_AFTER has passed, and again each time the
+    sweep has run twice as long; the complete figure comes at the end. A clock that
+    each measurement moves on by 1 s makes the times exact."""
+    import types
+
+    import reducelab.widgets.cost as cost
+    ns = notebook("time_collective", "fit_alpha_beta")
+    group.resize(2)
+    sizes = (4, 1024, 65536, 2**18, 2**20)
+    given = {("all_reduce", 2): Sweep("all_reduce", 2, [Timing.from_ranks("all_reduce", group.run(
+        ns["time_collective"], "all_reduce", s, 3)) for s in sizes])}
+    ex = CostExplorer(group, ns["time_collective"], ns["fit_alpha_beta"], sweeps=given,
+                      sizes=sizes, size=65536, world_size=2)
+    measured, shown, clock = [], [], [0.0]
+    measure = ex.measure
+
+    def timed_measure(collective, size, repeats):
+        measured.append(size)
+        clock[0] += 1.0
+        return measure(collective, size, repeats)
+    monkeypatch.setattr(ex, "measure", timed_measure)
+    monkeypatch.setattr(cost, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(cost, "explorer_figure",
+                        lambda view: shown.append(view) or b"\x89PNG " + repr(view).encode())
+    ex.controls["collective"].value = "broadcast"
+    # the sweep (chosen size first), then the run at the chosen size
+    assert measured == [65536, 4, 1024, 2**18, 2**20, 65536]
+    assert ex.interims == 2          # after 2 s (2 sizes done), then after 4 s (4 done)
+    first, second, complete = shown
+    assert first.sweep.sizes.tolist() == [4, 65536] and first.to_measure == 3
+    assert second.sweep.sizes.tolist() == [4, 1024, 65536, 2**18] and second.to_measure == 1
+    for view in (first, second):
+        assert view.spot.size_bytes == 65536 and view.spot in view.sweep.timings
+        fit = ns["fit_alpha_beta"](view.sweep.sizes, view.sweep.medians, 1.0)
+        assert (view.alpha, view.beta) == pytest.approx(fit)
+    assert complete.to_measure == 0 and complete.sweep.sizes.tolist() == list(sizes)
+    assert ex.image.value == b"\x89PNG " + repr(complete).encode()
+    assert "⏳" not in ex.message.value and "First visit" in ex.message.value
+    monkeypatch.setattr(cost, "INTERIM_AFTER", 60.0)   # a sweep quicker than that: no interim
+    ex.controls["collective"].value = "all_gather_single"
+    assert ex.interims == 2 and len(ex.result.sweep.timings) == len(sizes)
+
+
+def test_an_interim_view_says_what_is_still_being_measured(group, drawn):
+    ns = notebook("time_collective", "fit_alpha_beta")
+    group.resize(2)
+    ex = CostExplorer(group, ns["time_collective"], ns["fit_alpha_beta"], sizes=SMALL,
+                      size=1024, world_size=2)
+    done = {s: ex.measure("all_gather_single", s, 3) for s in (4, 1024)}
+    ex._show_sweep_so_far("all_gather_single", 1024, 2, done)
+    assert ex.message.value == (
+        "⏳ First visit of all_gather_single on 2 ranks: measuring a sweep of 3 sizes, 2 "
+        "done. Still to measure: 64 KiB. The figure shows the sizes measured so far and their "
+        "fit; both change when the rest are in.")
+    assert ex.image.value[:4] == b"\x89PNG"   # drawn (and audited by conftest)
+    assert drawn[-1].axes[0].get_title() == "all_gather_single, 2 ranks: 2 of 3 sizes so far"
+
+
 def test_explorer_uses_the_sweeps_it_is_given_and_refuses_bad_values(group):
     ns = notebook("time_collective", "fit_alpha_beta")
     group.resize(2)

@@ -7,7 +7,9 @@ repository is saved over, and every output seen comes from this run). For each n
 1. Restart the kernel and run all cells; no cell may show an error.
 2. Move every control of every explorer at least once. After each move the explorer's
    figure must change, and no explorer may say its group is closed or show a traceback:
-   the explorers must be live after Run All.
+   the explorers must be live after Run All. Where a move starts a long measurement
+   (notebook 10), the page must show its interim figure and "⏳" message while the
+   kernel is still measuring, and then the complete one.
 3. Answer one predict-then-run question wrongly, through the page (typing in the answer
    cell), run it and its question cell, and check that the verdict says "Not yet".
 
@@ -54,10 +56,14 @@ class Plan:
             in its place.
         text_inputs: for explorers with text boxes, a valid value to type in each,
             by the box's description (a dropdown, slider or toggle needs none).
+        interim: a move starts a measurement of seconds, which shows an interim
+            figure and a message starting "⏳" before the complete one (notebook 10's
+            first sweep of a collective or world size): the page must show it.
     """
 
     answer: tuple[str, str]
     text_inputs: dict[str, str] = field(default_factory=dict)
+    interim: bool = False
 
 
 PLANS = {
@@ -71,7 +77,7 @@ PLANS = {
     "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", "answer_1 = False")),
     "08_sharded_data_parallel.ipynb": Plan(("answer_1 = None", "answer_1 = [4.0, 5.0]")),
     "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
-    "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 3")),
+    "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 3"), interim=True),
     "11_when_ranks_disagree.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
     "12_uneven_gathers_and_exact_metrics.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
     "13_what_ddp_expects_of_a_model.ipynb": Plan(("answer_1 = None", "answer_1 = (True, False, False)")),
@@ -265,24 +271,35 @@ def move(control, plan: Plan) -> str:
 
 def play_with_explorers(page, plan: Plan) -> list[str]:
     """Move every control of every explorer once; return what was moved."""
-    moved = []
+    moved, interims = [], []
     boxes = explorer_boxes(page)
     assert boxes.count() > 0, "the notebook shows an explorer"
     for b in range(boxes.count()):
         box = boxes.nth(b)
         box.scroll_into_view_if_needed()
         controls = box.locator("> .widget-hbox > .lm-Widget")
+        message_box = box.locator("> .widget-html").first
+        # every message the page shows, however briefly (an interim one lasts a second)
+        message_box.evaluate("""el => { window.__messages = [];
+            new MutationObserver(() => window.__messages.push(el.textContent)).observe(el,
+                {childList: true, subtree: true, characterData: true}); }""")
         for k in range(controls.count()):
             image = box.locator("> .widget-image").first
             before = image.get_attribute("src")
             what = move(controls.nth(k), plan)
             wait_until(lambda: image.get_attribute("src") != before, 60,
                        f"the figure to change after {what}")
-            message = box.locator("> .widget-html").first.text_content() or ""
+            # an interim figure: wait for the complete one before the next move
+            wait_until(lambda: not (message_box.text_content() or "").startswith("⏳"), 120,
+                       f"the complete figure after {what}")
+            message = message_box.text_content() or ""
             assert "closed" not in message, f"after {what} the explorer says: {message}"
             assert "Traceback" not in message and box.locator(".jp-OutputArea-output",
                                                                has_text="Traceback").count() == 0
             moved.append(f"explorer {b + 1}: {what}")
+        interims += [m for m in page.evaluate("window.__messages") if m.startswith("⏳")]
+    if plan.interim:
+        assert interims, "no move showed an interim figure while the kernel measured"
     return moved
 
 

@@ -3,7 +3,9 @@
 Pick a collective, a message size and a world size. Every change runs the notebook's
 timing function on the ranks: a sweep of sizes the first time a (collective, world size)
 pair is seen (cached after), and always a fresh measurement at the chosen size, whose
-spread the figure shows rank by rank. The fit is the notebook's own function.
+spread the figure shows rank by rank. The fit is the notebook's own function. A new
+sweep is shown as it is measured (the chosen size first): the learner sees its first
+sizes and their fit within about a second, not after the whole sweep.
 
 Timing method (as in the notebook): a warm-up call, a barrier before each repeat, each
 rank times its own call, the collective's time is the slowest rank's, and a point is
@@ -20,6 +22,7 @@ busbw and the bus factors).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import ipywidgets as W
@@ -37,6 +40,12 @@ MIN_WORLD_SIZE, MAX_WORLD_SIZE = 2, 8
 SPOT_SECONDS = 0.6
 """About how long the measurement at the chosen size may take, seconds."""
 MIN_REPEATS, MAX_REPEATS = 5, 25
+INTERIM_AFTER = 0.3
+"""Seconds into a new sweep after which the explorer shows the sizes measured so far
+(:meth:`~reducelab.widgets.Explorer.show_interim`); it shows them again each time the
+sweep has run twice as long as at the last showing (0.3, 0.6, 1.2 s ...: three or four
+interim figures in a sweep of 3 s on 8 ranks and 2 cores, each a redraw of 60 to 100
+ms)."""
 
 
 def available_cores() -> int:
@@ -139,6 +148,8 @@ class CostView:
         alpha, beta: the fit, seconds per message and seconds per byte sent.
         spot: the fresh :class:`Timing` at the chosen size.
         new_sweep: whether this refresh measured the sweep (the first visit of this pair).
+        to_measure: sizes of the sweep still to measure (an interim view, shown while
+            the sweep runs); 0 in a complete one.
     """
 
     sweep: Sweep
@@ -146,6 +157,7 @@ class CostView:
     beta: float
     spot: Timing
     new_sweep: bool = False
+    to_measure: int = 0
 
 
 class CostExplorer(Explorer):
@@ -217,8 +229,7 @@ class CostExplorer(Explorer):
         key = (collective, world_size)
         new = key not in self.sweeps
         if new:
-            self.sweeps[key] = Sweep(collective, world_size, [
-                self.measure(collective, s, sweep_repeats(s)) for s in self.sizes])
+            self.sweeps[key] = self._sweep(collective, size, world_size)
         sweep = self.sweeps[key]
         alpha, beta = self.fit(sweep.sizes, sweep.medians, gloo_factor(collective, world_size))
         nearest = int(np.argmin(np.abs(np.log(sweep.sizes) - np.log(size))))
@@ -226,6 +237,33 @@ class CostExplorer(Explorer):
         repeats = int(np.clip(SPOT_SECONDS / expected, MIN_REPEATS, MAX_REPEATS))
         spot = self.measure(collective, size, repeats)
         return CostView(sweep, float(alpha), float(beta), spot, new)
+
+    def _sweep(self, collective: str, size: int, world_size: int) -> Sweep:
+        """Measure a new sweep, the chosen ``size`` first and then the others from the
+        smallest up. With two sizes or more measured, the learner sees them now and
+        then (:data:`INTERIM_AFTER`): the fit of those sizes, and the chosen size's sweep
+        measurement as this run's."""
+        measured: dict[int, Timing] = {}
+        start, show_at = time.monotonic(), INTERIM_AFTER
+        for s in [size] + [s for s in self.sizes if s != size]:
+            elapsed = time.monotonic() - start
+            if len(measured) >= 2 and elapsed >= show_at:
+                self._show_sweep_so_far(collective, size, world_size, measured)
+                show_at = 2 * elapsed
+            measured[s] = self.measure(collective, s, sweep_repeats(s))
+        return Sweep(collective, world_size, [measured[s] for s in self.sizes])
+
+    def _show_sweep_so_far(self, collective: str, size: int, world_size: int,
+                           measured: dict) -> None:
+        sweep = Sweep(collective, world_size, [measured[s] for s in sorted(measured)])
+        alpha, beta = self.fit(sweep.sizes, sweep.medians, gloo_factor(collective, world_size))
+        rest = [size_label(s) for s in self.sizes if s not in measured]
+        self.show_interim(CostView(sweep, float(alpha), float(beta), measured[size], True,
+                                   len(rest)),
+                          f"First visit of {collective} on {world_size} ranks: measuring a "
+                          f"sweep of {len(self.sizes)} sizes, {len(measured)} done. Still to "
+                          f"measure: {', '.join(rest)}. The figure shows the sizes measured "
+                          f"so far and their fit; both change when the rest are in.")
 
     def explain_error(self, values: dict, err) -> str:
         """A sentence for a measurement that failed, most often one that ran past the
