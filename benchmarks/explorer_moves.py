@@ -39,6 +39,13 @@ def _reported_refresh():
                  "values": {k: _jsonable(v) for k, v in explorer.values.items()}})
 explorer.refresh = _reported_refresh
 
+_show_interim = explorer.show_interim
+def _reported_interim(partial, note):
+    _show_interim(partial, note)
+    _bench.send({"interim": True, "seconds": None,
+                 "values": {k: _jsonable(v) for k, v in explorer.values.items()}})
+explorer.show_interim = _reported_interim
+
 def _moves(w):
     """(state to send, value it means) for each option of control w, in order."""
     if isinstance(w, (_W.Dropdown, _W.ToggleButtons, _W.SelectionSlider, _W.RadioButtons)):
@@ -124,20 +131,25 @@ class Learner:
             if msg["msg_type"] == "comm_msg" and content.get("comm_id") == self.bench_comm:
                 yield time.perf_counter(), content["data"]
 
-    def move(self, control: str, state: dict, value, timeout: float = 120) -> float:
-        """Set ``control`` as a browser does; return the seconds until the figure for
-        ``value`` is drawn."""
+    def move(self, control: str, state: dict, value, timeout: float = 120) -> tuple:
+        """Set ``control`` as a browser does; return ``(first, complete)``: the seconds
+        until the first figure for ``value`` is drawn (an interim figure of a long
+        measurement, :meth:`reducelab.widgets.Explorer.show_interim`, counts) and until
+        the refresh's complete figure is."""
         t0 = time.perf_counter()
         self.send(control, state)
+        first = None
         for t, data in self.reports(timeout):
             if data["values"].get(control) == value:
-                self.values = data["values"]
-                return t - t0
+                first = t - t0 if first is None else first
+                if not data.get("interim"):
+                    self.values = data["values"]
+                    return first, t - t0
         raise TimeoutError(f"{self.name}: no figure for {control}={value!r} within {timeout} s")
 
     def sweep(self, think: float = 0.0):
         """Every control through each of its options, then back to where it was: yields
-        ``(control, value, seconds)`` per move."""
+        ``(control, value, first, complete)`` per move (seconds, see :meth:`move`)."""
         for name, spec in self.controls.items():
             start = self.values[name]
             moves = [m for m in spec["moves"]]
@@ -145,7 +157,7 @@ class Learner:
             for state, value in moves + ([back] if back else []):
                 if value == self.values.get(name):
                     continue
-                yield name, value, self.move(name, state, value)
+                yield (name, value, *self.move(name, state, value))
                 if think:
                     time.sleep(think)
 
@@ -165,6 +177,8 @@ class Learner:
         last_sent = time.perf_counter() - step_seconds
         refreshes, last = [], None
         for t, data in self.reports(timeout=5.0):
+            if data.get("interim"):
+                continue
             refreshes.append(data["values"].get(control))
             last = (t, data)
         if last is None:
