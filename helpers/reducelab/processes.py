@@ -302,7 +302,11 @@ def interrupts_deferred():
 
 
 def descendants(pids) -> list[psutil.Process]:
-    """Every living descendant of the processes ``pids``, from one scan of the process table."""
+    """Every living descendant of the processes ``pids``, from one scan of the process
+    table (none without ``pids``: the scan reads every process's ``/proc`` entry)."""
+    pids = list(pids)
+    if not pids:
+        return []
     children: dict[int, list[int]] = {}
     for proc in psutil.process_iter(["ppid"]):
         children.setdefault(proc.info["ppid"], []).append(proc.pid)
@@ -370,7 +374,10 @@ def ask_to_leave(procs, send, wait: float = 1.0) -> None:
 def stop(procs, tmpdir: str | None) -> None:
     """Stop the ranks ``procs`` (``_Proc`` objects) and all they started, reap them, close
     their pipes and remove the group's temporary directory ``tmpdir``. Idempotent; an
-    interrupt arriving meanwhile is raised once everything is stopped."""
+    interrupt arriving meanwhile is raised once everything is stopped. Returns at once
+    with nothing to stop (a resize stops its unused spares, most often none)."""
+    if not procs and not tmpdir:
+        return
     with interrupts_deferred():
         kill_trees(procs)
         for p in procs:
