@@ -44,6 +44,42 @@ def test_lambdas_closures_and_captured_tensors(group):
     assert group.run(lambda x, y=0: x + y + dist.get_rank(), 10, y=5) == [15, 16, 17, 18]
 
 
+def test_cloudpickle_s_submodule_search_is_remembered_only_while_sys_modules_stays(
+        tmp_path, monkeypatch):
+    """run() pickles the function with cloudpickle, which reads all of sys.modules per
+    package global per function; reducelab remembers its answer until sys.modules
+    changes. The answer must be cloudpickle's own, before and after an import."""
+    import sys
+
+    import cloudpickle.cloudpickle as impl
+    import numpy as np
+
+    from reducelab import dispatch
+    assert impl._find_imported_submodules is dispatch._remembered_submodules
+    (tmp_path / "pkgx").mkdir()
+    (tmp_path / "pkgx" / "__init__.py").write_text("")
+    (tmp_path / "pkgx" / "sub.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import pkgx
+
+    def uses_sub():
+        return pkgx.sub.VALUE + int(np.ones(1)[0]) + dist.get_rank() * 0
+
+    deps = (pkgx, np, dist, torch, len)
+    code = uses_sub.__code__
+    try:
+        for _ in range(2):   # the second from what was remembered
+            assert dispatch._remembered_submodules(code, deps) == dispatch._SCAN(code, deps)
+        assert pkgx.__name__ + ".sub" not in sys.modules
+        assert all(m.__name__ != "pkgx.sub" for m in dispatch._remembered_submodules(code, deps))
+        import pkgx.sub  # noqa: F401 - now the function reaches it: cloudpickle must send it
+        found = dispatch._remembered_submodules(code, deps)
+        assert found == dispatch._SCAN(code, deps) and sys.modules["pkgx.sub"] in found
+    finally:
+        for name in ("pkgx.sub", "pkgx"):
+            sys.modules.pop(name, None)
+
+
 def test_state_persists_on_ranks_between_calls(group):
     def store():
         globals()["reducelab_test_value"] = dist.get_rank() * 7
