@@ -158,7 +158,8 @@ def explorer_figure(view) -> bytes:
     medians (bars) and the model's prediction (dashed). The legend and the names of the
     two regimes have bands of their own above and below the measurements
     (:func:`_clear_bands`), so no point or bar of a run covers them. An interim view (a
-    sweep still being measured) says in the left title how many sizes it has so far (instead of ``f``).
+    sweep still being measured) says in the left title how many sizes it has so far,
+    instead of ``f``.
     """
     sweep, spot = view.sweep, view.spot
     f = gloo_factor(sweep.collective, sweep.world_size)
@@ -197,7 +198,7 @@ def explorer_figure(view) -> bytes:
     _log_y(ax)
     ax.set_xlabel("message size S")
     ax.set_ylabel("time (slowest rank)")
-    to_measure = getattr(view, "to_measure", 0)
+    to_measure = view.to_measure
     ax.set_title(f"{sweep.collective}, {sweep.world_size} ranks: "
                  + (f"{len(sweep.sizes)} of {len(sweep.sizes) + to_measure} sizes so far"
                     if to_measure else f"f = {f:.3g}"))

@@ -169,6 +169,7 @@ class Explorer:
         self.seconds = 0.0
         self.refreshes = 0
         self.interims = 0
+        self._prepared: _Preparation | None = None   # the running refresh's preparation
         self._pngs: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._deferred = False       # a refresh is scheduled on the kernel's event loop
         self._last_change = 0.0      # time.monotonic() of the latest change from the browser
@@ -295,9 +296,8 @@ class Explorer:
         goes on. Called from :meth:`compute` only; the widget sends the new figure and
         message to the browser at once. Interim figures are not cached. Waits for the
         refresh's :meth:`preparation` first (it may be building the figure)."""
-        prepared = getattr(self, "_prepared", None)
-        if prepared is not None:
-            prepared.wait()
+        if self._prepared is not None:
+            self._prepared.wait()
         self.image.value = self.draw(partial)
         self.message.value = f"⏳ {html.escape(note)}"
         self.interims += 1

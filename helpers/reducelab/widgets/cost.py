@@ -44,7 +44,7 @@ INTERIM_AFTER = 0.3
 """Seconds into a new sweep after which the explorer shows the sizes measured so far
 (:meth:`~reducelab.widgets.Explorer.show_interim`); it shows them again each time the
 sweep has run twice as long as at the last showing (0.3, 0.6, 1.2 s ...: three or four
-interim figures in a sweep of 3 s on 8 ranks and 2 cores, each a redraw of 60 to 100
+interim figures in a sweep of 3 s on 8 ranks and 2 cores, each a redraw of 60 to 130
 ms)."""
 
 
