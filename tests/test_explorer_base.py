@@ -501,6 +501,63 @@ def test_a_text_bitmap_is_not_reused_for_another_size_dpi_or_font():
         assert one(plots.Canvas, **kw) == one(FigureCanvasAgg, **kw), kw
 
 
+CHANGES = [("text", lambda t: t.set_text("other\nwords")),
+           ("fontsize", lambda t: t.set_fontsize(15)),
+           ("rotation", lambda t: t.set_rotation(45)),
+           ("rotation_mode", lambda t: (t.set_rotation(30), t.set_rotation_mode("anchor"))),
+           ("ha", lambda t: t.set_horizontalalignment("right")),
+           ("va", lambda t: t.set_verticalalignment("baseline")),
+           ("linespacing", lambda t: t.set_linespacing(2.0)),
+           ("multialignment", lambda t: t.set_multialignment("right")),
+           ("weight", lambda t: t.set_fontweight("bold")),
+           ("family", lambda t: t.set_fontfamily("serif")),
+           ("math", lambda t: t.set_text(r"$x_r$ over two\nlines")),
+           ("parse_math", lambda t: (t.set_text(r"$x_r$ as is"), t.set_parse_math(False))),
+           ("position", lambda t: t.set_position((0.5, 0.2)))]
+
+
+@pytest.mark.parametrize("name, change", CHANGES, ids=[c[0] for c in CHANGES])
+def test_a_remembered_text_layout_is_never_used_for_a_changed_text(name, change):
+    """plots.Canvas remembers each text's layout (its box and lines) between draws: a
+    text changed in anything the layout depends on is laid out again, so the redraw
+    draws what FigureCanvasAgg draws for a figure made with the change."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from reducelab import plots
+
+    def make(canvas_class):
+        fig = Figure(figsize=(3, 2), dpi=100)
+        canvas_class(fig)
+        text = fig.text(0.3, 0.6, "a text of\ntwo lines", fontsize=11, va="top")
+        fig.text(0.05, 0.05, "beside it", fontsize=10)
+        return fig, text
+
+    fig, text = make(plots.Canvas)
+    plots.png(fig)                      # lays the texts out and remembers them
+    assert len(fig.canvas.get_renderer()._reducelab_layouts) == 2
+    change(text)
+    fresh, fresh_text = make(FigureCanvasAgg)
+    change(fresh_text)
+    assert plots.png(fig) == plots.png(fresh)
+
+
+def test_text_layouts_are_remembered_only_for_package_canvases_and_boundedly(monkeypatch):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from reducelab import plots
+    monkeypatch.setattr(plots, "LAYOUTS_KEPT", 5)
+    fig = Figure(figsize=(3, 2), dpi=100)
+    FigureCanvasAgg(fig)
+    fig.text(0.1, 0.5, "a learner's own figure")
+    plots.png(fig)
+    assert not hasattr(fig.canvas.get_renderer(), "_reducelab_layouts")
+    fig = new_figure(3, 2)
+    for k in range(12):
+        fig.text(0.1, k / 12, f"text {k}")
+    plots.png(fig)
+    assert 1 <= len(fig.canvas.get_renderer()._reducelab_layouts) <= 5
+
+
 def _kept_plot(seed: int) -> bytes:
     """A plot an explorer draws anew: errorbars with a legend, a log axis autoscaled to
     the data, a line, a patch, a text and a collection, all from ``seed`` (seed 1 leaves

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from cycler import cycler  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hinting_flag  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
 
 from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: E402,F401
 
@@ -81,6 +82,40 @@ def _text_bitmap(font, s: str, size: float, dpi: float, antialiased: bool, flags
     return np.array(font.get_image()), font.get_descent() / 64.0, xo / 64.0, yo / 64.0
 
 
+_LAYOUT = Text._get_layout
+LAYOUTS_KEPT = 4096
+"""Most text layouts a renderer remembers (:func:`_remembered_layout`); then it starts
+again. A layout is a box and a few numbers per line."""
+
+
+def _remembered_layout(self: Text, renderer):
+    """``Text._get_layout`` (matplotlib's measure of a text's box and lines), remembered
+    per renderer of a Reduce Lab canvas for texts of the same string, font, dpi, line
+    spacing, rotation and alignment: what it reads. An explorer's redraw lays out 100 to
+    300 texts, most unchanged, and each layout asks FreeType for metrics through a cache
+    keyed on the font's properties (a fifth of notebook 08's redraw under cProfile).
+    Other renderers (a learner's own figure, a saved PDF) and TeX texts get matplotlib's
+    own. The layout returned is shared by every draw of that text: matplotlib's callers
+    (``Text.draw``, ``Text.get_window_extent``, ``TextArea``, 3.10.9) read its box and
+    lines and never change them."""
+    layouts = getattr(renderer, "_reducelab_layouts", None)
+    if layouts is None or self.get_usetex():
+        return _LAYOUT(self, renderer)
+    key = (self._get_wrapped_text(), hash(self._fontproperties), self.get_parse_math(),
+           self.get_figure(root=True).dpi, self._linespacing, self.get_rotation(),
+           self.get_rotation_mode(), self._get_multialignment(), self._horizontalalignment,
+           self._verticalalignment)
+    layout = layouts.get(key)
+    if layout is None:
+        if len(layouts) >= LAYOUTS_KEPT:
+            layouts.clear()
+        layout = layouts[key] = _LAYOUT(self, renderer)
+    return layout
+
+
+Text._get_layout = _remembered_layout
+
+
 class _TextBitmapsRenderer(RendererAgg):
     """Agg's renderer, rasterising each text once: a redraw blits the glyph bitmap it
     made before for the same string, font, size, dpi, antialiasing and hinting.
@@ -89,6 +124,10 @@ class _TextBitmapsRenderer(RendererAgg):
     values in cells), most of them unchanged; laying out their glyphs in FreeType is
     about a fifth of a redraw. The pixels are those of ``RendererAgg.draw_text``, whose
     steps this follows (``tests/test_explorer_base.py`` compares them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reducelab_layouts = {}   # see _remembered_layout
 
     def draw_text(self, gc, x, y, s, prop, angle, ismath=False, mtext=None):
         if ismath:
