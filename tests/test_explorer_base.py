@@ -532,30 +532,49 @@ def test_a_remembered_text_layout_is_never_used_for_a_changed_text(name, change)
         fig.text(0.05, 0.05, "beside it", fontsize=10)
         return fig, text
 
+    plots._TEXT_LAYOUTS.clear()
     fig, text = make(plots.Canvas)
     plots.png(fig)                      # lays the texts out and remembers them
-    assert len(fig.canvas.get_renderer()._reducelab_layouts) == 2
+    assert len(plots._TEXT_LAYOUTS) == 2
     change(text)
     fresh, fresh_text = make(FigureCanvasAgg)
     change(fresh_text)
     assert plots.png(fig) == plots.png(fresh)
 
 
-def test_text_layouts_are_remembered_only_for_package_canvases_and_boundedly(monkeypatch):
+def test_text_layouts_and_math_are_remembered_across_package_figures_only(monkeypatch):
+    """A new package figure reuses the layouts and the parsed mathtext of texts drawn
+    before in another one; a learner's own figure (FigureCanvasAgg) does not use them;
+    the layouts kept are bounded."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from reducelab import plots
-    monkeypatch.setattr(plots, "LAYOUTS_KEPT", 5)
+    monkeypatch.setattr(plots, "_TEXT_LAYOUTS", {})
     fig = Figure(figsize=(3, 2), dpi=100)
     FigureCanvasAgg(fig)
     fig.text(0.1, 0.5, "a learner's own figure")
     plots.png(fig)
-    assert not hasattr(fig.canvas.get_renderer(), "_reducelab_layouts")
+    assert plots._TEXT_LAYOUTS == {}
+
+    def package_figure(label):
+        fig = new_figure(3, 2)
+        ax = fig.add_subplot()
+        ax.set_yscale("log")
+        ax.set_ylim(1, 1000)                       # tick labels 10⁰ ... 10³ (mathtext)
+        ax.set_title(label)
+        return plots.png(fig)
+    package_figure("first")
+    parsed = plots._MATHTEXT._parse_cached.cache_info()
+    laid_out = len(plots._TEXT_LAYOUTS)
+    assert package_figure("second") == package_figure("second")
+    assert plots._MATHTEXT._parse_cached.cache_info().misses == parsed.misses
+    assert len(plots._TEXT_LAYOUTS) == laid_out + 1          # only the new title
+    monkeypatch.setattr(plots, "LAYOUTS_KEPT", 5)
     fig = new_figure(3, 2)
     for k in range(12):
         fig.text(0.1, k / 12, f"text {k}")
     plots.png(fig)
-    assert 1 <= len(fig.canvas.get_renderer()._reducelab_layouts) <= 5
+    assert 1 <= len(plots._TEXT_LAYOUTS) <= 5
 
 
 def _kept_plot(seed: int) -> bytes:

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from cycler import cycler  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hinting_flag  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.mathtext import MathTextParser  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
 from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: E402,F401
@@ -83,37 +84,43 @@ def _text_bitmap(font, s: str, size: float, dpi: float, antialiased: bool, flags
 
 
 _LAYOUT = Text._get_layout
+_TEXT_LAYOUTS: dict = {}
+"""Text layouts :func:`_remembered_layout` has made, by what they depend on."""
 LAYOUTS_KEPT = 4096
-"""Most text layouts a renderer remembers (:func:`_remembered_layout`); then it starts
-again. A layout is a box and a few numbers per line."""
+"""Most text layouts remembered (:func:`_remembered_layout`); then it starts again. A
+layout is a box and a few numbers per line."""
 
 
 def _remembered_layout(self: Text, renderer):
     """``Text._get_layout`` (matplotlib's measure of a text's box and lines), remembered
-    per renderer of a Reduce Lab canvas for texts of the same string, font, dpi, line
-    spacing, rotation and alignment: what it reads. An explorer's redraw lays out 100 to
-    300 texts, most unchanged, and each layout asks FreeType for metrics through a cache
+    for texts of the same string, font, dpi, line spacing, rotation and alignment (what
+    it reads) drawn by a Reduce Lab canvas, whichever figure they are in. An explorer's
+    redraw lays out 100 to 300 texts, most of them drawn before, many explorers draw a
+    new figure per state, and each layout asks FreeType for metrics through a cache
     keyed on the font's properties (a fifth of notebook 08's redraw under cProfile).
     Other renderers (a learner's own figure, a saved PDF) and TeX texts get matplotlib's
     own. The layout returned is shared by every draw of that text: matplotlib's callers
     (``Text.draw``, ``Text.get_window_extent``, ``TextArea``, 3.10.9) read its box and
     lines and never change them."""
-    layouts = getattr(renderer, "_reducelab_layouts", None)
-    if layouts is None or self.get_usetex():
+    if not isinstance(renderer, _TextBitmapsRenderer) or self.get_usetex():
         return _LAYOUT(self, renderer)
     key = (self._get_wrapped_text(), hash(self._fontproperties), self.get_parse_math(),
-           self.get_figure(root=True).dpi, self._linespacing, self.get_rotation(),
-           self.get_rotation_mode(), self._get_multialignment(), self._horizontalalignment,
-           self._verticalalignment)
-    layout = layouts.get(key)
+           self.get_figure(root=True).dpi, renderer.dpi, self._linespacing,
+           self.get_rotation(), self.get_rotation_mode(), self._get_multialignment(),
+           self._horizontalalignment, self._verticalalignment)
+    layout = _TEXT_LAYOUTS.get(key)
     if layout is None:
-        if len(layouts) >= LAYOUTS_KEPT:
-            layouts.clear()
-        layout = layouts[key] = _LAYOUT(self, renderer)
+        if len(_TEXT_LAYOUTS) >= LAYOUTS_KEPT:
+            _TEXT_LAYOUTS.clear()
+        layout = _TEXT_LAYOUTS[key] = _LAYOUT(self, renderer)
     return layout
 
 
 Text._get_layout = _remembered_layout
+_MATHTEXT = MathTextParser("agg")
+"""The mathtext parser every :class:`_TextBitmapsRenderer` shares. Agg gives each
+renderer its own, and its cache of parsed expressions (log-axis tick labels such as
+``10²``, 2 to 3 ms each) is per parser: a figure drawn anew parsed them all again."""
 
 
 class _TextBitmapsRenderer(RendererAgg):
@@ -127,7 +134,7 @@ class _TextBitmapsRenderer(RendererAgg):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._reducelab_layouts = {}   # see _remembered_layout
+        self.mathtext_parser = _MATHTEXT
 
     def draw_text(self, gc, x, y, s, prop, angle, ismath=False, mtext=None):
         if ismath:
