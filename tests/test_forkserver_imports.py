@@ -21,7 +21,9 @@ def state():
     return {{"modules": [m in sys.modules for m in ("torch.distributed.tensor", "torch._dynamo",
                                                       "torch.distributed.fsdp",
                                                       "torch.distributed.checkpoint", "fsspec")],
-             "sigusr1_default": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL}}
+             "sigusr1_default": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+             "checks": "reducelab.checks.sharded" in sys.modules,
+             "rng": __import__("torch").random.get_rng_state().tolist()}}
 
 def use():
     {rank_imports}
@@ -107,3 +109,62 @@ def test_a_kernel_that_imported_ddp_gets_ranks_with_what_ddp_imports_when_built(
 def test_eager_preload_imports_everything_before_the_first_group():
     r = run_case(preload="eager")
     assert r["first"]["modules"] == [True] * 5
+
+
+def test_the_checks_the_kernel_imported_reach_the_next_group_not_the_first():
+    """Notebook 08's setup cell imports reducelab.checks.sharded, whose helpers its rank
+    functions call: a fresh rank that unpickles such a function imports it (47 to 64 ms
+    per rank at 8 ranks, measured). The first group starts without waiting for it (the
+    setup cell waits for torch alone); the group after a resize inherits it from the
+    server, and a rank that draws without seeding draws what the first group's ranks
+    drew."""
+    r = run_case(kernel_imports="import reducelab.checks.sharded")
+    assert not r["first"]["checks"]
+    assert r["later"]["checks"]
+    assert r["later"]["modules"] == [False] * 5      # it imports no DTensor, FSDP or DCP
+    assert r["later"]["rng"] == r["first"]["rng"]
+
+
+def test_the_checks_a_rank_imported_reach_the_group_started_right_after():
+    r = run_case(rank_imports="import reducelab.checks.sharded")
+    assert not r["first"]["checks"] and r["later"]["checks"]
+    assert r["later"]["rng"] == r["first"]["rng"]
+
+
+def test_the_server_imports_only_what_may_be_asked_for(tmp_path, monkeypatch):
+    """Of the names in the kernel's file, the server takes LATER's (in LATER's order) and
+    reducelab's rank-side modules (sorted); a kernel-only module (a widget, matplotlib)
+    or any other name is never imported into the server that forks every rank."""
+    from reducelab import forkserver_imports as fi
+    path = tmp_path / "later"
+    path.write_text("reducelab.data\nos\nreducelab.widgets.sharded\nmatplotlib\n"
+                    "torch.distributed.fsdp\nreducelab.checks.sharded\n"
+                    "torch.distributed.tensor\nreducelab.checksum\n", encoding="utf-8")
+    monkeypatch.setenv(fi.FILE_ENV, str(path))
+    assert fi.wanted() == ["torch.distributed.tensor", "torch.distributed.fsdp",
+                           "reducelab.checks.sharded", "reducelab.data"]
+
+
+def test_what_a_module_does_at_import_in_the_server_leaves_a_rank_as_it_was(tmp_path,
+                                                                          monkeypatch):
+    """A module that seeds torch's global generator at import, and runs torch ops there,
+    changes neither the random state the server's ranks inherit nor its thread count, and
+    its ops run on one thread (no OpenMP pool in a process that forks ranks)."""
+    import torch
+
+    from reducelab import forkserver_imports as fi
+    (tmp_path / "seeds_at_import.py").write_text(
+        "import torch\nTHREADS = torch.get_num_threads()\ntorch.manual_seed(123)\n"
+        "DRAWN = torch.randn(64, 64).sum().item()\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    state, threads = torch.random.get_rng_state().clone(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fi._import(["seeds_at_import", "no_such_module_here"])   # the second: skipped
+        import seeds_at_import
+        assert seeds_at_import.THREADS == 1
+        assert torch.get_num_threads() == 2
+        assert torch.equal(torch.random.get_rng_state(), state)
+    finally:
+        torch.set_num_threads(threads)
+        sys.modules.pop("seeds_at_import", None)

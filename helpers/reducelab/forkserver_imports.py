@@ -3,7 +3,9 @@ notebook needs it: imported only in the forkserver (it is in its preload list, s
 :data:`reducelab.processes.PRELOAD`).
 
 The forkserver first imports torch and :mod:`reducelab.rank_loop`, and serves ranks at
-once: the notebook's setup cell waits for nothing else. DistributedDataParallel,
+once: the notebook's setup cell waits for nothing else. The same goes for the modules of reducelab's checks
+that a notebook's rank functions call (:data:`RANK_PACKAGES`), except that they never
+hold up a first group. DistributedDataParallel,
 DTensor, FSDP and distributed checkpoint (DCP) import more on first use (:data:`LATER`,
 about 1.3 s of CPU and 80 MB on torch 2.13). A rank of the first group that uses them
 imports them itself; the kernel then asks the server for them (``SIGUSR1``, with their
@@ -54,6 +56,18 @@ the kernel's ``sys.modules`` says nothing about the notebook. The kernel counts 
 imported it only when its namespace holds something of it, as ``from torch.nn.parallel
 import DistributedDataParallel as DDP`` does (:func:`reducelab.processes.kernel_later`).
 ``test_forkserver_imports`` checks this list against a fresh ``import torch``."""
+RANK_PACKAGES = ("reducelab.checks", "reducelab.data")
+"""reducelab's modules that rank functions use: a notebook's rank functions call the
+helpers of its checks (``make_model``, ``zero_train``, ``load_digits_tensors``), and a fresh
+rank imports them when it unpickles such a function. For notebook 08's rank function that
+took 47 to 64 ms per rank at 8 fresh ranks, and 0.1 ms the second time (cProfile of the
+unpickling on a rank: compiling the sources where no ``.pyc`` is written, the
+``dataclass`` classes of reducelab.checks, and ``make_model`` run at the import of
+reducelab.checks.sharded, whose ``torch.manual_seed`` formats the Python stack for torch's
+lazy CUDA seeding, ``_lazy_call`` in torch/cuda/__init__.py, reading the source file of
+every frame). The modules of these packages the kernel has imported, or a rank has, are
+asked for as :data:`LATER`'s are, but never make a first group wait
+(:func:`reducelab.processes.kernel_later`)."""
 FILE_ENV = "REDUCELAB_LATER_IMPORTS"
 """Environment variable with the path of the file in which the kernel lists the modules
 of :data:`LATER` it wants, one per line (in the kernel's private temporary directory).
@@ -69,9 +83,23 @@ _idle = threading.Event()       # no request pending, no import running
 _idle.set()
 
 
+def askable(name: str) -> bool:
+    """True for a module the server may be asked to import: one of :data:`LATER`, or a
+    module of :data:`RANK_PACKAGES`."""
+    return name in LATER or any(name == p or name.startswith(p + ".") for p in RANK_PACKAGES)
+
+
+def imported() -> list[str]:
+    """What this process has imported of :data:`LATER` (in its order), then of
+    :data:`RANK_PACKAGES` (sorted): a rank reports it after each job."""
+    names = list(sys.modules)
+    return [m for m in LATER if m in sys.modules] + sorted(
+        m for m in names if m not in LATER and askable(m))
+
+
 def wanted() -> list[str]:
-    """The modules of :data:`LATER` the kernel asked for, in :data:`LATER`'s order (any
-    other name in the file is ignored)."""
+    """The modules the kernel asked for: those of :data:`LATER` in its order, then those
+    of :data:`RANK_PACKAGES`, sorted (any other name in the file is ignored)."""
     path = os.environ.get(FILE_ENV)
     if not path:
         return list(LATER)
@@ -80,7 +108,8 @@ def wanted() -> list[str]:
             names = set(f.read().split())
     except OSError:
         return []
-    return [m for m in LATER if m in names]
+    return [m for m in LATER if m in names] + sorted(
+        m for m in names if m not in LATER and askable(m))
 
 
 def _before_fork() -> None:
@@ -98,11 +127,8 @@ def _import_later() -> None:
             _asked_for.clear()
         try:
             new = [m for m in wanted() if m not in sys.modules]
-            for name in new:
-                try:
-                    importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - a rank that needs it raises the error itself
-                    pass
+            if new:
+                _import(new)
             if new:  # a collection writes to every object: only when something came in
                 gc.collect()
                 gc.freeze()
@@ -110,6 +136,26 @@ def _import_later() -> None:
             with _lock:
                 if not _asked_for.is_set():
                     _idle.set()
+
+
+def _import(names: list[str]) -> None:
+    """Import ``names``, leaving what a rank inherits as it was: the global torch random
+    generator's state is restored (a module that seeds it at import changes nothing for a
+    rank that draws without seeding), and whatever a module runs at import runs on one
+    thread, so no OpenMP thread pool is made in the server before it forks (the server's
+    thread count is restored)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for name in names:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - a rank that needs it raises the error itself
+                    pass
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _asked(signum, frame) -> None:

@@ -181,27 +181,31 @@ def kernel_later() -> set[str]:
     (what the notebook's own imports say its ranks will use), with what their first use
     imports on a rank (:data:`~reducelab.forkserver_imports.FIRST_USE`). A module that
     ``import torch`` imports by itself (:data:`~reducelab.forkserver_imports.WITH_TORCH`)
-    counts only when the notebook's namespace holds something of it."""
-    from .forkserver_imports import FIRST_USE, LATER, WITH_TORCH
+    counts only when the notebook's namespace holds something of it. Then the modules of
+    :data:`~reducelab.forkserver_imports.RANK_PACKAGES` it has imported (the checks
+    whose helpers its rank functions call)."""
+    from .forkserver_imports import FIRST_USE, LATER, WITH_TORCH, askable
     found = {m for m in LATER if m in sys.modules
              and (m not in WITH_TORCH or _named_in_main(m))}
-    return found.union(*(FIRST_USE.get(m, ()) for m in found))
+    return found.union(*(FIRST_USE.get(m, ()) for m in found),
+                       (m for m in list(sys.modules) if m not in LATER and askable(m)))
 
 
 def ask_for_later(modules) -> None:
     """Ask the forkserver to import ``modules`` (names of
-    :data:`~reducelab.forkserver_imports.LATER`; others are ignored) in the background,
+    :data:`~reducelab.forkserver_imports.LATER` or modules of
+    :data:`~reducelab.forkserver_imports.RANK_PACKAGES`; others are ignored) in the background,
     if it has not been asked for them: the kernel writes their names in the file that
     ``REDUCELAB_LATER_IMPORTS`` names and sends ``SIGUSR1``. The next group start waits
     until the server has imported them (:func:`warm`). Does nothing without a
     forkserver that makes later imports (``REDUCELAB_PRELOAD=full``)."""
-    from .forkserver_imports import FILE_ENV, LATER, SIGNAL
+    from .forkserver_imports import FILE_ENV, SIGNAL, askable
     pid, later = _server()
     path = os.environ.get(FILE_ENV)
     if not (pid and later and path):
         return
     asked = _later_asked.setdefault(pid, set())
-    new = {m for m in modules if m in LATER} - asked
+    new = {m for m in modules if askable(m)} - asked
     if not new:
         return
     try:
@@ -228,8 +232,9 @@ def _before_group(ctx) -> None:
     if not pid:
         return
     _groups_started[pid] = n = _groups_started.get(pid, 0) + 1
+    from .forkserver_imports import LATER
     wanted = kernel_later()
-    if n >= 2 or wanted:
+    if n >= 2 or any(m in LATER for m in wanted):  # reducelab's own never hold up a first group
         ask_for_later(wanted)
     if pid in _later_unserved:
         _later_unserved.discard(pid)

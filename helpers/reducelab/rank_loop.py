@@ -43,7 +43,7 @@ import cloudpickle
 import torch.distributed as dist
 
 from .capture import capture
-from .forkserver_imports import LATER
+from .forkserver_imports import imported
 from .rank_env import (MAIN, NAMESPACE, DefaultGroup, kill_descendants, lead_process_group,
                        leave, persistent, setup)
 from .rank_reports import (MAX_SUMMARY, MAX_TRACEBACK, cut, describe_exception, safe_str,
@@ -186,9 +186,9 @@ class _Rank:
             reply = {"kind": "error", "summary": f"reducelab failed on this rank: {summary}",
                      "traceback": cut(traceback.format_exc(), MAX_TRACEBACK),
                      "in_distributed": False, "out": "", "err": ""}
-        # what of DDP, DTensor, FSDP or DCP this rank has imported: the kernel asks the
-        # forkserver for it, so that the ranks of the next group start with it
-        reply["later"] = [m for m in LATER if m in sys.modules]
+        # what of DDP, DTensor, FSDP, DCP or reducelab's checks this rank has imported: the
+        # kernel asks the forkserver for it, so that the ranks of the next group start with it
+        reply["later"] = imported()
         try:
             self.send(reply)
         except (OSError, ValueError, OverflowError, MemoryError) as e:
