@@ -23,6 +23,8 @@ def state():
                                                       "torch.distributed.checkpoint", "fsspec")],
              "sigusr1_default": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
              "checks": "reducelab.checks.sharded" in sys.modules,
+             "hooks": "torch.distributed.algorithms.ddp_comm_hooks" in sys.modules,
+             "serialization": "torch.utils.serialization" in sys.modules,
              "rng": __import__("torch").random.get_rng_state().tolist()}}
 
 def use():
@@ -168,3 +170,22 @@ def test_what_a_module_does_at_import_in_the_server_leaves_a_rank_as_it_was(tmp_
     finally:
         torch.set_num_threads(threads)
         sys.modules.pop("seeds_at_import", None)
+
+
+def test_a_fresh_rank_unpickles_its_first_tensor_without_importing():
+    """Every rank, of the first group too, starts with what unpickling a tensor imports
+    (torch.utils.serialization, 10 ms per fresh rank); ``import torch`` does not bring it."""
+    r = run_case()
+    assert r["first"]["serialization"] and r["later"]["serialization"]
+    out = subprocess.run([sys.executable, "-c", "import sys, torch; "
+                          "print('torch.utils.serialization' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_a_kernel_that_imported_ddp_comm_hooks_gets_ranks_with_them():
+    """Notebook 16's setup cell imports DDP's communication hooks; its rank function
+    imports them again on each fresh rank (14 ms per rank) unless the server has."""
+    r = run_case(kernel_imports="import torch.distributed.algorithms.ddp_comm_hooks")
+    assert r["later"]["hooks"]
+    assert not run_case()["later"]["hooks"]

@@ -36,8 +36,11 @@ import threading
 
 LATER = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.fsdp",
          "torch.nn.parallel.distributed", "torch.distributed.checkpoint",
-         "torch.distributed.checkpoint._fsspec_filesystem")
+         "torch.distributed.checkpoint._fsspec_filesystem",
+         "torch.distributed.algorithms.ddp_comm_hooks")
 """What the server may import after the first group, in this order. The last is what
+notebook 16's rank function imports when a fresh rank unpickles it (DDP's communication
+hooks, 14 ms per rank). The one before is what
 ``dcp.save`` and ``dcp.load`` import on a rank's first call to pick a storage (fsspec,
 70 ms per rank: ``_storage_setup`` in torch/distributed/checkpoint/_storage_utils.py);
 with DCP, a fresh rank's first checkpoint round trip in notebook 14's explorer took
