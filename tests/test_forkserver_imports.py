@@ -189,3 +189,15 @@ def test_a_kernel_that_imported_ddp_comm_hooks_gets_ranks_with_them():
     r = run_case(kernel_imports="import torch.distributed.algorithms.ddp_comm_hooks")
     assert r["later"]["hooks"]
     assert not run_case()["later"]["hooks"]
+
+
+def test_what_a_process_reports_follows_its_imports():
+    """``imported()`` (what a rank reports after each job) is read again once a module
+    comes in: a check imported after a first report is in the next one."""
+    code = ("import sys, torch\nfrom reducelab.forkserver_imports import imported\n"
+            "a = imported()\nimport reducelab.checks.loss\nb = imported()\n"
+            "print(a == [m for m in a if not m.startswith('reducelab.')], "
+            "'reducelab.checks.loss' in b, 'reducelab.checks' in b)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]

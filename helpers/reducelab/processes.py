@@ -188,14 +188,14 @@ def kernel_later() -> set[str]:
     found = {m for m in LATER if m in sys.modules
              and (m not in WITH_TORCH or _named_in_main(m))}
     return found.union(*(FIRST_USE.get(m, ()) for m in found),
-                       (m for m in list(sys.modules) if m not in LATER and askable(m)))
+                       (m for m in list(sys.modules) if askable(m) and m not in LATER))
 
 
 def ask_for_later(modules) -> None:
     """Ask the forkserver to import ``modules`` (names of
     :data:`~reducelab.forkserver_imports.LATER` or modules of
-    :data:`~reducelab.forkserver_imports.RANK_PACKAGES`; others are ignored) in the background,
-    if it has not been asked for them: the kernel writes their names in the file that
+    :data:`~reducelab.forkserver_imports.RANK_PACKAGES`; others are ignored) in the
+    background, if it has not been asked for them: the kernel writes their names in the file that
     ``REDUCELAB_LATER_IMPORTS`` names and sends ``SIGUSR1``. The next group start waits
     until the server has imported them (:func:`warm`). Does nothing without a
     forkserver that makes later imports (``REDUCELAB_PRELOAD=full``)."""
