@@ -273,7 +273,10 @@ def _figure(height: float):
     """An empty figure of ``height`` inches, its full-size axes in inches from the top-left
     corner, and the colour bar's axes (placed by :func:`_colour_bar`). A diagram of a
     height drawn before gets that figure back, emptied of its texts, bands and cells:
-    making the two axes was a fifth of a redraw of the explorer."""
+    making the two axes was a fifth of a redraw of the explorer. Not
+    :func:`reducelab.plots.kept_figure`: that one resets every axes' limits and removes
+    its images, and this figure sets both once (the inch coordinates, the colour bar's
+    gradient), then removes only what a draw adds (texts, bands, the cells' figimage)."""
     kept = _FIGURES.pop(height, None)
     if kept is not None:
         fig, ax, cax = kept
