@@ -572,6 +572,37 @@ def test_explorer_parameter_redraws_the_same_checkpoint(explorer):
     assert PARAMETERS == ("0.weight", "0.bias", "2.weight", "2.bias")
 
 
+def test_explorer_parameter_from_the_browser_redraws_the_same_checkpoint(explorer):
+    """From the browser a change refreshes later, collapsed with the ones after it: a
+    parameter click still redraws the last checkpoint (no DCP round trip on the ranks),
+    while a loaded_on change followed by a parameter click in the same moment saves and
+    loads anew. (The flag that chose the redraw once lived only while the change was
+    handled, so every click in the browser saved and loaded again.)"""
+    import asyncio
+
+    from reducelab.widgets import QUIET
+    ran = []
+    real_run = explorer.group.run
+    explorer.group.run = lambda *a, **k: ran.append(a[0]) or real_run(*a, **k)
+
+    async def clicks(*changes):
+        for name, state in changes:                    # what the browser sends
+            explorer.controls[name].set_state(state)
+        await asyncio.sleep(QUIET * 4 + 0.1)
+    try:
+        before, image = explorer.result, bytes(explorer.image.value)
+        asyncio.run(clicks(("parameter", {"index": PARAMETERS.index("0.bias")})))
+        assert explorer.values["parameter"] == "0.bias"
+        assert ran == [] and explorer.result is before and bytes(explorer.image.value) != image
+        assert "Loaded on 3 ranks, 0.bias is read" in explorer.text()
+        asyncio.run(clicks(("loaded_on", {"value": 2}),
+                           ("parameter", {"index": PARAMETERS.index("2.bias")})))
+        assert len(ran) == 1 and explorer.result.loaded_on == 2
+        assert "Loaded on 2 ranks, 2.bias is read" in explorer.text()
+    finally:
+        del explorer.group.run
+
+
 def test_explorer_things_to_try_say_what_it_shows(explorer):
     explorer.controls["saved_on"].value = 2
     explorer.controls["loaded_on"].value = 4

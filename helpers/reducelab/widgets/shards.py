@@ -102,23 +102,25 @@ class CheckpointExplorer(Explorer):
             "parameter": W.ToggleButtons(options=PARAMETERS, value=parameter, description="parameter",
                                          style={**style, "button_width": "72px"}),
         })
-        self._last, self._redraw_only = None, False
+        self._last, self._from_change = None, False
         self.refresh()
 
     def _on_change(self, change) -> None:
-        # The parameter alone shows another part of the same checkpoint: redraw it. Any other
-        # change, or a call of refresh(), saves and loads a new one.
-        self._redraw_only = change.owner is self.controls["parameter"] and self._last is not None \
-            and self._last_group is self.group
-        try:
-            super()._on_change(change)
-        finally:
-            self._redraw_only = False
+        # A change of the parameter alone shows another part of the same checkpoint: the
+        # refresh it asks for (at once from Python; from the browser, later, collapsed with
+        # the changes after it) redraws the last one. A change of saved_on or loaded_on, or
+        # a call of refresh(), saves and loads a new one.
+        self._from_change = True
+        super()._on_change(change)
 
     def compute(self, saved_on, loaded_on, parameter) -> CheckpointResult:
         key = (saved_on, loaded_on)
-        if self._redraw_only:
-            return self._last
+        last = self._last
+        same = self._from_change and last is not None and self._last_group is self.group \
+            and (last.saved_on, last.loaded_on) == key
+        self._from_change = False
+        if same:
+            return last
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import MetadataIndex
         self.group.resize(max(key))      # a no-op when it already has that many ranks
