@@ -56,6 +56,10 @@ def test_a_notebook_that_never_uses_them_never_imports_them():
     r = run_case()
     assert r["first"]["modules"] == [False] * 5
     assert r["later"]["modules"] == [False] * 5
+    assert not r["later"]["hooks"] and not r["later"]["checks"]
+    # every rank, of the first group too, starts with what unpickling a tensor imports
+    # (torch.utils.serialization, 10 ms per fresh rank): rank_loop, preloaded, imports it
+    assert r["first"]["serialization"] and r["later"]["serialization"]
 
 
 def test_a_setup_cell_that_imports_torch_waits_for_nothing_more():
@@ -172,11 +176,8 @@ def test_what_a_module_does_at_import_in_the_server_leaves_a_rank_as_it_was(tmp_
         sys.modules.pop("seeds_at_import", None)
 
 
-def test_a_fresh_rank_unpickles_its_first_tensor_without_importing():
-    """Every rank, of the first group too, starts with what unpickling a tensor imports
-    (torch.utils.serialization, 10 ms per fresh rank); ``import torch`` does not bring it."""
-    r = run_case()
-    assert r["first"]["serialization"] and r["later"]["serialization"]
+def test_import_torch_alone_does_not_bring_what_a_first_tensor_imports():
+    """What rank_loop imports for a rank's first unpickled tensor is not already there."""
     out = subprocess.run([sys.executable, "-c", "import sys, torch; "
                           "print('torch.utils.serialization' in sys.modules)"],
                          capture_output=True, text=True, timeout=120)
@@ -188,7 +189,6 @@ def test_a_kernel_that_imported_ddp_comm_hooks_gets_ranks_with_them():
     imports them again on each fresh rank (14 ms per rank) unless the server has."""
     r = run_case(kernel_imports="import torch.distributed.algorithms.ddp_comm_hooks")
     assert r["later"]["hooks"]
-    assert not run_case()["later"]["hooks"]
 
 
 def test_what_a_process_reports_follows_its_imports():
