@@ -184,11 +184,13 @@ def kernel_later() -> set[str]:
     counts only when the notebook's namespace holds something of it. Then the modules of
     :data:`~reducelab.forkserver_imports.RANK_PACKAGES` it has imported (the checks
     whose helpers its rank functions call)."""
-    from .forkserver_imports import FIRST_USE, LATER, WITH_TORCH, askable
+    from .forkserver_imports import FIRST_USE, LATER, WITH_TORCH, imported
     found = {m for m in LATER if m in sys.modules
              and (m not in WITH_TORCH or _named_in_main(m))}
+    # imported() re-reads sys.modules only when it grew: group.run calls this after
+    # every run, and a notebook kernel holds about 3000 modules.
     return found.union(*(FIRST_USE.get(m, ()) for m in found),
-                       (m for m in list(sys.modules) if askable(m) and m not in LATER))
+                       (m for m in imported() if m not in LATER))
 
 
 def ask_for_later(modules) -> None:
