@@ -29,6 +29,9 @@ def _prewarm() -> None:
     if flag != "1" and "ipykernel" not in sys.modules:
         return
 
+    from .processes import watch_kernel_shutdown
+    watch_kernel_shutdown()  # before the server starts: a restart may come at any time
+
     def warm_up() -> None:
         from .processes import context, warm
         try:

@@ -126,6 +126,7 @@ def warm(ctx, group: bool = True) -> float:
     t0 = time.monotonic()
     with _forkserver_lock:  # the background pre-warm may hold it: waiting counts too
         if _forkserver_ready != [os.getpid()]:
+            watch_kernel_shutdown()
             _serve_noop(ctx)
             _forkserver_ready[:] = [os.getpid()]
         if group:
@@ -144,6 +145,70 @@ def _serve_noop(ctx) -> None:
                            f"within {WARM_LIMIT:g} s (it imports torch first); is the "
                            f"machine out of memory?")
     p.close()
+
+
+SHUTDOWN_LIMIT = 1.0
+"""Seconds :func:`stop_servers` waits for the forkserver and the resource tracker."""
+
+_shutdown_watched: list[int] = []  # [kernel pid] once the kernel's shutdown is watched
+
+
+def stop_servers(limit: float = SHUTDOWN_LIMIT) -> bool:
+    """Stop this process's multiprocessing forkserver, then its resource tracker, and
+    wait for both at most ``limit`` seconds; return ``True`` if they stopped in time.
+
+    Why: ipykernel, asked to shut down or restart, sends ``SIGTERM`` to every child
+    process in its process group and waits until none is left before it exits
+    (``Kernel._progressively_terminate_all_children``, ipython/ipykernel#869). The
+    resource tracker that the forkserver brings ignores ``SIGTERM`` by design
+    (``multiprocessing.resource_tracker.main``) and exits only when every holder of its
+    pipe has closed it, the kernel included. So a kernel that had started ranks was
+    still waiting when jupyter_client's ``shutdown_wait_time`` ran out (half of 5 s),
+    and was killed with ``SIGTERM``: a restart took 2.6 s instead of 0.2 s, and its
+    ``atexit`` handlers never ran. Closing the server's and the tracker's pipes (their
+    own ``_stop``) lets both exit at once; the tracker first unlinks what is still
+    registered, as at any exit. Run in a daemon thread, so the wait is bounded."""
+    from multiprocessing import forkserver, resource_tracker
+
+    def stop(server) -> None:
+        try:
+            server._stop()
+        except Exception:  # noqa: BLE001 - already stopped, or another version
+            pass
+    # one thread each: a forkserver still importing torch reads its pipe only after
+    # that, and ipykernel's SIGTERM ends it; the tracker's pipe is closed meanwhile
+    workers = [threading.Thread(target=stop, args=(server,), daemon=True,
+                                name="reducelab-stop-servers")
+               for server in (forkserver._forkserver, resource_tracker._resource_tracker)]
+    deadline = time.monotonic() + limit
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
+    return not any(w.is_alive() for w in workers)
+
+
+def watch_kernel_shutdown() -> None:
+    """In a Jupyter kernel, close every group and stop the servers (:func:`stop_servers`)
+    when the kernel is told to shut down or restart: ipykernel's ``do_shutdown`` sets the
+    shell's ``exit_now`` trait, before it stops its child processes."""
+    if _shutdown_watched == [os.getpid()] or "ipykernel" not in sys.modules:
+        return
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        return
+    if shell is None or not shell.has_trait("exit_now"):
+        return
+    _shutdown_watched[:] = [os.getpid()]
+
+    def on_exit_now(change) -> None:
+        if change["new"]:
+            from .group import _close_all
+            _close_all()
+            stop_servers()
+    shell.observe(on_exit_now, names="exit_now")
 
 
 _groups_started: dict[int, int] = {}  # {forkserver pid: groups started from it}
