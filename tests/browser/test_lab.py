@@ -366,14 +366,14 @@ def open_notebook(page, base: str, token: str, name: str) -> None:
     until its kernel is idle."""
     page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?reset&token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-    # JupyterLab may ask which kernel to start: wait for that question or for an idle
-    # kernel, whichever comes first (a fixed wait for the question cost 5 s a notebook)
     select = page.locator(".jp-Dialog button", has_text="Select")
-    idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-    select.or_(idle).first.wait_for(timeout=90_000)
-    if select.count():
+    try:  # JupyterLab may ask which kernel to start
+        select.first.wait_for(timeout=5_000)
         select.first.click()
-    idle.first.wait_for(timeout=90_000)
+    except Exception:
+        pass
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=90_000)
 
 
 def settled(image, quiet: float = 3.0, timeout: float = 120) -> str:
