@@ -164,10 +164,12 @@ def stop_servers(limit: float = SHUTDOWN_LIMIT) -> bool:
     (``multiprocessing.resource_tracker.main``) and exits only when every holder of its
     pipe has closed it, the kernel included. So a kernel that had started ranks was
     still waiting when jupyter_client's ``shutdown_wait_time`` ran out (half of 5 s),
-    and was killed with ``SIGTERM``: a restart took 2.6 s instead of 0.2 s, and its
-    ``atexit`` handlers never ran. Closing the server's and the tracker's pipes (their
-    own ``_stop``) lets both exit at once; the tracker first unlinks what is still
-    registered, as at any exit. Run in a daemon thread, so the wait is bounded."""
+    and was killed with ``SIGTERM``: a restart took 2.6 s instead of under 1 s, and
+    its ``atexit`` handlers never ran. Closing the server's and the tracker's pipes
+    (their own private ``_stop``, which waits for the process) lets both exit at once;
+    the tracker first unlinks what is still registered, as at any exit. Each ``_stop``
+    runs in a daemon thread of its own, so the wait is bounded; where one is missing
+    (another Python version) nothing is stopped and the kernel is killed as before."""
     from multiprocessing import forkserver, resource_tracker
 
     def stop(server) -> None:
