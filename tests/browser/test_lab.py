@@ -367,13 +367,17 @@ def open_notebook(page, base: str, token: str, name: str) -> None:
     page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?reset&token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     select = page.locator(".jp-Dialog button", has_text="Select")
-    try:  # JupyterLab may ask which kernel to start
-        select.first.wait_for(timeout=5_000)
+    # JupyterLab may ask which kernel to start. Then wait for the status bar's kernel
+    # status to say Idle, not the toolbar's execution indicator: that one says idle
+    # while the status bar still says "No Kernel | Initializing", and a Restart and
+    # Run All sent then never ran (a fixed 5 s wait for the question hid this)
+    status = page.locator(".jp-StatusBar-Widget").first
+    wait_until(lambda: select.count() > 0 or "| Idle" in (status.text_content() or ""), 90,
+               "the notebook's kernel to be idle")
+    if select.count():
         select.first.click()
-    except Exception:
-        pass
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                           timeout=90_000)
+        wait_until(lambda: "| Idle" in (status.text_content() or ""), 90,
+                   "the notebook's kernel to be idle")
 
 
 def settled(image, quiet: float = 3.0, timeout: float = 120) -> str:
