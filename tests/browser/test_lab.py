@@ -372,12 +372,13 @@ def open_notebook(page, base: str, token: str, name: str) -> None:
     # while the status bar still says "No Kernel | Initializing", and a Restart and
     # Run All sent then never ran (a fixed 5 s wait for the question hid this)
     status = page.locator(".jp-StatusBar-Widget").first
-    wait_until(lambda: select.count() > 0 or "| Idle" in (status.text_content() or ""), 90,
-               "the notebook's kernel to be idle")
+
+    def idle() -> bool:
+        return "| Idle" in (status.text_content() or "")
+    wait_until(lambda: select.count() > 0 or idle(), 90, "the notebook's kernel to be idle")
     if select.count():
         select.first.click()
-        wait_until(lambda: "| Idle" in (status.text_content() or ""), 90,
-                   "the notebook's kernel to be idle")
+    wait_until(idle, 90, "the notebook's kernel to be idle")
 
 
 def settled(image, quiet: float = 3.0, timeout: float = 120) -> str:
