@@ -684,3 +684,29 @@ def test_figures_and_their_errors(drawn):
         figure.draw("2.weight", 10, [(0, 11)], [[(0, 11, 0)]], [100])
     with pytest.raises(ValueError, match="one size per saving rank"):
         figure.draw("2.weight", 10, [(0, 10)], [[(0, 10, 0)]], [100, 200])
+
+
+def test_the_explorer_s_kept_figure_draws_what_a_new_one_draws(monkeypatch):
+    """CheckpointFigure keeps a figure per (saving, loading) rank count
+    (plots.kept_figure, fixed margins): checkpoints of other parameters, shapes and pieces
+    drawn in turn into the kept figures give the bytes of a new figure for each, and a
+    second draw of a shape makes no tick objects."""
+    from matplotlib.axis import Tick
+    from reducelab import plots
+    states = [("2.weight", 10, [(0, 3), (3, 3), (6, 3), (9, 1)], [[(0, 3, 0), (3, 2, 1)], [(5, 1, 1), (6, 3, 2), (9, 1, 3)]],
+               [300, 300, 300, 100]),
+              ("0.weight", 32, [(0, 16), (16, 16)], [[(0, 8, 0)], [(8, 8, 0)], [(16, 8, 1)], [(24, 8, 1)]], [1600, 1600]),
+              ("2.bias", 10, [(0, 5), (5, 5), (10, 0), (10, 0)], [[(0, 5, 0), (5, 5, 1)], []], [500, 500, 0, 0]),
+              ("0.bias", 32, [(0, 16), (16, 16)], [[(0, 8, 0)], [(8, 8, 0)], [(16, 8, 1)], [(24, 8, 1)]], [1600, 1600])]
+    monkeypatch.setattr(plots, "_KEPT", plots.collections.OrderedDict())
+    figure = CheckpointFigure()
+    kept = [figure.draw(*s) for s in states]
+    assert len(plots._KEPT) == 2                    # two shapes: 4 and 2 ranks, 2 and 4
+    made = conftest.record_calls(monkeypatch, Tick, "__init__")
+    assert figure.draw(*states[0]) == kept[0] and made == []
+    fresh = []
+    for s in states:
+        plots._KEPT.clear()
+        fresh.append(figure.draw(*s))
+    assert len(made) > 10
+    assert kept == fresh and kept[1] != kept[3]

@@ -161,10 +161,14 @@ class Canvas(FigureCanvasAgg):
         return self.renderer
 
 
-def new_figure(width: float, height: float, layout_key=None) -> Figure:
+def new_figure(width: float, height: float, layout_key=None, layout: bool = True) -> Figure:
     """A matplotlib ``Figure`` of ``width`` x ``height`` inches with an Agg canvas attached.
 
     ``width`` is capped at :data:`MAX_WIDTH`, so the PNG fits a notebook's width.
+
+    ``layout``: False for a figure without a layout engine, whose axes keep the positions
+    the caller gives them (``subplots_adjust``, fixed margins); ``layout_key`` is then
+    ignored.
 
     ``layout_key`` (any hashable): for a figure an explorer draws anew on every change.
     The first figure with a key is laid out by matplotlib's constrained layout when
@@ -172,9 +176,10 @@ def new_figure(width: float, height: float, layout_key=None) -> Figure:
     labels are as long and whose titles have as many lines (what sets the margins),
     gets the positions it found and skips the layout engine (about 40 % of such a
     redraw). Anything else that changes the layout (a legend's rows) belongs in the key."""
-    fig = Figure(figsize=(min(width, MAX_WIDTH), height), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(min(width, MAX_WIDTH), height), dpi=DPI,
+                 layout="constrained" if layout else None)
     Canvas(fig)
-    fig._reducelab_layout_key = layout_key
+    fig._reducelab_layout_key = layout_key if layout else None
     return fig
 
 
@@ -184,12 +189,15 @@ KEEP_FIGURES = 8
 """At most this many kept figures (about 2 MB each), the least recently used dropped."""
 
 
-def kept_figure(key, width: float, height: float, make_axes) -> tuple:
+def kept_figure(key, width: float, height: float, make_axes, layout: bool = True) -> tuple:
     """A figure for a plot an explorer draws anew on every change, kept between draws:
     ``(figure, axes)``, where ``make_axes(figure)`` made the tuple ``axes`` the first time.
 
-    A later call with the same ``key`` (any hashable, passed on as the figure's
-    ``layout_key``, see :func:`new_figure`) gets the same figure back with every axes
+    ``layout``: with True, the figure is laid out by constrained layout, ``key`` passed on
+    as its ``layout_key`` (see :func:`new_figure`); with False it has no layout engine and
+    keeps the positions ``make_axes`` gave its axes (fixed margins).
+
+    A later call with the same ``key`` (any hashable) gets the same figure back with every axes
     emptied of its data: lines, patches, texts, collections, images, containers and
     legend removed; data and view limits, linear scales, margins, the colour cycle and
     autoscaling as a new axes has them. What stays is the axes, their ticks and their
@@ -199,7 +207,7 @@ def kept_figure(key, width: float, height: float, make_axes) -> tuple:
     tick per parameter."""
     kept = _KEPT.pop(key, None)
     if kept is None:
-        fig = new_figure(width, height, layout_key=key)
+        fig = new_figure(width, height, layout_key=key) if layout else new_figure(width, height, layout=False)
         kept = (fig, tuple(make_axes(fig)))
     else:
         for ax in kept[1]:
