@@ -1,0 +1,38 @@
+"""The README's benchmark figures are those of the stored runs (``benchmarks/results/``):
+a re-run of ``make bench`` or ``make workshop-bench`` that is not carried into the
+README fails here, as does a README figure no run produced."""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_the_readme_shows_the_stored_benchmark_tables_as_they_are():
+    """Every table row of latest.md (start-up by world size, failures, explorers) and its
+    lines that say when and how the explorers were measured are in the README verbatim."""
+    lines = (RESULTS / "latest.md").read_text().splitlines()
+    shown = [line for line in lines
+             if line.startswith("|") or line.startswith(("Explorers, ", "Widget round trip"))]
+    assert len(shown) >= 30            # 4 world sizes, 5 failure cases, 16 explorers, headers
+    missing = [line[:90] for line in shown if line not in README.splitlines()]
+    assert not missing, f"not in the README as stored: {missing}"
+
+
+def test_the_readme_sizing_table_quotes_the_stored_class_figures():
+    """The sizing table's waits per class size, median (95th percentile) in ms, and its
+    memory range are those of workshop.json."""
+    run = json.loads((RESULTS / "workshop.json").read_text())
+    parts = [f"{round(c['wait_median_s'] * 1e3)} ({round(c['wait_p95_s'] * 1e3)}) ms for {c['learners']}"
+             for c in run["classroom"]]
+    waits = ", ".join([parts[0] + " learner", *parts[1:]])      # "80 (302) ms for 1 learner, 93 ..."
+    assert f"median (95th percentile): {waits}, on 2 cores" in README
+    pss = [c["pss_per_learner_gib"] for c in run["classroom"]]
+    row = next(line for line in README.splitlines() if line.startswith("| memory (PSS"))
+    low, high = map(float, re.search(r"\| ([\d.]+) to ([\d.]+) GiB", row).groups())
+    assert (low, high) == (round(min(pss), 2), round(max(pss), 2))
+    assert f"{run['alone']['pss_gib']:.2f} GiB for one learner on notebook 01" in row
