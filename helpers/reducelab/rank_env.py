@@ -66,6 +66,8 @@ def setup(rank: int, world_size: int, loopback_ifname: str, sys_path: list[str],
     # A kernel interrupt reaches the kernel's process group, not this one: a signal
     # here is the learner's own, and the processes this rank starts get the default.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(signal, "pthread_sigmask"):  # the forkserver blocks it (start_forkserver)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     mp.current_process().daemon = False  # like a torchrun worker: may start processes,
     mp.set_start_method(None, force=True)  # with the platform's default start method
     _pickle_main_by_value()
