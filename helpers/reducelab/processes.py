@@ -149,8 +149,9 @@ def start_forkserver() -> None:
     runs in, and left the next group to start a new server (1.1 to 1.6 s). Blocked, an
     interrupt waits until the server ignores it, and is dropped then. multiprocessing
     starts its resource tracker the same way (``resource_tracker.ensure_running``). The
-    ranks unblock it (:func:`reducelab.rank_env.setup`). An interrupt sent to the kernel
-    while this runs arrives when it returns."""
+    ranks unblock it (:func:`reducelab.rank_env.setup`). The kernel's own interrupts are
+    not held: the block is this thread's, and the kernel's other threads take the signal
+    (Python runs its handler in the main thread either way)."""
     from multiprocessing import forkserver, resource_tracker
     if not hasattr(signal, "pthread_sigmask"):
         forkserver._forkserver.ensure_running()
