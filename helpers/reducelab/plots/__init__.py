@@ -207,7 +207,7 @@ def kept_figure(key, width: float, height: float, make_axes, layout: bool = True
     tick per parameter."""
     kept = _KEPT.pop(key, None)
     if kept is None:
-        fig = new_figure(width, height, layout_key=key) if layout else new_figure(width, height, layout=False)
+        fig = new_figure(width, height, layout_key=key, layout=layout)
         kept = (fig, tuple(make_axes(fig)))
     else:
         for ax in kept[1]:

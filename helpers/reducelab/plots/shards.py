@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import matplotlib
+
 from ..palette import PANEL_GREY, TEXT_GREY
 from . import HATCHES, MARKERS, MAX_WIDTH, MIN_FONT, PALETTE, RANK_COLOURS, kept_figure, new_figure, png
 
