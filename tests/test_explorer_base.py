@@ -623,3 +623,41 @@ def test_a_kept_figure_is_emptied_to_what_a_new_one_draws(monkeypatch):
     for k in range(plots.KEEP_FIGURES + 1):
         plots.kept_figure(("another", k), 2, 2, lambda fig: [fig.subplots()])
     assert len(plots._KEPT) == plots.KEEP_FIGURES and "kept test" not in plots._KEPT
+
+
+@dataclass
+class Gradient:
+    n: int
+    grad: object         # a torch.Tensor, made anew by every compute
+
+
+class TensorExplorer(ToyExplorer):
+    """compute returns a new tensor each time, as a run on the ranks does."""
+
+    def compute(self, n, parity):
+        import torch
+        self.computed.append(n)
+        return Gradient(n, torch.arange(4.0) * n)   # new memory on every call
+
+
+def test_an_equal_result_that_holds_tensors_reuses_its_figure():
+    """Results of 04 and 09 hold tensors: torch pickles a storage under its memory
+    address, so equal tensors in new memory never matched and every move was drawn."""
+    import torch
+
+    from reducelab.widgets import state_key
+    ex = TensorExplorer()
+    first = ex.image.value
+    ex.controls["n"].value = 5
+    ex.controls["n"].value = 0
+    assert ex.computed == [0, 5, 0] and ex.drawn == [0, 5]
+    assert ex.image.value == first
+    # what the key tells apart: values, dtype, shape, requires_grad, and every bit
+    a = torch.tensor([1.0, -0.0])
+    same = [state_key({"n": 1}, a.clone()) for _ in range(2)]
+    assert same[0] == same[1]
+    assert len({same[0], state_key({"n": 2}, a), state_key({"n": 1}, a.double()),
+                state_key({"n": 1}, a.reshape(2, 1)),
+                state_key({"n": 1}, a.clone().requires_grad_()),
+                state_key({"n": 1}, torch.tensor([1.0, 0.0])),
+                state_key({"n": 1}, a.to(torch.bfloat16))}) == 7

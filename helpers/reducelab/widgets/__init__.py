@@ -65,7 +65,9 @@ import concurrent.futures
 import gc
 import hashlib
 import html
+import io
 import pickle
+import sys
 import time
 
 import ipywidgets as W
@@ -82,6 +84,38 @@ long enough for the kernel to apply every change already waiting in its queue (e
 takes well under a millisecond), far below what a learner notices."""
 PNG_CACHE = 32
 """How many drawn results each explorer remembers (PNG bytes, a few tens of kB each)."""
+
+
+def _tensor_contents(*fields):
+    """Stands for a tensor in :func:`state_key`'s pickle; never called."""
+    return fields
+
+
+class _ContentsPickler(pickle.Pickler):
+    """A pickler that writes a plain tensor as its contents. torch pickles a tensor's
+    storage with its legacy format (``TypedStorage.__reduce__`` in ``torch/storage.py``),
+    whose ``persistent_id`` names each storage by ``str(storage._cdata)``, an address
+    in memory (``_legacy_save`` in ``torch/serialization.py``): two equal tensors in
+    different memory pickle to different bytes, so an equal result never matched."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter) \
+                or obj.layout != torch.strided or obj.is_quantized:
+            return NotImplemented
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        return _tensor_contents, (str(t.dtype), tuple(obj.shape), obj.requires_grad,
+                                  t.view(torch.uint8).numpy().tobytes())
+
+
+def state_key(values: dict, result) -> bytes:
+    """A 16-byte digest of ``(values, result)`` that is equal for equal states: their
+    pickled bytes, with every plain CPU or strided tensor written as its dtype, shape,
+    ``requires_grad`` and bytes. Raises what pickling raises for a result that cannot
+    be pickled."""
+    buffer = io.BytesIO()
+    _ContentsPickler(buffer, protocol=5).dump((values, result))
+    return hashlib.blake2b(buffer.getvalue(), digest_size=16).digest()
 
 
 def in_kernel() -> bool:
@@ -304,11 +338,10 @@ class Explorer:
 
     def _png(self, result) -> bytes:
         """:meth:`draw`'s PNG bytes for ``result``, from the cache when an equal result
-        was drawn before with the same control values (compared by their pickled
-        bytes)."""
+        was drawn before with the same control values (compared by
+        :func:`state_key`)."""
         try:
-            key = hashlib.blake2b(pickle.dumps((self.values, result), protocol=5),
-                                  digest_size=16).digest()
+            key = state_key(self.values, result)
         except Exception:  # noqa: BLE001 - a result that cannot be pickled is drawn anew
             return self.draw(result)
         cached = self._pngs.get(key)
