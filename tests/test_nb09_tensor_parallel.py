@@ -346,6 +346,7 @@ def drawn_figure(explorer):
     from reducelab import plots
     caught = []
     plots.AUDITS.append(caught.append)
+    explorer._pngs.clear()      # a state drawn before would come from the figure cache
     try:
         explorer.refresh()
     finally:
