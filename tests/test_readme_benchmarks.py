@@ -36,3 +36,15 @@ def test_the_readme_sizing_table_quotes_the_stored_class_figures():
     low, high = map(float, re.search(r"\| ([\d.]+) to ([\d.]+) GiB", row).groups())
     assert (low, high) == (round(min(pss), 2), round(max(pss), 2))
     assert f"{run['alone']['pss_gib']:.2f} GiB for one learner on notebook 01" in row
+
+
+def test_the_readme_names_the_explorers_that_meet_the_median_goal_in_the_stored_run():
+    """The README's count and list of explorers at or under the goal of issue 23 (a
+    median wait of 100 ms per move) are those of latest.json's explorer run."""
+    run = json.loads((RESULTS / "latest.json").read_text())
+    meet = sorted(name[:2] for name, e in run["explorers"].items() if e["median_s"] <= 0.100)
+    text = " ".join(README.split())                      # the paragraph, unwrapped
+    said = re.search(r"(\d+) of the (\d+) explorers meet it in the run of [^(]*\(([^);]*)", text)
+    assert said, "the README no longer says which explorers meet the median goal"
+    count, total, names = int(said[1]), int(said[2]), re.findall(r"\d\d", said[3])
+    assert (count, total, sorted(names)) == (len(meet), len(run["explorers"]), meet)
