@@ -286,10 +286,17 @@ def play_with_explorers(page, plan: Plan) -> list[str]:
         box.scroll_into_view_if_needed()
         controls = box.locator("> .widget-hbox > .lm-Widget")
         message_box = box.locator("> .widget-html").first
-        # every message the page shows, however briefly (an interim one lasts a second)
+        # every message the page shows, however briefly (an interim one lasts a second);
+        # from the mutation records, not the element's text when the observer runs: two
+        # updates handled in one task (JupyterLab chains kernel messages as promises)
+        # reach the observer together, and the element then holds only the second
         message_box.evaluate("""el => { window.__messages = [];
-            new MutationObserver(() => window.__messages.push(el.textContent)).observe(el,
-                {childList: true, subtree: true, characterData: true}); }""")
+            new MutationObserver(records => {
+                for (const r of records) {
+                    for (const n of r.addedNodes) window.__messages.push(n.textContent);
+                    if (r.type === "characterData") window.__messages.push(r.target.data);
+                }
+            }).observe(el, {childList: true, subtree: true, characterData: true}); }""")
         for k in range(controls.count()):
             image = box.locator("> .widget-image").first
             before = image.get_attribute("src")
