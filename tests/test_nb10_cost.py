@@ -377,6 +377,41 @@ def test_a_new_sweep_is_shown_as_it_is_measured_the_chosen_size_first(group, mon
     assert ex.interims == 2 and len(ex.result.sweep.timings) == len(sizes)
 
 
+def test_a_sweep_shows_what_it_has_before_a_size_that_would_run_past_interim_after(
+        group, monkeypatch):
+    """The look ahead: the small sizes take 0.04 s in all, but the largest is expected
+    to take 0.5 s, so the learner sees the small ones before it is measured, not nothing
+    for half a second (notebook 10's 64 MiB on 3 ranks). Timings made up, with a clock
+    that each measurement moves on by its own repeats."""
+    import types
+
+    import reducelab.widgets.cost as cost
+    ns = notebook("time_collective", "fit_alpha_beta")
+    group.resize(2)
+    sizes = (4, 1024, 65536, 2**20)
+    per_repeat = {s: 1e-4 + s * 1e-7 for s in sizes}     # seconds: 0.1 ms to 105 ms
+    clock, shown = [0.0], []
+
+    def made_up(collective, size, repeats):
+        clock[0] += repeats * per_repeat[size]
+        return Timing(collective, 2, size, np.full((2, repeats), per_repeat[size]))
+    ex = CostExplorer(group, ns["time_collective"], ns["fit_alpha_beta"], sizes=sizes,
+                      size=1024, world_size=2)
+    monkeypatch.setattr(ex, "measure", made_up)
+    monkeypatch.setattr(cost, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(cost, "explorer_figure",
+                        lambda view: shown.append(view) or b"\x89PNG " + repr(view).encode())
+    before = ex.interims
+    ex.controls["collective"].value = "broadcast"
+    # 1 KiB, 4 B and 64 KiB done at 0.04 s; 1 MiB expected: 5 repeats x 6.7 ms x 16
+    assert cost.expected_seconds({s: made_up("x", s, 1) for s in sizes[:3]}, 2**20) == \
+        pytest.approx(5 * per_repeat[65536] * 16)
+    assert ex.interims - before == 1
+    assert shown[0].sweep.sizes.tolist() == [4, 1024, 65536] and shown[0].to_measure == 1
+    assert shown[-1].to_measure == 0 and "⏳" not in ex.message.value
+    assert cost.expected_seconds({}, 4) == 0.0
+
+
 def test_an_interim_view_says_what_is_still_being_measured(group, drawn):
     ns = notebook("time_collective", "fit_alpha_beta")
     group.resize(2)

@@ -41,11 +41,28 @@ SPOT_SECONDS = 0.6
 """About how long the measurement at the chosen size may take, seconds."""
 MIN_REPEATS, MAX_REPEATS = 5, 25
 INTERIM_AFTER = 0.3
-"""Seconds into a new sweep after which the explorer shows the sizes measured so far
-(:meth:`~reducelab.widgets.Explorer.show_interim`); it shows them again each time the
-sweep has run twice as long as at the last showing (0.3, 0.6, 1.2 s ...: three or four
-interim figures in a sweep of 3 s on 8 ranks and 2 cores, each a redraw of 60 to 130
-ms)."""
+"""Seconds into a new sweep by which the learner sees the sizes measured so far
+(:meth:`~reducelab.widgets.Explorer.show_interim`), if the sweep runs longer. Before
+each size, the explorer shows them when the sweep has run this long, or would run past it
+while measuring that size (:func:`expected_seconds`); then again when it would run past
+twice as long as at the last showing (three or four interim figures in a sweep of 3 s on
+8 ranks and 2 cores, each a redraw of 60 to 130 ms). Without the look ahead, a sweep on
+3 ranks reached its 64 MiB size (0.3 to 0.4 s of the 0.9 to 1.2 s it took) at 0.26 to
+0.30 s on an idle 2-core machine, so the learner saw no interim figure in one sweep of
+two."""
+
+
+def expected_seconds(measured: dict, size_bytes: int) -> float:
+    """About how long measuring ``size_bytes`` in a sweep will take, seconds: its
+    :func:`sweep_repeats` times the median of the largest size measured so far, scaled
+    by the ratio of sizes (a time per byte that still holds the per-message α, so it errs
+    long), and never less than the smallest median measured. ``measured`` maps sizes,
+    bytes, to their :class:`Timing`; ``0.0`` when it is empty."""
+    if not measured:
+        return 0.0
+    largest = measured[max(measured)]
+    floor = min(t.median for t in measured.values())
+    return sweep_repeats(size_bytes) * max(floor, largest.median * size_bytes / largest.size_bytes)
 
 
 def available_cores() -> int:
@@ -247,9 +264,9 @@ class CostExplorer(Explorer):
         start, show_at = time.monotonic(), INTERIM_AFTER
         for s in [size] + [s for s in self.sizes if s != size]:
             elapsed = time.monotonic() - start
-            if len(measured) >= 2 and elapsed >= show_at:
+            if len(measured) >= 2 and elapsed + expected_seconds(measured, s) >= show_at:
                 self._show_sweep_so_far(collective, size, world_size, measured)
-                show_at = 2 * elapsed
+                show_at = 2 * max(elapsed, INTERIM_AFTER)
             measured[s] = self.measure(collective, s, sweep_repeats(s))
         return Sweep(collective, world_size, [measured[s] for s in self.sizes])
 
