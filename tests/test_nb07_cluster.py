@@ -5,12 +5,15 @@ are compared with a LocalGroup and with values computed in this process.
 """
 from __future__ import annotations
 
+import configparser
 import glob
 import inspect
 import json
 import os
 import pathlib
+import re
 import runpy
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,9 +147,28 @@ def test_the_notebooks_torchrun_command_runs_train_py(train_py):
     proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=180,
                           cwd=train_py)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines() == _expected_train_output(2, "localhost")
+    # --standalone: MASTER_ADDR is the node's name, socket.getfqdn() (localhost only where
+    # the host name maps to it, as on the machine that ran the notebook)
+    assert proc.stdout.splitlines() == _expected_train_output(2, socket.getfqdn())
     assert "OMP_NUM_THREADS" not in proc.stderr          # no warning: the command sets it
     assert not _torchrun_procs()
+
+
+def test_nbval_sees_the_same_train_py_lines_whatever_the_machine_s_name():
+    """Under --standalone, MASTER_ADDR is socket.getfqdn(): localhost on the machine that
+    ran the notebook, a node's own name elsewhere. nbval's sanitizer maps both to one token
+    (the notebook stores the first), and leaves a LocalGroup's MASTER_ADDR=None alone."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "tests" / "nbval_sanitize.cfg")
+    pattern, repl = next((cfg[s]["regex"], cfg[s]["replace"]) for s in cfg.sections()
+                         if "MASTER_ADDR" in s)
+    here = _expected_train_output(2, "localhost")
+    elsewhere = _expected_train_output(2, "node17.cluster.example.org")
+    assert here != elsewhere
+    assert [re.sub(pattern, repl, line) for line in here] == \
+        [re.sub(pattern, repl, line) for line in elsewhere]
+    local = _expected_train_output(2, None)
+    assert [re.sub(pattern, repl, line) for line in local] == local
 
 
 def test_the_same_main_runs_through_group_run(train_py, group2, capsys):
@@ -164,13 +186,14 @@ def test_standalone_env(standalone):
         assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) == (str(r), str(r), "2")
         assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("0", "1", "2")
         assert e["get_rank"] == r and e["get_world_size"] == 2
-        assert e["MASTER_ADDR"] == "localhost"
+        assert e["MASTER_ADDR"] == socket.getfqdn()   # the node's name, not the rdzv endpoint
         assert e["MASTER_PORT"].isdigit() and e["MASTER_PORT"] != "29500"  # a free port
         assert e["OMP_NUM_THREADS"] == "1"
         assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"   # ranks use the agent's store
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
     clean = sanitize_env(envs[0])
     assert clean["MASTER_PORT"] == "<port>" and clean["TORCHELASTIC_RUN_ID"] == "<run id>"
+    assert clean["MASTER_ADDR"] == "<fqdn>"
     assert clean["get_rank"] == 0
 
 

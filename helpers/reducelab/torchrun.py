@@ -188,9 +188,14 @@ def sanitize_env(env: dict) -> dict:
     """A copy of a rank's environment dict with volatile values replaced.
 
     ``MASTER_PORT`` -> ``"<port>"`` (torchrun ``--standalone`` picks a free port),
-    ``TORCHELASTIC_RUN_ID`` -> ``"<run id>"`` (a fresh UUID per launch); other values
-    go through :func:`sanitize`. Values that are not ``str`` (``None`` for a variable
-    that is not set, ints) are kept as they are.
+    ``TORCHELASTIC_RUN_ID`` -> ``"<run id>"`` (a fresh UUID per launch), and
+    ``MASTER_ADDR`` -> ``"<fqdn>"`` where it is this machine's name as
+    ``socket.getfqdn()`` gives it, which ``--standalone`` uses (the node's address,
+    ``local_addr or socket.getfqdn()`` in
+    ``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``) and which differs
+    from machine to machine; another address, such as the ``127.0.0.1`` of a static
+    rendezvous, is kept. Other values go through :func:`sanitize`. Values that are not
+    ``str`` (``None`` for a variable that is not set, ints) are kept as they are.
     """
     out = {}
     for k, v in env.items():
@@ -198,6 +203,8 @@ def sanitize_env(env: dict) -> dict:
             out[k] = v
         elif k == "MASTER_PORT":
             out[k] = "<port>"
+        elif k == "MASTER_ADDR" and v == socket.getfqdn():
+            out[k] = "<fqdn>"
         elif k == "TORCHELASTIC_RUN_ID":
             out[k] = "<run id>"
         else:
