@@ -34,9 +34,10 @@ def refusal(op: str, dtype: str, err: RankError | None = None) -> str:
         return (f"gloo refuses {op} on {dtype}: bitwise AND/OR/XOR combine the bits of "
                 f"integers, so they are defined for integer dtypes only. Pick int64.")
     if op == "AVG" and dtype == "int64":
-        return ("gloo refuses AVG on int64: its AVG is a SUM and then a division, whose "
-                "fraction cannot be written back into an int64 tensor in place. Pick "
-                "float32, or use SUM and divide yourself.")
+        return ("gloo refuses AVG on int64: its AVG is a SUM and then a true division by "
+                "world_size, whose result is float whatever the values, and a float cannot be "
+                "written back into an int64 tensor in place. The error comes after the SUM, "
+                "which stays in the tensor. Pick float32, or use SUM and divide yourself.")
     if err is not None:
         first = err.first_summary
         return f"gloo refused {op} on {dtype}: {first}"
