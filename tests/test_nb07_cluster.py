@@ -171,6 +171,21 @@ def test_nbval_sees_the_same_train_py_lines_whatever_the_machine_s_name():
     assert [re.sub(pattern, repl, line) for line in local] == local
 
 
+def test_nbval_sees_the_same_env_table_whatever_the_kernel_s_omp_num_threads():
+    """A LocalGroup's ranks inherit the kernel's OMP_NUM_THREADS (unset where the notebook
+    ran; a hub may set it): the env table's LocalGroup column shows it, and nbval's
+    sanitizer maps every value of it to one token, torchrun's 1s kept."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "tests" / "nbval_sanitize.cfg")
+    pattern, repl = next((cfg[s]["regex"], cfg[s]["replace"]) for s in cfg.sections()
+                         if s.startswith("OMP_NUM_THREADS"))
+    row = lambda local: f"{'OMP_NUM_THREADS':<29}{'1':>10}{'1':>10}{local:>12}"   # as cell 15
+    assert row("None") in printed(notebook_code_cell("torchrun_env = [sanitize_env("))
+    assert re.sub(pattern, repl, row("None")) == re.sub(pattern, repl, row("8")) \
+        == re.sub(pattern, repl, row("1"))
+    assert re.sub(pattern, repl, row("None")).split()[:3] == ["OMP_NUM_THREADS", "1", "1"]
+
+
 def test_the_same_main_runs_through_group_run(train_py, group2, capsys):
     main = runpy.run_path(str(train_py / "train.py"), run_name="train")["main"]  # as %run -n
     assert group2.run(main) == [_reference_all_reduce(2)[0]["sum"]] * 2
