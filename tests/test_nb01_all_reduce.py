@@ -260,6 +260,14 @@ def local_std(n):
     return total / dist.get_world_size(), x.std().expand(n)
 
 
+def gathered_single(n):                                # torch 2.13's gather, then torch.std
+    x = local_values(dist.get_rank(), n)
+    rows = torch.empty(dist.get_world_size() * n)
+    dist.all_gather_single(rows, x)
+    rows = rows.view(dist.get_world_size(), n)
+    return rows.mean(0), rows.std(0, correction=0)
+
+
 def one_tensor(n):
     x = local_values(dist.get_rank(), n)
     dist.all_reduce(x)
@@ -304,6 +312,7 @@ def test_right_answers_pass(group, name):
     (root_mean_square, "the mean itself was never taken off"),
     (squared_after_in_place, "after all_reduce had overwritten it with the sum"),
     (local_std, "the spread of this rank's own elements"),
+    (gathered_single, "called dist.all_gather_single"),
     (one_tensor, "expected a pair of tensors (mean, std)"),
     (raises, "raised on the ranks"),
 ])

@@ -284,6 +284,14 @@ def gathered(l):  # one collective, but not an all_reduce
     return total / count
 
 
+def gathered_single(l):  # torch 2.13's name for the gather into one tensor
+    stats = torch.stack([l.sum(), torch.tensor(float(l.numel()))])
+    out = torch.empty(2 * dist.get_world_size())
+    dist.all_gather_single(out, stats)
+    total, count = out.view(-1, 2).sum(0)
+    return total / count
+
+
 WRONG = {
     "local_only": (local_only, "other ranks' losses are not in it"),
     "sum_only": (sum_only, "the sum of all 18 losses, not their mean"),
@@ -298,6 +306,7 @@ WRONG = {
                              "returned nan. Rank 1 holds no sample here, and the mean of an empty "
                              "tensor is nan (0 / 0)"),
     "gathered": (gathered, "rank 0 called all_gather once. The exercise asks for one all_reduce"),
+    "gathered_single": (gathered_single, "rank 0 called all_gather_single once."),
     "stub": (stub, "mean of the per-rank means"),
 }
 

@@ -290,6 +290,12 @@ def replicate_as_piece(model, mesh):
     return (split + copied).sqrt().item()
 
 
+def gathered_single(model, mesh):   # the right norm, after gathering one gradient's pieces
+    piece = next(iter(model.parameters())).grad.to_local().flatten()
+    dist.all_gather_single(torch.empty(piece.numel() * dist.get_world_size()), piece)
+    return math.sqrt(no_square_root(model, mesh))
+
+
 def averaged(model, mesh):
     s = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
     dist.all_reduce(s, op=dist.ReduceOp.AVG)
@@ -340,6 +346,7 @@ def test_the_solution_passes_and_the_stub_fails(group):
     (replicate_as_piece, "0.bias is Replicate() over tp"),
     (averaged, "It looks like an average over 4 ranks"),
     (gathered, "The value is right, but your function called full_tensor()"),
+    (gathered_single, "The value is right, but your function called dist.all_gather_single"),
     (torchs_own, "torch's own clip_grad_norm_ (or get_total_norm) failing on this model"),
     (collective_on_a_dtensor, "from each gradient's local piece"),
     (a_list, "return the norm as one number"),

@@ -21,12 +21,14 @@ second has an empty local batch on rank 1: a rank can end up with no sample (the
 batch of an epoch, samples masked out of the loss), and then its local mean is nan."""
 
 COLLECTIVE_NAMES = {"allreduce_": "all_reduce", "allgather_": "all_gather",
-                    "_allgather_base_": "all_gather_into_tensor", "broadcast_": "broadcast",
+                    "_allgather_base_": "all_gather_single", "broadcast_": "broadcast",
                     "reduce_": "reduce", "reduce_scatter_": "reduce_scatter",
-                    "_reduce_scatter_base_": "reduce_scatter_tensor", "gather_": "gather",
+                    "_reduce_scatter_base_": "reduce_scatter_single", "gather_": "gather",
                     "scatter_": "scatter", "alltoall_": "all_to_all", "barrier": "barrier",
                     "send": "send", "recv_": "recv"}
-"""torch.distributed's name for each c10d op that ``CommDebugMode`` counts."""
+"""torch.distributed's name for each c10d op that ``CommDebugMode`` counts (in torch 2.13,
+``all_gather_single`` and ``reduce_scatter_single``; the deprecated
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` call them)."""
 
 
 def exercise_losses(rank: int, local_batch_size: int) -> torch.Tensor:

@@ -97,8 +97,9 @@ HANG_TIMEOUT = 3.0
 """Seconds the check's own group waits for the ranks before it stops them and says where
 each was waiting (a chain that hangs costs this, not the learner's group's timeout)."""
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "broadcast", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object",
+                "broadcast", "reduce", "reduce_scatter", "reduce_scatter_single",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+                "gather_object", "scatter", "all_gather_object",
                 "broadcast_object_list", "scatter_object_list")
 
 

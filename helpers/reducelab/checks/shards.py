@@ -120,10 +120,10 @@ def torch_log(name: str):
 
 # --- the exercise -----------------------------------------------------------------------------
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-               "gather", "gather_object", "broadcast", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "send",
-               "recv", "isend", "irecv")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
+               "all_gather_object", "gather", "gather_object", "broadcast", "reduce",
+               "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "scatter", "send", "recv", "isend", "irecv")
 """``torch.distributed`` calls watched while the learner's ``global_grad_norm`` runs: one
 that carries more numbers than the model has parameter tensors moves gradient elements
 (the exercise: "Gather no gradient ... only a few numbers may cross the ranks")."""
