@@ -316,7 +316,8 @@ def main(argv=None) -> int:
                           "have every kernel join the workshop at JOIN_ADDRESS (default: "
                           "$REDUCELAB_WORKSHOP, if set)")
     lab.add_argument("--name", default="",
-                     help="your name on the instructor's dashboard (default: your login name)")
+                     help="your name on the instructor's dashboard (default: $REDUCELAB_WORKSHOP_NAME, "
+                          "else the hub's user name, else your login name)")
     doctor = sub.add_parser("doctor", help="check that Reduce Lab can run here")
     doctor.add_argument("--quick", action="store_true", help="skip starting a real group")
     workshop = sub.add_parser("workshop", help="run a workshop: the instructor's server")

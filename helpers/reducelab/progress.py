@@ -1,7 +1,7 @@
 """The status line shown while a group's ranks start (notebook 01's setup cell).
 
 In a notebook cell, ``LocalGroup(...)`` shows one line that is updated in place as each
-rank joins the process group, ``Starting 4 gloo ranks: ●●○○ 2/4 up``, and ends as
+rank joins the process group, ``●●○○ Starting 4 gloo ranks: 2/4 up``, and ends as
 ``●●●● 4 gloo ranks up`` (or as a sentence saying how many joined before the start
 failed). Nothing is shown from widget callbacks (their output would land in
 JupyterLab's log console), for resizes, or outside a Jupyter kernel, unless a callback

@@ -27,7 +27,7 @@ def node_layout_figure(layout) -> bytes:
 
     ``layout`` is a :class:`reducelab.widgets.cluster.NodeLayout` (1 to 4 nodes of 1 to
     4 processes; each rank's input is ``rank + 1``). The figure is drawn at the size it
-    is shown: 6.4 to 9.4 in wide, at most 4.2 in tall.
+    is shown: 6.4 to 9.5 in wide, at most 4.2 in tall.
     """
     n, p = layout.nnodes, layout.nproc_per_node
     left, right, top = 1.35, 1.75, 1.05

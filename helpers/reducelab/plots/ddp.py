@@ -183,7 +183,8 @@ GAP_FLOOR = 1e-9
 
 def loss_curves(curves: dict, title: str = "", ylabel: str = "loss on all 1797 digits",
                 reference: str | None = None) -> bytes:
-    """Overlay loss curves; return PNG bytes of a 9.6 in wide figure.
+    """Overlay loss curves; return PNG bytes of a figure 9.6 in wide with ``reference``
+    (two panels), 7.0 in without.
 
     Args:
         curves: ``{label: sequence of float}``, one loss per optimizer step, drawn in

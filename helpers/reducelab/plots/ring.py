@@ -73,8 +73,8 @@ def _halo(width: float) -> list:
 class RingStepsPlot:
     """One step of a ring all_reduce: a grid of ranks (rows) x chunks (columns).
 
-    Drawn at the size it is shown: 5.2 in wide at 2 ranks, 9.6 in (the notebook's
-    width) at 8, and at most 4.3 in tall, so the explorer's controls and figure fit on
+    Drawn at the size it is shown: 5.5 in wide at 2 ranks, 9.6 in (the notebook's
+    width) at 6 or more, and at most 4.4 in tall, so the explorer's controls and figure fit on
     one screen. The figure persists and is rebuilt only when the world size changes,
     so moving the step slider only redraws.
     """

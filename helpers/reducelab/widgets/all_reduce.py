@@ -51,7 +51,7 @@ class AllReduceResult:
     Attributes:
         op, pattern, dtype: the settings used.
         before, after: ``numpy`` arrays of shape ``(world_size, n)``, the input and the
-            result on each rank (dtype float64 or int64 as computed).
+            result on each rank (dtype float32 or int64, as the dtype control says).
     """
 
     op: str

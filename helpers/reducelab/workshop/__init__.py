@@ -11,7 +11,8 @@ instructor. A learner's kernel joins with one line::
 or by itself at ``import reducelab`` when ``REDUCELAB_WORKSHOP`` holds the join
 address (a hub sets it for everyone; the name is then ``REDUCELAB_WORKSHOP_NAME``,
 else the hub's user name, else the login name; ``reducelab lab --workshop ADDRESS``
-sets both for the kernels it starts).
+sets ``REDUCELAB_WORKSHOP`` for the kernels it starts, and ``REDUCELAB_WORKSHOP_NAME``
+when given ``--name``).
 
 From then on every check's and question's verdict, and every group call that timed
 out, is reported (:mod:`reducelab.workshop.client` says exactly what a report holds),

@@ -31,7 +31,8 @@ class Item:
         key: ``"answer_1"`` for a question, the check's name (``"check_mesh_sync"``)
             for an exercise.
         kind: ``"question"`` or ``"exercise"``.
-        label: a short column heading, such as ``"Q1"`` or ``"mesh_sync"``.
+        label: a short column heading, such as ``"Q1"`` or ``"token_weighted_sync"`` (an
+            exercise's solution file name without its number and ``.py``).
         solution: an exercise's solution file name (``"05_token_weighted_sync.py"``), else ``""``.
     """
 
