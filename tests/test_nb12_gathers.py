@@ -480,6 +480,14 @@ def crashes(losses, indices, dataset_size):
     raise ValueError("nope")
 
 
+def reduced_to_rank_0_only(losses, indices, dataset_size):
+    # rank 0 ends with the global sum, the others keep their own: the ranks disagree,
+    # but the function did call a collective (one the old watched list did not name)
+    t = torch.stack([losses.sum(), torch.tensor(float(len(losses)), dtype=torch.float64)])
+    dist.reduce(t, dst=0)
+    return t[0] / t[1]
+
+
 def solution():
     return conftest.load_solution("12_exact_mean_loss").exact_mean_loss
 
@@ -503,6 +511,12 @@ def test_the_notebook_stub_fails_and_says_what_is_missing(group):
     assert not verdict and "Each rank returned the mean of its own share only" in verdict.message
     assert "(your function called none)" in verdict.message
     assert verdict.message in stored_text("check_exact_mean_loss(group, exact_mean_loss)").replace("&#x27;", "'")
+
+
+def test_a_collective_the_function_did_call_is_never_reported_as_none(group):
+    verdict = check_exact_mean_loss(group, reduced_to_rank_0_only)
+    assert not verdict and "The ranks disagree." in verdict.message, verdict.message
+    assert "called none" not in verdict.message
 
 
 @pytest.mark.parametrize("mistake, explanation", [

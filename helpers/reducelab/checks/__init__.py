@@ -18,6 +18,42 @@ _observer = None
 """Set by :mod:`reducelab.workshop` while this kernel is in a workshop: told of each
 :class:`Verdict` as it is created (``created``) and when it is first shown (``shown``)."""
 
+TENSOR_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast",
+                      "all_gather", "all_gather_single", "all_gather_into_tensor",
+                      "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
+                      "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all",
+                      "all_to_all_single")
+"""The collectives on tensors of ``torch.distributed`` in torch 2.13, by the names a
+learner calls them (``distributed_c10d.__all__``), deprecated spellings included:
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` still work beside the new
+``all_gather_single`` and ``reduce_scatter_single``."""
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
+                      "scatter_object_list")
+"""The collectives of ``torch.distributed`` that move picklable Python objects."""
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
+                  "recv_object_list")
+"""The point-to-point calls of ``torch.distributed``."""
+COLLECTIVES = TENSOR_COLLECTIVES + OBJECT_COLLECTIVES + POINT_TO_POINT
+"""Every ``torch.distributed`` call that moves data between ranks (``barrier`` moves
+none). The checks that watch a learner's function for a collective it should not call,
+or count the ones it does, each take their names from here, so a name torch adds reaches
+all of them; ``tests/test_check_collectives.py`` fails when torch's list has one that
+this one lacks."""
+
+
+def collectives_except(*names: str) -> tuple[str, ...]:
+    """:data:`COLLECTIVES` without ``names`` (the calls an exercise itself is built on).
+
+    Raises:
+        ValueError: a name is not in :data:`COLLECTIVES` (a misspelling would leave the
+            call watched without anyone noticing)."""
+    unknown = [n for n in names if n not in COLLECTIVES]
+    if unknown:
+        raise ValueError(f"not collectives of torch.distributed: {', '.join(unknown)}; "
+                         f"valid: {', '.join(COLLECTIVES)}")
+    return tuple(n for n in COLLECTIVES if n not in names)
+
+
 PROMPT = ("No prediction yet. Write yours in the answer cell above, then run both "
           "cells again: the real result stays folded until you do.")
 """What an unanswered predict-then-run question shows, in place of the result."""

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
+from . import Verdict, collectives_except, failed, passed, raised_on_ranks, restoring_world_size
 
 ATOL = 1e-5
 """Tolerance of the exercise's check, absolute and relative (float32 rounding of sums of
@@ -77,11 +77,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
                                                       atol=ATOL, rtol=ATOL)
 
 
-OTHER_COLLECTIVES = ("all_gather", "all_gather_single", "all_gather_into_tensor",
-                     "all_gather_object", "broadcast", "broadcast_object_list", "reduce",
-                     "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
-                     "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter",
-                     "send", "recv", "isend", "irecv")
+OTHER_COLLECTIVES = collectives_except("all_reduce")
 """Collectives and point-to-point calls of ``torch.distributed`` other than all_reduce,
 which the exercise of notebook 01 does not use: each call of one is recorded by name."""
 

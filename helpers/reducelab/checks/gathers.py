@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
+from . import COLLECTIVES, Verdict, failed, passed, raised_on_ranks, restoring_world_size
 from ..errors import RankError
 
 TRAIN_SIZE = 1500
@@ -129,13 +129,10 @@ def exercise_run(fn, dataset_size: int, epoch: int):
     """Runs on every rank: ``fn(losses, indices, dataset_size)`` on this rank's share
     (:func:`exercise_inputs`). Returns ``(value, calls)``: what ``fn`` returned, as a
     float when it is a number or a one-element tensor (else as it came), and how many
-    ``torch.distributed`` collectives it called (``all_reduce``, ``all_gather``,
-    ``all_gather_object``, ``all_gather_single``, ``broadcast``)."""
+    ``torch.distributed`` calls of :data:`~reducelab.checks.COLLECTIVES` it made."""
     import torch.distributed as dist
     losses, indices = exercise_inputs(dataset_size, epoch)
-    names = ("all_reduce", "all_gather", "all_gather_object", "all_gather_single",
-             "all_gather_into_tensor", "broadcast")
-    calls, originals = [0], {n: getattr(dist, n) for n in names}
+    calls, originals = [0], {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
 
     def counted(call):
         def wrapper(*args, **kwargs):

@@ -18,17 +18,13 @@ import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
+from . import Verdict, collectives_except, failed, passed, raised_on_ranks, restoring_world_size
 
 WORLD_SIZES = (2, 3, 4)
 """World sizes the exercise check tries."""
 CHUNK_SIZES = (2, 3)
 """Elements per chunk (``k``) the exercise check tries; ``x`` holds ``world_size * k``."""
-FORBIDDEN = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-             "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
-             "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object",
-             "broadcast_object_list", "gather_object", "scatter_object_list",
-             "send", "recv", "isend", "irecv", "batch_isend_irecv")
+FORBIDDEN = collectives_except("reduce")
 """Collectives and point-to-point calls the exercise's function may not call: it builds
 the pattern from reduce alone (a reduce of every chunk to rank 0, then sends from rank 0
 to the owners, gets the right sums without ``dst=c``). Every rank refuses them at once, so

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, raised_on_ranks
+from . import Verdict, collectives_except, failed, passed, raised_on_ranks
 
 
 # --- byte formulas ----------------------------------------------------------------------
@@ -96,11 +96,7 @@ EXERCISE_PIECES = 4
 HANG_TIMEOUT = 3.0
 """Seconds the check's own group waits for the ranks before it stops them and says where
 each was waiting (a chain that hangs costs this, not the learner's group's timeout)."""
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "broadcast", "reduce", "reduce_scatter", "reduce_scatter_single",
-                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
-                "gather_object", "scatter", "all_gather_object",
-                "broadcast_object_list", "scatter_object_list")
+_COLLECTIVES = collectives_except("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 def exercise_input(src: int, numel: int = EXERCISE_NUMEL) -> torch.Tensor:

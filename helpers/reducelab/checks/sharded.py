@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..data import batch_order, load_digits_tensors, local_slice
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
+from . import COLLECTIVES, Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
 GLOBAL_BATCH = 840
 """Digits per optimizer step, summed over ranks; divisible by every world size 1 to 8, so
@@ -335,9 +335,7 @@ def exercise_run(zero2_step, X: torch.Tensor, y: torch.Tensor,
 REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 """The ``torch.distributed`` calls that reduce-scatter: a ZeRO-2 step calls one of them."""
 
-RECORDED = REDUCE_SCATTERS + ("all_reduce", "all_gather", "all_gather_into_tensor",
-                              "all_gather_single", "all_to_all", "all_to_all_single", "broadcast",
-                              "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
+RECORDED = COLLECTIVES
 """The ``torch.distributed`` calls whose names :func:`check_zero2_step` records on each
 rank, to tell a step that reduce-scatters from one that reached the right numbers with
 every rank's whole gradient (an all_reduce, or an all_gather of the gradients)."""

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from ..data import load_digits_tensors
 from ..errors import RankError
 from ..group import LocalGroup
-from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
+from . import COLLECTIVES, Verdict, failed, passed, raised_on_ranks, restoring_world_size
 from .sharded import ATOL, global_batches, local_part, make_model, reference_run
 
 MESH_SHAPE = (2, 2)
@@ -120,15 +120,6 @@ def torch_log(name: str):
 
 # --- the exercise -----------------------------------------------------------------------------
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
-               "all_gather_object", "gather", "gather_object", "broadcast", "reduce",
-               "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all",
-               "all_to_all_single", "scatter", "send", "recv", "isend", "irecv")
-"""``torch.distributed`` calls watched while the learner's ``global_grad_norm`` runs: one
-that carries more numbers than the model has parameter tensors moves gradient elements
-(the exercise: "Gather no gradient ... only a few numbers may cross the ranks")."""
-
-
 def _largest_tensor(value) -> int:
     """Elements of the largest tensor in ``value`` (a tensor, or a list or tuple of them)."""
     if isinstance(value, torch.Tensor):
@@ -142,9 +133,11 @@ def _largest_tensor(value) -> int:
 def _counting_gathers(counts: dict, few: int):
     """Count calls of ``DTensor.full_tensor`` and ``DTensor.redistribute`` inside the block
     (each gathers or moves a gradient's elements between ranks), and calls of the
-    :data:`COLLECTIVES` of ``torch.distributed`` made from outside torch with a tensor of
-    more than ``few`` elements, as ``counts["dist.<name>"]``, the largest such tensor's
-    number of elements."""
+    :data:`~reducelab.checks.COLLECTIVES` of ``torch.distributed`` made from outside torch
+    with a tensor of more than ``few`` elements, as ``counts["dist.<name>"]``, the largest
+    such tensor's number of elements: one that carries more numbers than the model has
+    parameter tensors moves gradient elements (the exercise: "Gather no gradient ... only
+    a few numbers may cross the ranks")."""
     import os
     import sys
     from torch.distributed.tensor import DTensor
