@@ -444,7 +444,8 @@ class DisagreeExplorer(Explorer):
             f"<small>Each change runs the step on {self.world_size} real ranks, on a process "
             f"group whose timeout is {self.pg_timeout:g} s (<code>pg</code>): a rank that "
             f"waits in vain raises torch's own timeout error after {self.pg_timeout:g} s, as "
-            f"on a cluster after 30 minutes.</small>")
+            f"on a cluster after the default timeout (30 minutes with gloo, 10 with "
+            f"NCCL).</small>")
         self.box = W.VBox([self.box.children[0], self.note, *self.box.children[1:]])
         self.refresh()
 
