@@ -23,6 +23,11 @@ LAB_DIR ?= reducelab-notebooks
 .PHONY: install browser lab test test-spawn unit nbval nbval-other-cpu notebooks bench workshop-bench mutation wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "Reduce Lab needs Python 3.11 or newer: constraints.txt pins numpy 2.4.6, IPython 9.18.1,"; \
+	  echo "SciPy 1.17.1 and scikit-learn 1.9.1, which need it. '$(PYTHON)' here is:"; \
+	  echo "  $$(command -v $(PYTHON) >/dev/null && $(PYTHON) --version 2>&1 || echo not found)"; \
+	  echo "Name a newer one, e.g. make $(or $(MAKECMDGOALS),install) PYTHON=python3.11 (or python3.12)."; exit 1; }
 	@echo "Installing Reduce Lab into $(VENV): torch (CPU), JupyterLab, ipywidgets, matplotlib"
 	@echo "and the test tools. The first time this takes a few minutes; later runs skip it."
 	$(PYTHON) -m venv $(VENV)

@@ -171,15 +171,15 @@ def test_the_oldest_python_and_torch_pass_and_older_fail(lab_lists_the_manager, 
 
     class Version(tuple):
         major, minor = property(lambda self: self[0]), property(lambda self: self[1])
-    monkeypatch.setattr(cli.sys, "version_info", Version((3, 10, 0)))
+    monkeypatch.setattr(cli.sys, "version_info", Version((3, 11, 0)))
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     checks = cli.doctor_checks(smoke=False)
-    assert by_what(checks, "Python 3.10")["ok"] is True
+    assert by_what(checks, "Python 3.11")["ok"] is True
     assert by_what(checks, "torch 2.13.0+cpu")["ok"] is True
-    monkeypatch.setattr(cli.sys, "version_info", Version((3, 9, 18)))
+    monkeypatch.setattr(cli.sys, "version_info", Version((3, 10, 13)))
     monkeypatch.setattr(torch, "__version__", "2.12.1")
     checks = cli.doctor_checks(smoke=False)
-    assert by_what(checks, "Python 3.9")["ok"] is False
+    assert by_what(checks, "Python 3.10")["ok"] is False
     torch_check = by_what(checks, "torch 2.12.1")
     assert torch_check["ok"] is False and "new in torch 2.13" in torch_check["fix"]
 

@@ -7,7 +7,8 @@ every promise and its test is in the issue's closing note):
 * the faults table's "then" column: a failure inside a collective restarts the ranks at
   the next ``run()``, one outside a collective keeps them ("group kept");
 * "On Binder": the CPU build of torch and every other version from ``constraints.txt``;
-* "Your copy of the notebooks": ``make lab`` opens the working copy, never ``notebooks/``.
+* "Your copy of the notebooks": ``make lab`` opens the working copy, never ``notebooks/``;
+* "a fresh Linux machine with Python 3.11+": the oldest Python the pins install on.
 """
 from __future__ import annotations
 
@@ -99,6 +100,29 @@ def test_binder_installs_the_cpu_torch_and_every_other_version_from_the_constrai
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
     assert f"torch=={pins['torch']}+cpu" in lines
     assert (ROOT / "binder" / "runtime.txt").read_text().startswith("python-3.")
+
+
+def test_the_python_the_readme_names_is_the_oldest_the_pins_install_on(tmp_path):
+    """README: "a fresh Linux machine with Python 3.11+". constraints.txt pins packages
+    that need 3.11 (numpy 2.4.6, IPython 9.18.1, SciPy 1.17.1, scikit-learn 1.9.1: pip on
+    3.10 finds none of them), so the README, pyproject's requires-python, the conda
+    environment, Binder and ``reducelab doctor`` say the same version, and ``make`` with an
+    older Python says what it needs and how to name another, before it creates anything."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count("Python 3.11+") == 2 and "3.10+" not in readme
+    assert 'requires-python = ">=3.11"' in (ROOT / "pyproject.toml").read_text()
+    assert "  - python>=3.11\n" in (ROOT / "environment.yml").read_text()
+    assert (ROOT / "binder" / "runtime.txt").read_text().strip() == "python-3.11"
+    old = tmp_path / "python3.10"                 # a Python 3.10, as far as make can tell
+    old.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Python 3.10.13" && exit 0\nexit 1\n')
+    old.chmod(0o755)
+    venv = tmp_path / "venv"
+    res = subprocess.run(["make", "lab", f"PYTHON={old}", f"VENV={venv}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "MAKEFLAGS": ""})
+    assert res.returncode != 0 and not venv.exists()
+    assert "Reduce Lab needs Python 3.11 or newer" in res.stdout
+    assert "Python 3.10.13" in res.stdout and "make lab PYTHON=python3.11" in res.stdout
 
 
 def test_make_lab_opens_the_working_copy_not_the_tracked_notebooks():

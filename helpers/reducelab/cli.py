@@ -122,8 +122,8 @@ def doctor_checks(smoke: bool = True) -> list[dict]:
     """
     checks = []
     py = sys.version_info
-    checks.append(_check(py >= (3, 10), f"Python {py.major}.{py.minor}",
-                         "Reduce Lab needs Python 3.10 or newer."))
+    checks.append(_check(py >= (3, 11), f"Python {py.major}.{py.minor}",
+                         "Reduce Lab needs Python 3.11 or newer."))
     try:
         import torch
         import torch.distributed as dist
