@@ -345,7 +345,8 @@ def test_the_solution_passes_and_the_stub_fails(group):
 
 
 @pytest.mark.parametrize("mistake, explanation", [
-    (nothing, "Your sync left it unchanged: it is still the mean over dp only"),
+    (nothing, "Your sync left it unchanged: it is still the mean over dp only, FSDP2's, of "
+              "the samples that this rank's dp group (the ranks with its cp index) saw"),
     (summed_over_cp, "It is twice the mean: the SUM over the 2 cp ranks"),
     (averaged_over_the_world, "not the whole world or dp, whose ranks hold other rows"),
     (averaged_over_dp, "not the whole world or dp, whose ranks hold other rows"),

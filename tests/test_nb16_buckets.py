@@ -385,6 +385,18 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
     assert 1 / 5 < model256 < 5, model256
     assert rows["DDP buckets B"] == ["2", "2"]
     assert " ".join(rows["DDP, buckets"]).count(" to ") == 2                 # medians with their spread
+    # "at 16 tensors ... the 14 saved α add up to a few milliseconds, less than the spread
+    # of DDP's own times"
+    assert "the 14 saved α add up to a few milliseconds, less than the spread of DDP's own" in text
+    d = rows["DDP, buckets"]                      # "30.8 ms (5.5 ms to 44.3 ms)" at 16 tensors
+    ddp16 = [_seconds(d[0], d[1]), _seconds(d[2], d[3]), _seconds(d[5], d[6])]
+    alpha16 = _seconds(*rows["α (4-byte all_reduce in a loop)"][:2])
+    assert 14 * alpha16 < ddp16[2] - ddp16[1], (alpha16, ddp16)                # median, fastest, slowest
+
+
+def _seconds(value: str, unit: str) -> float:
+    """A time as seconds_label prints it ("30.8", "ms)") in seconds."""
+    return float(value.strip("()")) * {"s": 1, "ms": 1e-3, "µs": 1e-6, "ns": 1e-9}[unit.strip("()")]
 
 
 def test_stored_hook_table_prints_the_bounds_the_text_states():

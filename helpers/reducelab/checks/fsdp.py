@@ -107,9 +107,10 @@ def check_cp_sync(group: LocalGroup, sync) -> Verdict:
                     f"expected).")
             if torch.equal(got, o["before"]):
                 return failed(f"{head} Your sync left it unchanged: it is still the mean over "
-                              f"dp only, FSDP2's, of the samples this rank's cp group saw. The "
-                              f"other cp rank of the same dp index holds the same rows for the "
-                              f"other half of the samples: average with it.")
+                              f"dp only, FSDP2's, of the samples that this rank's dp group (the "
+                              f"ranks with its cp index) saw. The other cp rank of the same dp "
+                              f"index holds the same rows for the other half of the samples: "
+                              f"average with it.")
             if _close(got, 2 * want, atol=2 * ATOL):
                 return failed(f"{head} It is twice the mean: the SUM over the 2 cp ranks. "
                               f"Average instead (ReduceOp.AVG, or divide by the cp group's size).")
