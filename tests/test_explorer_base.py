@@ -350,8 +350,9 @@ def test_in_a_kernel_making_an_explorer_freezes_what_exists_out_of_gc_scans(monk
         pass
 
     assert not widgets.in_kernel()
+    before = gc.get_freeze_count()             # 0 on 3.11 and 3.13; 3.12.1 starts with 375
     ToyExplorer()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == before
     garbage = Cycle()
     garbage.me = garbage                       # a cycle: only a collection frees it
     gone = weakref.ref(garbage)
@@ -361,7 +362,7 @@ def test_in_a_kernel_making_an_explorer_freezes_what_exists_out_of_gc_scans(monk
     monkeypatch.setattr(widgets, "in_kernel", lambda: True)
     try:
         ToyExplorer()
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > before
         assert gone() is None                  # collected before the freeze
         assert not any(o is kept for o in gc.get_objects())   # frozen: in no generation
     finally:
