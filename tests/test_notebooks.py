@@ -282,3 +282,23 @@ def test_pointers_to_split_notebooks_name_where_the_material_went():
                 if pointer and topic.search(sentence) and f" {new}" not in sentence:
                     wrong.append(f"{path.name}: {sentence.strip()[:160]}")
     assert not wrong, "pointers to material that moved:\n" + "\n".join(wrong)
+
+
+def test_nbval_reads_a_subprocess_s_traceback_without_python_3_13_s_colours():
+    """ipykernel sets FORCE_COLOR=1 for what a cell starts (``init_environment`` in
+    ``ipykernel/zmqshell.py``), and Python 3.13 then colours an uncaught traceback
+    (``_colorize.can_colorize``). Notebook 01 prints the last line of a script's
+    traceback: on 3.13 it came with ANSI codes (this line is from that run), and nbval
+    failed on 01 and 11 until its sanitizer drops them."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "tests" / "nbval_sanitize.cfg")
+    section = next(s for s in cfg.sections() if s.startswith("ANSI colours"))
+    pattern, repl = cfg[section]["regex"], cfg[section]["replace"]
+    on_313 = "\x1b[1;35mNameError\x1b[0m: \x1b[35mname 'run' is not defined\x1b[0m\n"
+    stored = next(line for c in code_cells(load(ROOT / "notebooks" / "01_all_reduce.ipynb"))
+                  for o in c.get("outputs", []) if o.get("name") == "stdout"
+                  for line in o["text"] if line.startswith("NameError"))
+    assert on_313 != stored
+    assert re.sub(pattern, repl, on_313) == re.sub(pattern, repl, stored) == stored
+
