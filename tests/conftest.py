@@ -174,3 +174,14 @@ def count_calls() -> int:
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def nbval_sanitizer(title_start: str) -> tuple[str, str]:
+    """The regex and replacement of the section of tests/nbval_sanitize.cfg whose title
+    starts with ``title_start``."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(pathlib.Path(__file__).parent / "nbval_sanitize.cfg")
+    section = next(s for s in cfg.sections() if s.startswith(title_start))
+    return cfg[section]["regex"], cfg[section]["replace"]
+

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
 import threading
 import time
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import gone
+from conftest import gone, nbval_sanitizer
 from reducelab import GroupClosedError, LocalGroup, RankError
 
 
@@ -271,7 +270,6 @@ def test_progress_reports_each_rank_joining_on_start_and_resize():
 
 
 def test_status_line_in_a_cell_counts_ranks_and_ends_as_one_sanitized_line(monkeypatch):
-    import configparser
     import re
 
     import reducelab.progress as progress
@@ -290,9 +288,7 @@ def test_status_line_in_a_cell_counts_ranks_and_ends_as_one_sanitized_line(monke
                      "●○ Starting 2 gloo ranks: 1/2 up", "●● 2 gloo ranks up"]
     # nbval compares the first version with the stored last one: the sanitizer maps
     # both to the same token
-    cfg = configparser.ConfigParser()
-    cfg.read(pathlib.Path(__file__).parent / "nbval_sanitize.cfg")
-    pattern = next(cfg[s]["regex"] for s in cfg.sections() if "status line" in s)
+    pattern, _ = nbval_sanitizer("the start-up status line")
     assert re.sub(pattern, "X", shown[0]) == re.sub(pattern, "X", shown[-1]) == "X"
 
 

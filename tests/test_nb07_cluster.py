@@ -5,7 +5,6 @@ are compared with a LocalGroup and with values computed in this process.
 """
 from __future__ import annotations
 
-import configparser
 import glob
 import inspect
 import json
@@ -154,20 +153,11 @@ def test_the_notebooks_torchrun_command_runs_train_py(train_py):
     assert not _torchrun_procs()
 
 
-def nbval_sanitizer(title_start: str) -> tuple[str, str]:
-    """The regex and replacement of the section of tests/nbval_sanitize.cfg whose title
-    starts with ``title_start``."""
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "tests" / "nbval_sanitize.cfg")
-    section = next(s for s in cfg.sections() if s.startswith(title_start))
-    return cfg[section]["regex"], cfg[section]["replace"]
-
-
 def test_nbval_sees_the_same_train_py_lines_whatever_the_machine_s_name():
     """Under --standalone, MASTER_ADDR is socket.getfqdn(): localhost on the machine that
     ran the notebook, a node's own name elsewhere. nbval's sanitizer maps both to one token
     (the notebook stores the first), and leaves a LocalGroup's MASTER_ADDR=None alone."""
-    pattern, repl = nbval_sanitizer("torchrun's MASTER_ADDR")
+    pattern, repl = conftest.nbval_sanitizer("torchrun's MASTER_ADDR")
     here = _expected_train_output(2, "localhost")
     elsewhere = _expected_train_output(2, "node17.cluster.example.org")
     assert here != elsewhere
@@ -181,7 +171,7 @@ def test_nbval_sees_the_same_env_table_whatever_the_kernel_s_omp_num_threads():
     """A LocalGroup's ranks inherit the kernel's OMP_NUM_THREADS (unset where the notebook
     ran; a hub may set it): the env table's LocalGroup column shows it, and nbval's
     sanitizer maps every value of it to one token, torchrun's 1s kept."""
-    pattern, repl = nbval_sanitizer("OMP_NUM_THREADS")
+    pattern, repl = conftest.nbval_sanitizer("OMP_NUM_THREADS")
     row = lambda local: f"{'OMP_NUM_THREADS':<29}{'1':>10}{'1':>10}{local:>12}"   # as cell 15
     assert row("None") in printed(notebook_code_cell("torchrun_env = [sanitize_env("))
     assert re.sub(pattern, repl, row("None")) == re.sub(pattern, repl, row("8")) \

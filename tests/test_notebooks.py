@@ -290,11 +290,8 @@ def test_nbval_reads_a_subprocess_s_traceback_without_python_3_13_s_colours():
     (``_colorize.can_colorize``). Notebook 01 prints the last line of a script's
     traceback: on 3.13 it came with ANSI codes (this line is from that run), and nbval
     failed on 01 and 11 until its sanitizer drops them."""
-    import configparser
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "tests" / "nbval_sanitize.cfg")
-    section = next(s for s in cfg.sections() if s.startswith("ANSI colours"))
-    pattern, repl = cfg[section]["regex"], cfg[section]["replace"]
+    from conftest import nbval_sanitizer
+    pattern, repl = nbval_sanitizer("ANSI colours")
     on_313 = "\x1b[1;35mNameError\x1b[0m: \x1b[35mname 'run' is not defined\x1b[0m\n"
     stored = next(line for c in code_cells(load(ROOT / "notebooks" / "01_all_reduce.ipynb"))
                   for o in c.get("outputs", []) if o.get("name") == "stdout"
