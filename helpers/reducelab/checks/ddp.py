@@ -8,9 +8,10 @@ can run on the ranks.
 Source: with no communication hook registered, DistributedDataParallel divides each
 gradient by the size of its process group while it copies it into a gradient bucket, then
 all_reduces the bucket with a sum (``Reducer::set_divide_factor``,
-``Reducer::mark_variable_ready_dense`` and ``Reducer::run_allreduce_hook``, which runs the
-C++ ``_AllReduceBySumCommHook``, in ``torch/csrc/distributed/c10d/reducer.cpp``, torch
-v2.13.0). A registered hook gets the gradients undivided; torch's Python
+``Reducer::mark_variable_ready_dense`` and ``Reducer::run_allreduce_hook``, in
+``torch/csrc/distributed/c10d/reducer.cpp``; the last runs the C++
+``_AllReduceBySumCommHook`` of ``torch/csrc/distributed/c10d/default_comm_hooks.cpp``,
+torch v2.13.0). A registered hook gets the gradients undivided; torch's Python
 ``allreduce_hook`` (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``)
 divides first too, and gives what DDP gives without a hook;
 https://pytorch.org/docs/stable/notes/ddp.html

@@ -15,8 +15,8 @@ Everything here runs in the kernel and on the ranks alike (it needs only ``torch
 * :func:`checkpoint_round_trip`: the explorer's rank function: an FSDP2 model saved with
   DCP by the first ``saved_on`` ranks and loaded by the first ``loaded_on`` ranks.
 
-Sources: ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm``
-(``torch/nn/utils/clip_grad.py``); DTensor's ``_NormPartial``
+Sources: ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm`` (defined as
+``_get_total_norm`` in ``torch/nn/utils/clip_grad.py``); DTensor's ``_NormPartial``
 (``torch/distributed/tensor/_ops/_math_ops.py``); "Getting Started with Distributed
 Checkpoint (DCP)", https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html ;
 ``DefaultLoadPlanner`` (``torch/distributed/checkpoint/default_planner.py``); NVIDIA-NeMo/RL
