@@ -48,3 +48,31 @@ def test_the_readme_names_the_explorers_that_meet_the_median_goal_in_the_stored_
     assert said, "the README no longer says which explorers meet the median goal"
     count, total, names = int(said[1]), int(said[2]), re.findall(r"\d\d", said[3])
     assert (count, total, sorted(names)) == (len(meet), len(run["explorers"]), meet)
+
+
+RESTARTS = {"04_ddp_gradients": (("world_size",), "a fraction of a second"),
+            "08_sharded_data_parallel": (("world_size",), "under a second on an idle 2-core machine"),
+            "13_what_ddp_expects_of_a_model": (("world_size",), "under a second on an idle 2-core machine"),
+            "14_clipping_and_checkpoints_across_shards": (("saved_on", "loaded_on"),
+                                                          "under a second on an idle 2-core machine")}
+"""Notebooks whose explorer note says how long a move that restarts the ranks takes: the
+controls that restart them, and the words."""
+
+
+def test_the_explorer_waits_the_notebooks_state_are_those_of_the_stored_sweep():
+    """An explorer note that tells the learner how long a restart of the ranks, or 13's
+    hang, keeps the explorer waiting says what the stored sweep of every control
+    (latest.json, an idle 2-core machine) measured: every such move under a second, and
+    13's hang just over its group's 3 s timeout."""
+    sweep = json.loads((RESULTS / "latest.json").read_text())["explorers"]
+    for name, (controls, words) in RESTARTS.items():
+        nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+        prose = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+        assert words in prose and "a second or two" not in prose, name
+        moves = [m for m in sweep[name]["waits"] if m[0] in controls and m[1] != "rank 0 only"]
+        assert len(moves) >= 3 and max(m[2] for m in moves) < 1.0, (name, moves)
+    nb = json.loads((ROOT / "notebooks" / "13_what_ddp_expects_of_a_model.ipynb").read_text())
+    assert "the 3-second timeout ends it (just over 3 s before the explorer answers)" in \
+        "".join("".join(c["source"]) for c in nb["cells"])
+    hang = [m[2] for m in sweep["13_what_ddp_expects_of_a_model"]["waits"] if m[1] == "rank 0 only"]
+    assert hang and all(3.0 <= s < 3.5 for s in hang), hang
