@@ -245,6 +245,12 @@ def test_the_mixed_precision_cell_states_only_what_holds_on_every_cpu(group, ref
     assert "what holds on every CPU" in stored
     text = markdown()
     assert "between 10⁻³ and 10⁻² of relative error at any world size" in text
+    # the text's comparisons across world sizes are the two the cell prints, n=4 against n=1
+    assert "reduce_dtype=float32: no higher at n=4 than at n=1" in stored
+    assert "the error is no higher at 4 ranks than at 1" in text
+    assert "reduce_dtype=bfloat16: over 10 % higher at n=4 than at n=1" in stored
+    assert "the error is over 10 % higher at 4 ranks than at 1" in text
+    assert "grows with the number of ranks" not in text and "does not grow with the world size" not in text
 
 
 def test_the_step_is_stored_as_zero3_and_with_fsdp2s_gathers():
