@@ -146,19 +146,30 @@ def test_signed_inputs_sum_to_a_plain_zero_not_minus_zero(group):
         assert total == 0.0 and math.copysign(1.0, total) == 1.0 and f"{total:g}" == "0"
 
 
-def changed_by(op):
-    x = torch.tensor([dist.get_rank() + 1.0])
+def changed_by(op, values):
+    x = torch.tensor([values[dist.get_rank()]])
     before = x.clone()
     dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
     return not torch.equal(before, x)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
-def test_max_leaves_only_the_rank_holding_the_maximum(group, world_size):
-    """Question 3's fact, at every world size the explorer allows."""
-    group.resize(world_size)
-    assert group.run(changed_by, "MAX") == [True] * (world_size - 1) + [False]
+@pytest.mark.parametrize("op, values, changed", [
+    ("MIN", [3.0, 1.0, 4.0, 1.0], [True, False, True, False]),       # question 3: a tie at the minimum
+    ("MAX", [3.0, 1.0, 4.0, 1.0], [True, True, False, True]),
+    ("MAX", [1.0, 2.0, 3.0, 4.0], [True, True, True, False])])
+def test_min_and_max_change_only_the_ranks_not_holding_the_result(group, op, values, changed):
+    """Question 3's fact, and its neighbours: a rank that already holds the extreme keeps
+    its tensor as it was, ties included."""
     group.resize(4)
+    assert group.run(changed_by, op, values) == changed
+
+
+def test_question_3_asks_about_inputs_the_table_did_not_show():
+    """The table of step 3 runs every op on inputs 1, 2, 3, 4: question 3 asks about other
+    inputs, so the table does not answer it."""
+    text = "\n".join(notebook_cells())
+    assert "Four ranks hold 3, 1, 4 and 1 (not the table's inputs)" in text
+    assert 'group.run(changed_by, "MIN", [3.0, 1.0, 4.0, 1.0])' in text
 
 
 def test_one_hot_sum_tells_every_rank_who_set_what(explorer):
