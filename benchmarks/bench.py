@@ -262,9 +262,11 @@ def bench_notebook_explorers(notebooks: list[str] | None = None, think: float = 
     through each of its options and back, as the browser sends the change, ``think``
     seconds after each new figure (a learner looks at it; 0 sends the next move at
     once); the wait per move until the first figure for the new value is drawn (an
-    interim figure of a long measurement counts), and until the complete one. Then the drag
-    test: one slider dragged across its range at 60 changes a second. By notebook: the
-    median and worst wait, the worst move, and the drag's result."""
+    interim figure of a long measurement counts), and until the complete one, and the CPU
+    seconds the kernel and every process it started spent in the sweep, per move
+    (``explorer_moves.CpuMeter``: the ranks' runs, resizes, figures, spares). Then the
+    drag test: one slider dragged across its range at 60 changes a second. By notebook:
+    the median and worst wait, the worst move, the CPU per move and the drag's result."""
     from explorer_moves import NOTEBOOKS, Learner
     out = {}
     names = notebooks or sorted(p.stem[:2] for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -276,7 +278,8 @@ def bench_notebook_explorers(notebooks: list[str] | None = None, think: float = 
         learner = Learner(nb)
         try:
             learner.setup()
-            moves = list(learner.sweep(think=think))
+            with learner.cpu_meter() as cpu:
+                moves = list(learner.sweep(think=think))
             slider = drag_control(learner.controls)
             drag = learner.drag(slider) if slider else None
         finally:
@@ -289,6 +292,7 @@ def bench_notebook_explorers(notebooks: list[str] | None = None, think: float = 
                           "complete_median_s": statistics.median(m[3] for m in moves),
                           "complete_worst_s": worst_complete[3],
                           "complete_worst_move": f"{worst_complete[0]}={worst_complete[1]}",
+                          "cpu_per_move_s": cpu.seconds / len(moves),
                           "waits": [list(m) for m in moves], "drag": drag}
     return out
 
@@ -471,12 +475,14 @@ def report(r: dict) -> str:
                       f"{r.get('explorers_think_s', 0):g} s after each new figure; wait per "
                       f"move from the change to the first figure for the new value (where "
                       f"a long measurement shows an interim figure, that one), and to the "
-                      f"complete figure where it came later. Drag test: one slider dragged "
-                      f"across its range at 60 changes per second.", "",
+                      f"complete figure where it came later. CPU per move: the seconds of "
+                      f"CPU the kernel and every process it started (ranks, forkserver, "
+                      f"spares) spent in the sweep, divided by its moves. Drag test: one "
+                      f"slider dragged across its range at 60 changes per second.", "",
                   "| notebook explorer | moves | median wait | worst wait (move) | complete "
-                  "figure, where later: median, worst (move) | drag test: slider, steps sent, "
-                  "refreshes run, last figure for, settled after |",
-                  "|---|---|---|---|---|---|"]
+                  "figure, where later: median, worst (move) | CPU per move | drag test: "
+                  "slider, steps sent, refreshes run, last figure for, settled after |",
+                  "|---|---|---|---|---|---|---|"]
         for k, v in sorted(r["explorers"].items()):
             if "median_s" not in v:
                 continue
@@ -489,8 +495,9 @@ def report(r: dict) -> str:
                 v.get("complete_median_s", v["median_s"]) > v["median_s"]
             complete = (f"{ms(v['complete_median_s'])}, {ms(v['complete_worst_s'])} "
                         f"({v['complete_worst_move']})" if later else "same")
+            cpu = f"{v['cpu_per_move_s']:.2f} s" if "cpu_per_move_s" in v else "n/a"
             lines.append(f"| {k} | {v['moves']} | {ms(v['median_s'])} | {ms(v['worst_s'])} "
-                         f"({v['worst_move']}) | {complete} | {drag} |")
+                         f"({v['worst_move']}) | {complete} | {cpu} | {drag} |")
     if "failures" in r:
         lines += ["", "| case | outcome |", "|---|---|"]
         lines += [f"| {k} | {v['outcome']} |" for k, v in r["failures"].items()]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 import time
 
 import nbformat
+import psutil
 from jupyter_client.manager import start_new_kernel
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
@@ -71,6 +73,53 @@ TEXT_VALUES = {"local batch sizes": ["2,6,4", "1,1,1,1", "8,8", "3,5,8,2"]}
 """Values typed into text boxes, by the box's description."""
 
 
+class CpuMeter:
+    """CPU seconds (user + system) spent by a process and every descendant it has while
+    the meter runs: the kernel, its forkserver, ranks, spares and reaper. A thread reads
+    each process's times every ``interval`` seconds and keeps the last reading of a
+    process that has exited (a rank stopped by a resize), so only what such a process
+    spent in its last ``interval`` is missed. Other processes on the machine do not count.
+    Use as a context manager; :attr:`seconds` is the total once it exits."""
+
+    def __init__(self, pid: int, interval: float = 0.05):
+        self.root, self.interval = psutil.Process(pid), interval
+        self.start: dict = {}
+        self.last: dict = {}
+        self.seconds = 0.0
+        self._stop = threading.Event()
+
+    def _read(self) -> None:
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                key, t = (p.pid, p.create_time()), p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            self.last[key] = t.user + t.system
+            self.start.setdefault(key, self.last[key] if not self._started else 0.0)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._read()
+
+    def __enter__(self) -> "CpuMeter":
+        self._started = False
+        self._read()               # what each process had spent before the meter started
+        self._started = True
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+        self.seconds = sum(self.last[k] - self.start[k] for k in self.last)
+
+
 class Learner:
     """One kernel running one notebook up to its explorer, driven like a browser."""
 
@@ -85,6 +134,10 @@ class Learner:
         self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(NOTEBOOKS), **kw)
         self.controls: dict = {}
         self.bench_comm = None
+
+    def cpu_meter(self) -> CpuMeter:
+        """A :class:`CpuMeter` of this learner's kernel and everything it started."""
+        return CpuMeter(self.km.provisioner.process.pid)
 
     def setup(self) -> float:
         """Run the notebook's cells up to its explorer; return the seconds it took."""

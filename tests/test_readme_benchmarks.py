@@ -76,3 +76,20 @@ def test_the_explorer_waits_the_notebooks_state_are_those_of_the_stored_sweep():
         "".join("".join(c["source"]) for c in nb["cells"])
     hang = [m[2] for m in sweep["13_what_ddp_expects_of_a_model"]["waits"] if m[1] == "rank 0 only"]
     assert hang and all(3.0 <= s < 3.5 for s in hang), hang
+
+
+def test_the_readme_quotes_the_stored_cpu_per_move():
+    """"A move costs 0.11 to 0.37 s of CPU in 13 of the 16 explorers, more where ... (14's
+    ..., 0.53 s; 15's ..., 0.91 s; 10's ..., 1.43 s)": the range, the count and the three
+    named explorers are latest.json's."""
+    cpu = {name[:2]: e["cpu_per_move_s"]
+           for name, e in json.loads((RESULTS / "latest.json").read_text())["explorers"].items()}
+    text = " ".join(README.split())
+    said = re.search(r"A move costs ([\d.]+) to ([\d.]+) s of CPU in (\d+) of the (\d+) explorers, "
+                     r"more where the lesson's own runs are heavier \(([^)]*)\)", text)
+    assert said, "the README no longer says what a move costs in CPU"
+    named = {nb: float(s) for nb, s in re.findall(r"(\d\d)'s [^,]*, ([\d.]+) s", said[5])}
+    rest = sorted(v for nb, v in cpu.items() if nb not in named)
+    assert (float(said[1]), float(said[2])) == (round(rest[0], 2), round(rest[-1], 2))
+    assert (int(said[3]), int(said[4])) == (len(rest), len(cpu))
+    assert named == {nb: round(cpu[nb], 2) for nb in named} and min(named.values()) > rest[-1]
