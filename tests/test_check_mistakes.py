@@ -10,23 +10,25 @@ for each check that accepted a forbidden answer until it was fixed (marked "fix"
 "likely" stands for test_each_likely_mistake_is_named, "usual" for
 test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
 
-- 01 check_spread_over_ranks: test_nb01_all_reduce "likely". Here: an all_gather (fix).
+- 01 check_spread_over_ranks: test_nb01_all_reduce "likely". Here: an all_gather (fix);
+  a reduce then a broadcast, which gathers nothing.
 - 02 check_reduce_to_owners: test_nb02_reduce "likely". Here: every chunk reduced to
-  rank 0, then sent on (fix).
+  rank 0, then sent on (fix); one reduce per element.
 - 03 check_global_mean_loss: here, the whole table (test_nb03_loss has WRONG too).
 - 04 check_ddp_loss: test_nb04_ddp "likely".
 - 05 check_mesh_sync: test_nb05_mesh "likely", and its tests of a new group per call.
   Here: DeviceMesh._flatten (fix).
 - 06 check_chain_broadcast: test_nb06_ring "likely", and its ring that hangs. Here: the
-  chain run to the left neighbour.
+  chain run to the left neighbour; the pieces sent last first.
 - 07 check_node_command: test_nb07_cluster test_wrong_answers_are_explained.
 - 08 check_zero2_step: here, the whole table (test_nb08_sharded "usual" too), with an
-  all_reduce and an all_gather of every gradient, right numbers without a reduce_scatter (fix).
+  all_reduce and an all_gather of every gradient, right numbers without a reduce_scatter (fix),
+  and a reduce of each shard to its owner.
 - 09 check_vocab_parallel_embedding: test_nb09_tensor_parallel
   test_each_likely_mistake_gets_its_explanation.
 - 10 check_recursive_doubling: test_nb10_cost "usual".
 - 11 check_skip_together: test_nb11_disagree "usual", and the given loop's hang. Here: an
-  error on the ranks; the right steps skipped but counted as taken (fix).
+  error on the ranks; the right steps skipped but counted as taken (fix); no step skipped.
 - 12 check_exact_mean_loss: test_nb12_gathers "usual". Here: a rank's own mean; the
   repeats left out of the sum but not the count.
 - 13 check_dropout_seeds: test_nb13_ddp_model "usual".
@@ -102,12 +104,29 @@ def spread_all_gather(n):                # every rank's values gathered: torch d
     return every.mean(dim=0), every.std(dim=0, unbiased=False)
 
 
+def spread_reduce_then_broadcast(n):     # the sums through rank 0: nothing gathered
+    x = local_values(dist.get_rank(), n)
+    total, squares = x.clone(), x * x
+    for t in (total, squares):
+        dist.reduce(t, dst=0)
+        dist.broadcast(t, src=0)
+    count = dist.get_world_size()
+    mean = total / count
+    return mean, (squares / count - mean * mean).clamp(min=0).sqrt()
+
+
 @pytest.mark.parametrize("fn, words", [
     (spread_all_gather, ["rank 0 called dist.all_gather",
-                         "dist.all_reduce with ReduceOp.SUM only"]),
+                         "dist.all_reduce with ReduceOp.SUM only",
+                         "With every rank's values gathered"]),
+    (spread_reduce_then_broadcast, ["rank 0 called dist.reduce",
+                                    "dist.all_reduce with ReduceOp.SUM only"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_spread_over_ranks_names_each_mistake(group, fn, words):
-    assert_names(check_spread_over_ranks(group, fn), *words)
+    verdict = check_spread_over_ranks(group, fn)
+    assert_names(verdict, *words)
+    if fn is spread_reduce_then_broadcast:   # nothing was gathered: the message does not say so
+        assert "gathered" not in verdict.message and "receives world_size tensors" not in verdict.message
 
 
 # --- 02: check_reduce_to_owners (its table: tests/test_nb02_reduce.py) ------------------------
@@ -126,9 +145,20 @@ def owners_sent_from_rank_0(x):          # every chunk reduced to rank 0, which 
     return mine
 
 
+def owners_element_by_element(x):        # the right sums, one reduce per element
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = x.clone()
+    for owner, chunk in enumerate(x.tensor_split(n)):
+        for element in chunk.split(1):
+            dist.reduce(element, dst=owner)
+    return x.tensor_split(n)[rank].clone()
+
+
 @pytest.mark.parametrize("fn, words", [
     (owners_sent_from_rank_0, ["your function called dist.recv",
                                "from dist.reduce alone, one reduce per chunk"]),
+    (owners_element_by_element, ["passed a tensor of 1 element to dist.reduce",
+                                 "more reduces than chunks"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_reduce_to_owners_names_each_mistake(group, fn, words):
     assert_names(check_reduce_to_owners(group, fn), *words)
@@ -251,12 +281,26 @@ def chain_to_the_left(x, src, pieces):   # the chain runs src, src - 1, ...: the
             dist.send(piece, dst=(rank - 1) % n)
 
 
+def chain_last_piece_first(x, src, pieces):   # the right chain, the pieces in reverse order
+    rank, n = dist.get_rank(), dist.get_world_size()
+    place = (rank - src) % n
+    for piece in reversed(x.tensor_split(pieces)):
+        if place > 0:
+            dist.recv(piece, src=(rank - 1) % n)
+        if place < n - 1:
+            dist.send(piece, dst=(rank + 1) % n)
+
+
 @pytest.mark.parametrize("fn, words", [
     (chain_to_the_left, ["every rank ends with src's x, but rank 0 sent to rank 2",
                          "sends only to its right neighbour, rank 1"]),
+    (chain_last_piece_first, ["expected the 4 pieces of x.tensor_split(4), piece 0 first."]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_chain_broadcast_names_each_mistake(fn, words):
-    assert_names(check_chain_broadcast(fn, world_sizes=(3,)), *words)
+    verdict = check_chain_broadcast(fn, world_sizes=(3,))
+    assert_names(verdict, *words)
+    if fn is chain_last_piece_first:         # 4 pieces, in the wrong order: not "one piece"
+        assert "With one piece" not in verdict.message
 
 
 # --- 08: check_zero2_step -----------------------------------------------------------------------
@@ -343,6 +387,18 @@ def zero2_gathers_every_gradient(flat_params, flat_grad, my_shard, optimizer):  
     _gather_into(flat_params, my_shard)
 
 
+def zero2_reduce_to_owners(flat_params, flat_grad, my_shard, optimizer):   # notebook 02's way
+    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
+    padded = F.pad(flat_grad, (0, n * k - flat_grad.numel()))
+    for owner in range(n):
+        shard = padded[owner * k:(owner + 1) * k].clone()
+        dist.reduce(shard, dst=owner)
+        if owner == r:
+            my_shard.grad = shard / n
+    optimizer.step()
+    _gather_into(flat_params, my_shard)
+
+
 def zero2_all_reduce(flat_params, flat_grad, my_shard, optimizer):   # right numbers, DDP's collective
     n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
     mean = flat_grad.clone()
@@ -365,11 +421,16 @@ def zero2_all_reduce(flat_params, flat_grad, my_shard, optimizer):   # right num
     (zero2_gathers_every_gradient, ["the parameters are right, but at world_size=2 rank 0 never called a "
                                      "reduce_scatter (it called dist.all_gather_into_tensor, "
                                      "dist.all_gather_single)", "travelled whole"]),
+    (zero2_reduce_to_owners, ["rank 0 never called a reduce_scatter (it called dist.all_gather_single, "
+                              "dist.reduce)", "world_size reduces, each paying a collective's fixed cost"]),
     (zero2_all_reduce, ["the gradient shards and the parameters are right, but at world_size=",
                         "called dist.all_reduce", "ZeRO-2 uses the collectives of the bare step"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_zero2_step_names_each_mistake(group, fn, words):
-    assert_names(check_zero2_step(group, fn), *words)
+    verdict = check_zero2_step(group, fn)
+    assert_names(verdict, *words)
+    if fn is zero2_reduce_to_owners:          # each owner got its shard only: nothing travelled whole
+        assert "travelled whole" not in verdict.message
 
 
 # --- 11: check_skip_together (its table: tests/test_nb11_disagree.py) -------------------------
@@ -396,6 +457,21 @@ def skip_counts_every_step(bad, steps=6):    # skips the right steps, but counts
     return taken, model.weight.detach().clone()
 
 
+def skip_never(bad, steps=6):             # no rule at all: every step averaged and taken
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = step_batch(rank, step, bad)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        opt.step()
+    return steps, model.weight.detach().clone()
+
+
 def skip_raises(bad, steps=6):
     raise RuntimeError("learner bug")
 
@@ -406,9 +482,13 @@ def skip_raises(bad, steps=6):
     (skip_counts_every_step, ["the weights match the reference, so every rank skipped the right step",
                               "every rank says it took 6 steps, not 5",
                               "count a step only when the optimizer really steps"]),
+    (skip_never, ["no rank skipped a step, so a gradient that is not finite was averaged in"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_skip_together_names_each_mistake(group, fn, words):
-    assert_names(check_skip_together(group, fn), *words)
+    verdict = check_skip_together(group, fn)
+    assert_names(verdict, *words)
+    if fn is skip_never:                     # no rule was used: none is blamed
+        assert "on the wrong rule" not in verdict.message
 
 
 # --- 12: check_exact_mean_loss (its table: tests/test_nb12_gathers.py) ------------------------

@@ -325,6 +325,7 @@ def test_solution_passes(group):
     assert verdict, verdict.message
     assert_no_formula(verdict.message)
     assert "each sent S = 48 bytes" in verdict.message
+    assert "every rank but src received src's x from its left neighbour" in verdict.message
     assert group.world_size == 4 and group.state != "closed"    # the learner's group untouched
 
 

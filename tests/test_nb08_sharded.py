@@ -691,6 +691,22 @@ def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
         figure.draw(data, data, data, mem[:-1] if world_size > 1 else [], sent, 1, 1, "f")
 
 
+def test_the_heatmap_titles_count_the_ranks_that_hold_every_shown_element():
+    """Each heatmap's title says how many ranks hold all its columns, in the number the
+    count needs ("1 of 3 rank holds", "0 of 3 ranks hold")."""
+    mem = [{"parameters": 1000, "gradients": 500, "optimizer state": 2000}] * 3
+    sent = [{"reduce_scatter": 700, "all_gather": 700}] * 3
+    full = np.full((3, NUMEL), 1e-2)
+    one = np.full((3, NUMEL), np.nan)
+    one[0] = 1e-2
+    none = np.full((3, NUMEL), np.nan)
+    none[:, :10] = 1e-2
+    figure = ShardingFigure(NUMEL)
+    figure.draw(one, full, none, mem, sent, 3000, 1400, "formula", "t")
+    titles = [t.get_text().split("\n")[1] for t in figure.titles]
+    assert titles == ["(1 of 3 rank holds all 8)", "(every rank holds all 8)", "(0 of 3 ranks hold all 8)"]
+
+
 def test_world_sizes_that_share_a_layout_draw_what_their_own_layout_draws(monkeypatch):
     """A new world size's figure may take the layout an earlier one found (issue 23's
     speed: the layout engine is about 90 ms of building it). Each PNG is the same, pixel

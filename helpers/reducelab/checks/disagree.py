@@ -238,7 +238,7 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
     and compares with :func:`reference` (weights within :data:`ATOL`). A wrong answer
     gets an explanation of what its run shows: a hang (who returned, who waited where,
     and why), an error, ranks that disagree, a step taken with a non-finite gradient
-    (skipping only when every rank, or rank 0, is bad), no step skipped at all (the bad
+    (no step skipped at all, or skipping only when every rank, or rank 0, is bad), no step skipped at all (the bad
     gradient replaced instead), the right steps skipped but counted wrong, or a wrong
     number of steps or weights.
 
@@ -269,6 +269,11 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
             if len(set(taken)) > 1:
                 return failed(f"{context}, the ranks took different numbers of steps: "
                               f"{taken}. They must skip the same steps.")
+            if not all(finite) and taken[0] == STEPS:
+                return failed(f"{context}, the weights hold inf or nan on "
+                              f"{_ranks(r for r, ok in enumerate(finite) if not ok)}: no rank "
+                              f"skipped a step, so a gradient that is not finite was averaged "
+                              f"in and stepped.")
             if not all(finite):
                 return failed(f"{context}, the weights hold inf or nan on "
                               f"{_ranks(r for r, ok in enumerate(finite) if not ok)}: a step "

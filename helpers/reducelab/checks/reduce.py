@@ -126,9 +126,10 @@ _WRONG_SUM = {
         "touch elements no earlier reduce wrote."),
     "last buffer": (
         _last_buffer,
-        "That is the tensor of the last reduce, whose dst was another rank: on a rank "
-        "that is not dst a reduce leaves partial sums (or the input), never the sum. "
-        "Return what the reduce whose dst was this rank left."),
+        "That is the tensor of the last reduce, whose dst was another rank: it holds "
+        "another rank's chunk (gloo's partial sums of it, the input, or for some elements "
+        "its full sum; torch promises the sum on dst only), not the sum of this rank's "
+        "chunk. Return what the reduce whose dst was this rank left."),
     "own chunk": (
         _own_chunk,
         "That is this rank's own chunk of x, with nothing reduced into it."),
@@ -285,12 +286,19 @@ def _check_at(group: LocalGroup, fn, ws: int, k: int) -> Verdict | None:
             + _matches(group, _WRONG_SUM, k, out, "result"))
     for r, o in enumerate(out):
         big = [m for m in o[3] if m != k]
-        if big:
+        if big and big[0] > k:
             return failed(
                 f"{at}, every rank returned the right sum and x is unchanged, but rank {r} "
                 f"passed a tensor of {big[0]} elements to dist.reduce, where one chunk has "
-                f"{k}. A reduce of the whole tensor moves world_size times the bytes that "
-                f"the chunk needs; reduce only the chunk that goes to dst.")
+                f"{k}. A reduce of more than the chunk moves bytes that dst does not need "
+                f"(world_size times them for the whole tensor); reduce only the chunk that "
+                f"goes to dst.")
+        if big:
+            return failed(
+                f"{at}, every rank returned the right sum and x is unchanged, but rank {r} "
+                f"passed a tensor of {big[0]} element{'' if big[0] == 1 else 's'} to "
+                f"dist.reduce, where one chunk has {k}: more reduces than chunks, each "
+                f"paying a collective's fixed cost. One reduce per chunk is enough.")
     return None
 
 

@@ -351,7 +351,8 @@ def check_chain_broadcast(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXE
                     return verdict
     return passed(
         f"At world sizes {', '.join(map(str, world_sizes))}, with src the first or the last "
-        f"rank, every rank received src's x from its left neighbour in {pieces} pieces, and "
+        f"rank, every rank but src received src's x from its left neighbour in {pieces} "
+        f"pieces, and "
         f"every rank but the last of the chain passed each piece on as soon as it had it: "
         f"each sent S = {size} bytes, src too, where the root of reduce-then-broadcast sent "
         f"(N - 1) x S. Counting bytes only, the last rank has all {pieces} pieces after "
@@ -375,8 +376,9 @@ def _check_pieces(n: int, src: int, numel: int, pieces: int, size: int, out) -> 
             held = ", ".join(e["held"] for e in sends)
             return failed(f"{at} rank {r} sent {len(sends)} tensor{'s' if len(sends) != 1 else ''} "
                           f"({held}); expected the {pieces} pieces of x.tensor_split({pieces}), "
-                          f"piece 0 first. With one piece, rank {(r + 1) % n} can pass nothing "
-                          f"on until the whole of x has arrived.")
+                          f"piece 0 first."
+                          + (f" With one piece, rank {(r + 1) % n} can pass nothing on until "
+                             f"the whole of x has arrived." if len(sends) == 1 else ""))
     for r in order[1:-1]:
         events = out[r][1]
         recvs = [i for i, e in enumerate(events) if e["kind"] == "recv"]

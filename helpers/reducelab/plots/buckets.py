@@ -115,7 +115,7 @@ def explorer_figure(view) -> bytes:
     bx.set_ylim(0, ends.max() * 1.25)
     bx.set_ylabel("backward() returned (ms)")
     sent = size_label(view.bytes_sent)
-    bx.set_title(f"{ends.shape[1]} passes · bar: median\n{sent} sent per pass",
+    bx.set_title(f"{ends.shape[1]} passes · bar: median\n{sent} all-reduced per pass",
                  fontsize=MIN_FONT + 1)
     bx.grid(alpha=0.3, axis="y")
     return png(fig)

@@ -345,7 +345,7 @@ class ShardingFigure(BuiltFigures):
         for ax, name in zip(self.heat_axes, self.TITLES):
             ax.set_facecolor(NOT_HELD)
             self.images.append(ax.imshow(np.zeros((ws, len(cols))), cmap=CMAP, aspect="auto"))
-            self.titles.append(ax.set_title(f"{name}, ×10⁻⁸\n(1 of 8 ranks hold all 8)",
+            self.titles.append(ax.set_title(f"{name}, ×10⁻⁸\n(1 of 8 rank holds all 8)",
                                             fontsize=MIN_FONT))
             ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=90)
             ax.set_yticks(range(ws), [f"rank {r}" if ws <= 4 else str(r) for r in range(ws)])
@@ -463,7 +463,7 @@ class ShardingFigure(BuiltFigures):
             unit = f", {scale_text(e)}" if self.write_values and scale_text(e) else ""
             full_rows = int(np.isfinite(data).all(axis=1).sum())
             held = (f"every rank holds all {len(cols)}" if full_rows == ws else
-                    f"{full_rows} of {ws} ranks hold all {len(cols)}")
+                    f"{full_rows} of {ws} {'rank holds' if full_rows == 1 else 'ranks hold'} all {len(cols)}")
             self.titles[k].set_text(f"{self.TITLES[k]}{unit}\n({held})")
             mid = (lo + hi) / 2
             for i, row in enumerate(self.cell_texts[k]):

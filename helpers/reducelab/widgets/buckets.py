@@ -5,7 +5,7 @@ Every change runs the notebook's rank function on the ranks: a DDP model, two pa
 DDP to rebuild its buckets, then a few timed passes, each recording when every gradient
 became ready and when every bucket's all_reduce was launched and finished. The figure
 shows the timeline of the median pass and ``backward()``'s time in every pass; the
-message gives the buckets, the bytes sent, the spread of the passes and the gradient's
+message gives the buckets, the bytes all-reduced, the spread of the passes and the gradient's
 error against float32 (the float32 hook's gradient at the same world size, measured once
 per world size).
 
@@ -163,7 +163,7 @@ class BucketExplorer(Explorer):
         tol = TOLERANCES.get(view.hook, 1e-2)
         return (f"{view.hook}, bucket_cap_mb={view.bucket_cap_mb}, {view.world_size} ranks: "
                 f"{len(view.bucket_bytes)} buckets ({', '.join(size_label(b) for b in view.bucket_bytes)} "
-                f"of float32 gradients, bucket 0 first); {view.bytes_sent:,} bytes sent per pass "
+                f"of float32 gradients, bucket 0 first); {view.bytes_sent:,} bytes all-reduced per pass "
                 f"({view.bytes_sent / total:.0%} of the gradients' {total:,}). backward() returned "
                 f"after a median of {seconds_label(float(np.median(slow)))} over {len(slow)} "
                 f"passes (slowest rank; {seconds_label(float(slow.min()))} to "
