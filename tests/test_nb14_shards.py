@@ -355,6 +355,7 @@ def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
     verdict = check_global_grad_norm(group, mistake)
     assert not verdict and explanation in verdict.message, verdict.message
     assert not [line for line in solution_lines() if line in verdict.message]
+    assert "over dp only." not in verdict.message             # the diagnosis, not the recipe
     assert group.world_size == 4
 
 

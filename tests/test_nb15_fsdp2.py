@@ -330,6 +330,12 @@ def averaged_over_dp(model, mesh):
         dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
 
 
+def averaged_twice(model, mesh):
+    for p in model.parameters():
+        dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh.get_group("cp"))
+        p.grad.to_local().div_(2)
+
+
 def the_dtensor_itself(model, mesh):
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mesh.get_group("cp"))
@@ -354,14 +360,16 @@ def test_the_solution_passes_and_the_stub_fails(group):
     (nothing, "Your sync left it unchanged: it is still the mean over dp only, FSDP2's, of "
               "the samples that this rank's dp group (the ranks with its cp index) saw"),
     (summed_over_cp, "It is twice the mean: the SUM over the 2 cp ranks"),
-    (averaged_over_the_world, "not the whole world or dp, whose ranks hold other rows"),
-    (averaged_over_dp, "not the whole world or dp, whose ranks hold other rows"),
+    (averaged_twice, "It is half the mean: divided twice"),
+    (averaged_over_the_world, "such as the whole world or dp, adds rows that do not belong together"),
+    (averaged_over_dp, "such as the whole world or dp, adds rows that do not belong together"),
     (the_dtensor_itself, "p.grad is a DTensor, and a torch.distributed collective takes a plain tensor"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
     verdict = check_cp_sync(group, mistake)
     assert not verdict and explanation in verdict.message, verdict.message
     assert not [line for line in solution_lines() if line in verdict.message]
+    assert "to_local()" not in verdict.message and 'get_group("cp")' not in verdict.message
     assert group.world_size == 4
 
 

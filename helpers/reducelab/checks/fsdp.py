@@ -78,8 +78,8 @@ def check_cp_sync(group: LocalGroup, sync) -> Verdict:
     Returns:
         A :class:`~reducelab.checks.Verdict`. A wrong answer is explained: nothing
         synced (each cp rank keeps the gradient of its half of the samples), a SUM over
-        cp (twice the mean), a reduction over ranks that hold other rows (the world
-        group, or dp), or an error on the ranks, quoted with what it means (a DTensor
+        cp (twice the mean), a mean divided again (half), a reduction over ranks that hold
+        other rows (the world group, or dp), or an error on the ranks, quoted with what it means (a DTensor
         passed to a collective, for one).
     """
     X, y = load_digits_tensors()
@@ -93,8 +93,8 @@ def check_cp_sync(group: LocalGroup, sync) -> Verdict:
             hint = ""
             if "sharding strategy" in text:
                 hint = (" p.grad is a DTensor, and a torch.distributed collective takes a plain "
-                        "tensor: reduce this rank's piece of it, p.grad.to_local(), a view of "
-                        "the same storage, in place.")
+                        "tensor: reduce the plain tensor that holds this rank's piece of the "
+                        "gradient, in place, so that p.grad sees the result.")
             message = raised_on_ranks("On the 2 x 2 (dp, cp) mesh,", err).message.rstrip()
             return failed(message + ("" if message.endswith(".") else ".") + hint)
         for rank, o in enumerate(out):
@@ -108,16 +108,19 @@ def check_cp_sync(group: LocalGroup, sync) -> Verdict:
             if torch.equal(got, o["before"]):
                 return failed(f"{head} Your sync left it unchanged: it is still the mean over "
                               f"dp only, FSDP2's, of the samples that this rank's dp group (the "
-                              f"ranks with its cp index) saw. The other cp rank of the same dp "
-                              f"index holds the same rows for the other half of the samples: "
-                              f"average with it.")
+                              f"ranks with its cp index) saw. The other half of the samples went "
+                              f"to ranks this average did not include: which of them hold the "
+                              f"same rows of every parameter as this rank?")
             if _close(got, 2 * want, atol=2 * ATOL):
                 return failed(f"{head} It is twice the mean: the SUM over the 2 cp ranks. "
                               f"Average instead (ReduceOp.AVG, or divide by the cp group's size).")
-            return failed(f"{head} It changed, but not into the mean over cp. Reduce only over "
-                          f"the ranks that hold the same rows of every parameter: the cp group "
-                          f"(mesh.get_group(\"cp\")), not the whole world or dp, whose ranks hold "
-                          f"other rows.")
+            if _close(got, want / 2, atol=ATOL):
+                return failed(f"{head} It is half the mean: divided twice. ReduceOp.AVG already "
+                              f"divides by the group's size.")
+            return failed(f"{head} It changed, but not into the mean over cp: a reduction over "
+                          f"ranks that hold other rows of a parameter, such as the whole world or "
+                          f"dp, adds rows that do not belong together. Reduce only over the ranks "
+                          f"that hold the same rows as this rank.")
         return passed("Every rank's gradient, on all 4 ranks of the (dp, cp) mesh, equals one "
                       "process's on the whole global batch, to float32 rounding (within "
                       f"{ATOL:g}). FSDP2 averaged over dp with a reduce-scatter; your sync "

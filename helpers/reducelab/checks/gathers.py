@@ -239,8 +239,8 @@ def _diagnose(world_size, dataset_size, epoch, values, want, calls) -> str:
                 f"padding depends on where their positions fall in the padded list.")
     if p == 0 and abs(v - want) > TOLERANCE:
         return (f"{head} Here nothing is padded ({dataset_size} divides by {world_size}), so "
-                f"the plain sum over all shares divided by {dataset_size} is the answer: "
-                f"your function removes something it should keep.")
+                f"every index the ranks hold is a sample counted once: your function removes "
+                f"something it should keep.")
     return (f"{head} {p} of the indices the ranks hold are repeats. Step 3 showed where "
             f"the sampler puts them in each rank's share; with shuffle=True they are other "
             f"samples each epoch, in the same places.")

@@ -337,8 +337,7 @@ def _likely_mistakes(rank: int, dp: int, cp: int, local: dict, counts: dict) -> 
          f"rank's tokens: neither weighted by the tokens nor divided."),
         ({k: v for k, v in weighted.items()},
          f"That is the sum over ranks of n_tokens x local gradient, the gradient of the SUM "
-         f"of the loss over all {total} real tokens: divide it by the number of real tokens "
-         f"over all ranks, {total}."),
+         f"of the loss over all {total} real tokens, not of its mean."),
         ({k: v / world for k, v in weighted.items()},
          f"That is the sum over ranks of n_tokens x local gradient, divided by the number "
          f"of ranks, {world}. Divide by the number of real tokens over all ranks, {total}, "
@@ -448,9 +447,8 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
                     f"connections (on GPUs, a new NCCL communicator), and it stays until "
                     f"destroy_process_group: called at every training step, sync_grads would "
                     f"pile up groups step after step. Reduce over groups that already exist "
-                    f"(the mesh made one per dimension, and a SUM along one dimension and then "
-                    f"the other covers the whole grid), or make the group "
-                    f"once, outside sync_grads.")
+                    f"(the mesh made one per dimension), or make the group once, outside "
+                    f"sync_grads.")
         listed = ", ".join(f"({dp}, {cp})" for dp, cp in shapes)
         return passed(
             f"On the meshes {listed}, every rank's gradients match the single-process gradient "

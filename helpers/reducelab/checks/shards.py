@@ -308,18 +308,17 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
     diagnoses = [
         ("local", "Each rank's number is the norm of its own piece only: a norm of a sharded "
                   "gradient needs the other ranks' pieces, added as squares."),
-        ("every rank", "Every rank's sum of squares was added over all 4 ranks, so what the 2 tp "
-                       "ranks of one dp index both hold (0.bias, 2.weight, 2.bias: copies, not "
-                       "pieces) was counted twice: NeMo-RL's bug (pull request #3788). Add the "
-                       "copies over dp only."),
+        ("every rank", "Every rank's sum of squares was added over all 4 ranks, so the elements "
+                       "that two ranks both hold, copies rather than pieces, were counted twice: "
+                       "NeMo-RL's bug (pull request #3788). Which gradients are copies across the "
+                       "tp ranks, and over which ranks are they pieces?"),
         ("dp only", "It is the sum over dp only: 0.weight's 64 input columns are split over tp as "
                     "well, so the other tp rank's columns are missing."),
         ("tp only", "It is the sum over tp only: the dp ranks hold different rows of every "
                     "parameter (FSDP2's shards), so those must be added too."),
         ("dp mesh added over every rank", "The gradients of model[2] (2.weight, 2.bias) live on the "
                                           "dp mesh only, yet both tp ranks of a dp index hold them: "
-                                          "copies over tp as well, counted twice here. Add them "
-                                          "over dp only."),
+                                          "copies over tp as well, counted twice here."),
         ("Replicate() added over every rank", "0.bias is Replicate() over tp: both tp ranks of a dp "
                                               "index hold the same rows, counted twice here. Only a "
                                               "Shard placement on the tp dimension makes pieces."),
