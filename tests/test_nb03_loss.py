@@ -514,6 +514,12 @@ def test_backward_through_all_reduce_stays_local_and_warns(group):
         assert any("c10d::allreduce_" in m and "autograd kernel was not registered" in m
                    for m in messages)
     assert not torch.allclose(out[0][0], out[1][0])
+    # question 3's evidence shows torch's warning up to its build path, so the words the
+    # reveal leans on ("silently incorrect behavior") are there
+    shown = out[0][2][0].split(" (Triggered internally")[0]
+    assert "This may lead to silently incorrect behavior." in shown and "/pytorch/" not in shown
+    cell = next(s for s, _ in notebook_cells() if "def backward_through_all_reduce" in s)
+    assert ".split(' (Triggered internally')[0]" in cell and "[:150]" not in cell
 
 
 def ddp_local_backward():
