@@ -6,6 +6,7 @@ exercise check on the solution, the stub and each usual mistake; and the figures
 from __future__ import annotations
 
 import ast
+import dataclasses
 import html
 import inspect
 import json
@@ -567,7 +568,11 @@ def test_explorer_saves_and_loads_on_real_ranks(explorer, group, saved_on, loade
                 first, held = r.saved[name][source]
                 assert first <= start and start + count <= first + held
     text = explorer.text()
-    assert "equals the saved one bit for bit" in text and f"Saved on {saved_on} rank" in text
+    assert "every parameter on every loading rank equals the saved one bit for bit" in text
+    assert f"Saved on {saved_on} rank" in text
+    # a load that differed anywhere is not said to differ everywhere
+    other = explorer.describe(dataclasses.replace(r, exact=False))
+    assert "not every parameter on every loading rank equals the saved one" in other
 
 
 def test_explorer_parameter_redraws_the_same_checkpoint(explorer):

@@ -165,8 +165,9 @@ class CheckpointExplorer(Explorer):
         ranks = lambda n: f"{n} rank{'s' if n > 1 else ''}"  # noqa: E731
         return (f"Saved on {ranks(r.saved_on)}: {len(r.files) - 1} file{'s' if r.saved_on > 1 else ''} "
                 f"and .metadata. Loaded on {ranks(r.loaded_on)}, {name} is read: {'; '.join(reads)}. "
-                f"After the load, every parameter on every loading rank "
-                f"{'equals the saved one bit for bit' if r.exact else 'differs from the saved one'}.")
+                + ("After the load, every parameter on every loading rank equals the saved one "
+                   "bit for bit." if r.exact else "After the load, not every parameter on every "
+                   "loading rank equals the saved one bit for bit."))
 
     def explain_error(self, values: dict, err: RankError) -> str:
         return (f"The ranks refused to save on {values['saved_on']} and load on "
