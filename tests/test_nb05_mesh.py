@@ -796,12 +796,14 @@ def test_the_bucket_claims_hold_in_the_stored_run():
                       rf"\(lowest ([\d.]+)x, highest ([\d.]+)x\)", printed)
         assert m, printed
         assert float(m[2]) <= float(m[1]) <= float(m[3])
-        assert float(m[2]) >= 2, f"{name}: the prose says at least twice in every round; the lowest is {m[2]}"
+        assert float(m[2]) >= 2, \
+            f"{name}: the prose says at least twice in every round; the lowest is {m[2]}"
     m = re.search(r"At 1 tensor, the copies alone / one bucket: median ([\d.]+) "
                   r"\(lowest ([\d.]+), highest ([\d.]+)\)", printed)
     assert m and float(m[3]) < 1 / 3, printed
     prose = "\n".join(_src(c) for c in _cells() if c["cell_type"] == "markdown")
-    assert "at 256 tensors, one call per tensor takes at least twice as long as one bucket**, blocking or async, in every round" in prose
+    assert ("at 256 tensors, one call per tensor takes at least twice as long as one bucket**, "
+            "blocking or async, in every round") in prose
     assert "at 1 tensor, the bucket's two copies take under a third of its time**, in every round" in prose
     assert "at least 3 times" not in prose
     assert "fastest of" not in prose and "4x slower" not in prose   # no single-sample claims

@@ -241,7 +241,8 @@ def test_timing_claims_hold_in_the_stored_run():
     claims = stored_text("def per_round(way, n):")
     lowest = re.search(r"round by round: lowest ([\d.]+)x; more than 4 times in every round: True", claims)
     assert lowest and float(lowest[1]) > 4, claims
-    span = re.search(r"round: ([\d.]+)x to ([\d.]+)x; between a tenth of and 10 times in every round: True", claims)
+    span = re.search(r"round: ([\d.]+)x to ([\d.]+)x; between a tenth of and 10 times in every "
+                     r"round: True", claims)
     assert span and 0.1 < float(span[1]) <= float(span[2]) < 10, claims
     assert ": False" not in claims
     prose = markdown()

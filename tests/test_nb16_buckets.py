@@ -378,8 +378,10 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
     tensors" (the lowest ratio at 256 above the highest at 16), and the saving the ranges
     allow lies "within a factor of 10 of (P − B)·α"."""
     text = markdown()
-    assert "the fastest run of one all_reduce per parameter took **more than twice** as long as the slowest run" in text
-    assert "the gap is wider than at 16 tensors" in text and "within a factor of 10 of `(P − B)·α`" in text
+    assert ("the fastest run of one all_reduce per parameter took **more than twice** as long as "
+            "the slowest run") in text
+    assert "the gap is wider than at 16 tensors" in text
+    assert "within a factor of 10 of `(P − B)·α`" in text
     assert "more than 4 times" not in text and "factor of 5" not in text
     out = stored('group.resize(2)\nWAYS = (')
     rows = {line[:32].strip(): line[32:].split() for line in out.splitlines() if len(line) > 32}

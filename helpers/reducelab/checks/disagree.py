@@ -238,9 +238,9 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
     and compares with :func:`reference` (weights within :data:`ATOL`). A wrong answer
     gets an explanation of what its run shows: a hang (who returned, who waited where,
     and why), an error, ranks that disagree, a step taken with a non-finite gradient
-    (no step skipped at all, or skipping only when every rank, or rank 0, is bad), no step skipped at all (the bad
-    gradient replaced instead), the right steps skipped but counted wrong, or a wrong
-    number of steps or weights.
+    (every step taken, the bad gradient averaged in; or skipping only when every rank,
+    or rank 0, is bad), no step skipped at all (the bad gradient replaced instead), the
+    right steps skipped but counted wrong, or a wrong number of steps or weights.
 
     Returns:
         A :class:`~reducelab.checks.Verdict`.

@@ -79,8 +79,8 @@ def check_cp_sync(group: LocalGroup, sync) -> Verdict:
         A :class:`~reducelab.checks.Verdict`. A wrong answer is explained: nothing
         synced (each cp rank keeps the gradient of its half of the samples), a SUM over
         cp (twice the mean), a mean divided again (half), a reduction over ranks that hold
-        other rows (the world group, or dp), or an error on the ranks, quoted with what it means (a DTensor
-        passed to a collective, for one).
+        other rows (the world group, or dp), or an error on the ranks, quoted with what it
+        means (a DTensor passed to a collective, for one).
     """
     X, y = load_digits_tensors()
     want = reference_run(X, y, 1)["grads"][0]

@@ -352,8 +352,8 @@ def check_chain_broadcast(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXE
     return passed(
         f"At world sizes {', '.join(map(str, world_sizes))}, with src the first or the last "
         f"rank, every rank but src received src's x from its left neighbour in {pieces} "
-        f"pieces, and "
-        f"every rank but the last of the chain passed each piece on as soon as it had it: "
+        f"pieces, and every rank but the last of the chain passed each piece on as soon as it "
+        f"had it: "
         f"each sent S = {size} bytes, src too, where the root of reduce-then-broadcast sent "
         f"(N - 1) x S. Counting bytes only, the last rank has all {pieces} pieces after "
         f"N + {pieces} - 2 piece-times instead of (N - 1) x {pieces}. NCCL's ring broadcast "

@@ -513,20 +513,21 @@ def check_zero2_step(group: LocalGroup, zero2_step, world_sizes=EXERCISE_WORLD_S
         if all_reduced is None and not_scattered is not None:
             ws, rank, names = not_scattered
             used = ", ".join(f"dist.{name}" for name in names) or "no collective we know"
+            if any("gather" in name for name in names if name != "all_gather_single"):
+                how = (f"A gradient that reaches the right shard through a gather travelled "
+                       f"whole: every rank received every rank's gradient, all {NUMEL} elements "
+                       f"of each, and summed them itself. ")
+            elif "reduce" in names:
+                how = ("A reduce to each shard's owner takes world_size reduces, each paying a "
+                       "collective's fixed cost, where one reduce_scatter does the same work. ")
+            else:
+                how = ""
             return failed(
                 f"At world sizes {' and '.join(map(str, world_sizes))} the gradient shards and "
                 f"the parameters are right, but at world_size={ws} rank {rank} never called a "
-                f"reduce_scatter (it called {used}). "
-                + (f"A gradient that reaches the right shard through a gather travelled whole: "
-                   f"every rank received every rank's gradient, all {NUMEL} elements of each, "
-                   f"and summed them itself. "
-                   if any("gather" in name and "all_gather_single" != name for name in names) else
-                   f"A reduce to each shard's owner takes world_size reduces, each paying a "
-                   f"collective's fixed cost, where one reduce_scatter does the same work. "
-                   if "reduce" in names else "")
-                + f"ZeRO-2 uses the collectives of the bare step: a reduce_scatter, so that each "
-                f"rank receives only the k elements of its own shard, and an all_gather of the "
-                f"updated parameters.")
+                f"reduce_scatter (it called {used}). {how}ZeRO-2 uses the collectives of the "
+                f"bare step: a reduce_scatter, so that each rank receives only the k elements of "
+                f"its own shard, and an all_gather of the updated parameters.")
         if all_reduced is not None:
             ws, rank, calls = all_reduced
             return failed(
