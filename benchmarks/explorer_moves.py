@@ -83,8 +83,8 @@ class CpuMeter:
 
     def __init__(self, pid: int, interval: float = 0.05):
         self.root, self.interval = psutil.Process(pid), interval
-        self.start: dict = {}
-        self.last: dict = {}
+        self.start: dict = {}      # (pid, create_time) -> CPU s spent before the meter started
+        self.last: dict = {}       # (pid, create_time) -> CPU s at its latest reading
         self.seconds = 0.0
         self._stop = threading.Event()
 
@@ -99,16 +99,14 @@ class CpuMeter:
             except psutil.NoSuchProcess:
                 continue
             self.last[key] = t.user + t.system
-            self.start.setdefault(key, self.last[key] if not self._started else 0.0)
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
             self._read()
 
     def __enter__(self) -> "CpuMeter":
-        self._started = False
-        self._read()               # what each process had spent before the meter started
-        self._started = True
+        self._read()
+        self.start = dict(self.last)   # a process born later started from 0
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
         return self
@@ -117,7 +115,7 @@ class CpuMeter:
         self._stop.set()
         self._thread.join()
         self._read()
-        self.seconds = sum(self.last[k] - self.start[k] for k in self.last)
+        self.seconds = sum(t - self.start.get(k, 0.0) for k, t in self.last.items())
 
 
 class Learner:

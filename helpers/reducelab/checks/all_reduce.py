@@ -148,14 +148,14 @@ def check_spread_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4), n: int
             at = f"With world_size={ws}, rank"
             for r, (got, ops, others) in enumerate(out):
                 if others:
-                    gathered = ("gather" in others[0]
-                                and " With every rank's values gathered, torch.mean and "
+                    message = (f"{at} {r} called dist.{others[0]}. The exercise asks for "
+                               f"dist.all_reduce with ReduceOp.SUM only: each rank "
+                               f"contributes its sums, and you write every division.")
+                    if "gather" in others[0]:
+                        message += (" With every rank's values gathered, torch.mean and "
                                     "torch.std do the arithmetic for you, and every rank "
                                     "receives world_size tensors where all_reduce delivers one.")
-                    return failed(
-                        f"{at} {r} called dist.{others[0]}. The exercise asks for "
-                        f"dist.all_reduce with ReduceOp.SUM only: each rank contributes "
-                        f"its sums, and you write every division." + (gathered or ""))
+                    return failed(message)
                 other = sorted({op for op in ops if op != "SUM"})
                 if other:
                     return failed(
