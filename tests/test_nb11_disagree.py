@@ -1007,3 +1007,20 @@ def test_question_3_is_not_answered_before_it_is_asked():
     assert "broadcasts the final model" not in before and "_sync_final_model" not in before
     why = next(c for c in notebook_cells() if "reveal(answer_3" in c)
     assert "broadcasts the final model from the last rank to run out of" in why
+
+
+def test_the_dead_rank_sentence_says_whether_its_flight_record_was_written():
+    """The explorer's lesson for a dead rank says only what the run showed: the rank dies
+    about 1 ms in and the first periodic write comes at 0.1 s, so it usually leaves no
+    record, but on a loaded machine it could have written one before dying."""
+    from reducelab.errors import RankError, RankReport
+    from reducelab.widgets.disagree import RankRecord, RecordedRun
+    reports = [RankReport(0, "raised", "RuntimeError: Connection closed by peer"),
+               RankReport(1, "died", "killed by SIGKILL")]
+    error = RankError("rank 1 died", reports)
+    none = RecordedRun(2, None, error, [RankRecord(0), None], 1.0)
+    some = RecordedRun(2, None, error, [RankRecord(0), RankRecord(1, final=False)], 1.0)
+    assert "no flight record of its own" in lesson("dead rank", none)
+    said = lesson("dead rank", some)
+    assert "no flight record" not in said
+    assert said.startswith("The dead rank left no error, only the flight record it wrote")

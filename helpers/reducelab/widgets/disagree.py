@@ -329,8 +329,11 @@ def lesson(failure: str, run: RecordedRun) -> str:
         return ("No error and no hang: the ReduceOp is not in the flight record, nor in "
                 "DETAIL's fingerprint, so nothing flags the mismatch; only the values are wrong.")
     if failure == "dead rank" and run.ranks_in("died"):
-        return ("The dead rank left no error and no flight record of its own; the others "
-                "raised when gloo saw the connection close or their wait time out.")
+        written = [r for r in run.ranks_in("died") if run.records[r] is not None]
+        left = (", only the flight record it wrote before it died" if written
+                else " and no flight record of its own")
+        return (f"The dead rank left no error{left}; the others raised when gloo saw the "
+                f"connection close or their wait time out.")
     if refused:
         return ("DETAIL compared every rank's fingerprint (collective, shapes, dtypes) "
                 "before running the collective and refused it on every rank.")
