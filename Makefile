@@ -64,8 +64,9 @@ NBVAL := $(BIN)/python -m pytest -q --nbval-sanitize-with tests/nbval_sanitize.c
 # output that records this CPU's rounding fails the second nbval pass.
 OTHER_CPU := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
 
+# --durations: every CI log names its 30 slowest tests, where a cut of CI time starts.
 test: install browser
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=30
 	$(MAKE) --no-print-directory test-spawn
 	$(NBVAL) notebooks
 	$(MAKE) --no-print-directory nbval-other-cpu
