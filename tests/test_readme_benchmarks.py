@@ -93,3 +93,27 @@ def test_the_readme_quotes_the_stored_cpu_per_move():
     assert (float(said[1]), float(said[2])) == (round(rest[0], 2), round(rest[-1], 2))
     assert (int(said[3]), int(said[4])) == (len(rest), len(cpu))
     assert named == {nb: round(cpu[nb], 2) for nb in named} and min(named.values()) > rest[-1]
+
+
+def test_each_header_states_the_slowest_stored_browser_run_plus_room():
+    """Every notebook's header run time is the slowest of its browser runs stored in
+    browser_run_times.json, plus 20 %, rounded up to 5 s (the README's footnote; the README
+    column equals the header, tests/test_notebooks.py). A stored run that outgrows a header,
+    or a header with room to spare beyond that rule, fails here; so does a footnote whose
+    range no stored run gives."""
+    runs = json.loads((RESULTS / "browser_run_times.json").read_text())["runs"]
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert runs and all(set(run["run_all_s"]) == {p.name for p in notebooks} for run in runs)
+    wrong = []
+    for path in notebooks:
+        header = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        stated = int(re.search(r"about (\d+) s to run top to bottom", header).group(1))
+        slowest = max(run["run_all_s"][path.name] for run in runs)
+        if not (slowest * 1.2 <= stated < slowest * 1.2 + 5):
+            wrong.append(f"{path.name}: 'about {stated} s', slowest stored run {slowest} s")
+    assert not wrong, wrong
+    times = [(t, name[:2]) for run in runs for name, t in run["run_all_s"].items()]
+    (low, low_nb), (high, high_nb) = min(times), max(times)
+    prose = " ".join(README.split())
+    assert (f"The {'two' if len(runs) == 2 else len(runs)} runs stored" in prose
+            and f"took {low} s ({low_nb}) to {high} s ({high_nb})" in prose)
