@@ -238,6 +238,20 @@ def test_raised_on_ranks_quotes_the_headline_and_the_first_ranks_own_error():
                                    "raised ValueError in f. ValueError: bad")
 
 
+def test_raised_on_ranks_says_where_each_rank_was_when_none_raised_and_some_hung():
+    """A hang is not called raising, and its headline is not said twice (it was, as the
+    first rank's "own error", until a review of notebook 08's check ran a hang)."""
+    headline = "f did not finish within 2 s on ranks 0, 2: the ranks are not in the same collective"
+    err = RankError(headline, [RankReport(0, "stuck", "was waiting in broadcast, called from f line 6"),
+                               RankReport(1, "returned", "f returned"),
+                               RankReport(2, "stuck", "was waiting in all_reduce, called from f line 6")])
+    v = raised_on_ranks("With world_size=3,", err)
+    assert not v and v.mistake == "hung past the timeout"
+    assert v.message == (f"With world_size=3, your function did not finish on the ranks: {headline}. "
+                         "Rank 0 was waiting in broadcast, called from f line 6; rank 1 returned; "
+                         "rank 2 was waiting in all_reduce, called from f line 6.")
+
+
 def test_restoring_world_size_puts_the_size_back_also_after_an_error():
     class Group:
         world_size = 4

@@ -134,10 +134,20 @@ def failed(message: str, mistake: str | None = None) -> Verdict:
 def raised_on_ranks(context: str, err) -> Verdict:
     """A failing :class:`Verdict` for a learner's function that raised on the ranks:
     ``context`` (e.g. ``"With world_size=4"``), then the :class:`~reducelab.RankError`'s
-    headline and the first rank's own error."""
-    hung = any(r.state == "stuck" for r in getattr(err, "reports", []))
-    return failed(f"{context} your function raised on the ranks: {err.headline}. "
-                  f"{err.first_summary}",
+    headline and the first rank's own error. Where no rank raised and some hung past the
+    group's timeout, it says the function did not finish, and where each rank was."""
+    reports = getattr(err, "reports", [])
+    hung = any(r.state == "stuck" for r in reports)
+    if hung and not any(r.state == "raised" for r in reports):
+        # no rank raised: say where each rank was, not the headline a second time
+        where = "; ".join(f"rank {r.rank} " + (r.summary if r.state == "stuck" else
+                                                "returned" if r.state == "returned" else
+                                                f"{r.state}: {r.summary}") for r in reports)
+        return failed(f"{context} your function did not finish on the ranks: {err.headline}. "
+                      f"{where[0].upper()}{where[1:]}.", mistake="hung past the timeout")
+    own = err.first_summary
+    return failed(f"{context} your function raised on the ranks: {err.headline}."
+                  + (f" {own}" if own != err.headline else ""),
                   mistake="hung past the timeout" if hung else "raised on the ranks")
 
 
