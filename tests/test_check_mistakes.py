@@ -14,7 +14,9 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
   a reduce then a broadcast, which gathers nothing.
 - 02 check_reduce_to_owners: test_nb02_reduce "likely". Here: every chunk reduced to
   rank 0, then sent on (fix); one reduce per element.
-- 03 check_global_mean_loss: here, the whole table (test_nb03_loss has WRONG too).
+- 03 check_backward_and_log: here, the whole table (test_nb03_loss: the stub, the
+  solution and the other right answers, a rank that skips backward() or runs its forward
+  in no_sync() stopped at once, and what the count leaves out).
 - 04 check_ddp_loss: test_nb04_ddp "likely".
 - 05 check_mesh_sync: test_nb05_mesh "likely", and its tests of a new group per call.
   Here: DeviceMesh._flatten (fix).
@@ -62,7 +64,7 @@ import torch.nn.functional as F
 from reducelab.checks.all_reduce import check_spread_over_ranks, local_values
 from reducelab.checks.disagree import check_skip_together, step_batch
 from reducelab.checks.gathers import check_exact_mean_loss
-from reducelab.checks.loss import check_global_mean_loss
+from reducelab.checks.loss import check_backward_and_log
 from reducelab.checks.mesh import check_mesh_sync
 from reducelab.checks.reduce import check_reduce_to_owners
 from reducelab.checks.ring import check_chain_broadcast
@@ -164,88 +166,263 @@ def test_check_reduce_to_owners_names_each_mistake(group, fn, words):
     assert_names(check_reduce_to_owners(group, fn), *words)
 
 
-# --- 03: check_global_mean_loss ---------------------------------------------------------
+# --- 03: check_backward_and_log ----------------------------------------------------------
 
-def loss_stub(per_sample_losses):        # the def cell as shipped: mean of means
-    loss = per_sample_losses.mean()
-    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    return loss / dist.get_world_size()
-
-
-def loss_sum_over_world_size(per_sample_losses):
-    total = per_sample_losses.sum()
-    dist.all_reduce(total)
-    return total / dist.get_world_size()
-
-
-def loss_sum(per_sample_losses):
-    total = per_sample_losses.sum()
-    dist.all_reduce(total)
-    return total
-
-
-def loss_sum_over_local_batch(per_sample_losses):
-    total = per_sample_losses.sum()
-    dist.all_reduce(total)
-    return total / len(per_sample_losses)
-
-
-def loss_local_mean(per_sample_losses):
-    return per_sample_losses.mean()
-
-
-def loss_own_sum_over_global_count(per_sample_losses):
-    count = torch.tensor(float(len(per_sample_losses)))
-    dist.all_reduce(count)
-    return per_sample_losses.sum() / count
-
-
-def loss_two_all_reduces(per_sample_losses):       # step 1's weighted_mean: right, 2 calls
-    total, count = per_sample_losses.sum(), torch.tensor(float(len(per_sample_losses)))
-    dist.all_reduce(total)
-    dist.all_reduce(count)
-    return total / count
-
-
-def loss_weighted_local_means(per_sample_losses):  # right where no batch is empty
-    n = len(per_sample_losses)
-    stats = torch.stack([per_sample_losses.mean() * n, torch.tensor(float(n))])
-    dist.all_reduce(stats)
-    return stats[0] / stats[1]
-
-
-def loss_two_numbers(per_sample_losses):
-    stats = torch.stack([per_sample_losses.sum(), torch.tensor(float(len(per_sample_losses)))])
+def _loss_stats(local_sum, n):           # the global sum and count, one all_reduce
+    stats = torch.stack([local_sum.detach(), torch.tensor(float(n))])
     dist.all_reduce(stats)
     return stats
 
 
-def loss_returns_none(per_sample_losses):
-    return None
+def loss_stub(model, x, y):              # the def cell as shipped: step 5's local mean
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    logged = loss.detach().clone()
+    dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+    return logged
+
+
+def loss_without_world_size(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    (local_sum / count).backward()
+    return total / count
+
+
+def loss_world_size_twice(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    (local_sum / count / dist.get_world_size()).backward()
+    return total / count
+
+
+def loss_local_count(model, x, y):       # divided by this rank's own count
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    (local_sum * dist.get_world_size() / max(len(x), 1)).backward()
+    return total / count
+
+
+def loss_summed(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    local_sum.backward()
+    return total / count
+
+
+def loss_through_all_reduce(model, x, y):  # backward() through the all-reduced sum
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    stats = torch.stack([local_sum, torch.tensor(float(len(x)))])
+    dist.all_reduce(stats)
+    (stats[0] * dist.get_world_size() / stats[1]).backward()
+    return (stats[0] / stats[1]).detach()
+
+
+def loss_popular_answer(model, x, y):    # all_reduce(loss) / world_size, then backward()
+    loss = F.mse_loss(model(x), y).clone()
+    dist.all_reduce(loss)
+    loss = loss / dist.get_world_size()
+    loss.backward()
+    return loss.detach()
+
+
+def loss_returns_early(model, x, y):     # a rank with no sample leaves at once
+    if len(x) == 0:
+        return 0.0
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    (local_sum * dist.get_world_size() / count).backward()
+    return total / count
+
+
+def loss_skips_backward(model, x, y):    # joins the all_reduce, skips backward()
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    if len(x) > 0:
+        (local_sum * dist.get_world_size() / count).backward()
+    return total / count
+
+
+def loss_constant_when_empty(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum") if len(x) else torch.tensor(0.0)
+    total, count = _loss_stats(local_sum, len(x))
+    (local_sum * dist.get_world_size() / count).backward()
+    return total / count
+
+
+def loss_two_all_reduces(model, x, y):   # right numbers, two collectives
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = local_sum.detach().clone(), torch.tensor(float(len(x)))
+    dist.all_reduce(total)
+    dist.all_reduce(count)
+    (local_sum * dist.get_world_size() / count).backward()
+    return total / count
+
+
+def loss_all_gathered(model, x, y):      # right numbers, one collective: an all_gather
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    parts = [torch.zeros(2) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, torch.stack([local_sum.detach(), torch.tensor(float(len(x)))]))
+    total, count = torch.stack(parts).sum(0)
+    (local_sum * dist.get_world_size() / count).backward()
+    return total / count
+
+
+def loss_local_means_weighted(model, x, y):  # right gradient; nan logged with an empty rank
+    out = model(x)
+    local_sum = F.mse_loss(out, y, reduction="sum")
+    stats = torch.stack([F.mse_loss(out, y).detach() * len(x), torch.tensor(float(len(x)))])
+    dist.all_reduce(stats)
+    (local_sum * dist.get_world_size() / stats[1]).backward()
+    return stats[0] / stats[1]
+
+
+def loss_logs_local_mean(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    (local_sum * dist.get_world_size() / count).backward()
+    return local_sum.detach() / len(x)
+
+
+def loss_logs_mean_of_means(model, x, y):
+    out = model(x)
+    count = torch.tensor(float(len(x)))
+    dist.all_reduce(count)
+    (F.mse_loss(out, y, reduction="sum") * dist.get_world_size() / count).backward()
+    logged = F.mse_loss(out, y).detach()
+    dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+    return logged
+
+
+def loss_returns_two_numbers(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    stats = _loss_stats(local_sum, len(x))
+    (local_sum * dist.get_world_size() / stats[1]).backward()
+    return stats
+
+
+def loss_returns_none(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    _, count = _loss_stats(local_sum, len(x))
+    (local_sum * dist.get_world_size() / count).backward()
+
+
+def loss_no_backward(model, x, y):
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = _loss_stats(local_sum, len(x))
+    return total / count
+
+
+def loss_through_functional_all_reduce(model, x, y):  # backward() through funcol's all_reduce
+    import torch.distributed._functional_collectives as funcol
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    stats = funcol.all_reduce(torch.stack([local_sum, torch.tensor(float(len(x)))]), "sum",
+                              dist.group.WORLD)
+    (stats[0] * dist.get_world_size() / stats[1]).backward()
+    return (stats[0] / stats[1]).detach()
+
+
+def loss_through_dist_nn_all_reduce(model, x, y):  # the myth cell's all_reduce, in backward()
+    import warnings
+
+    import torch.distributed.nn.functional as dist_fn
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        stats = dist_fn.all_reduce(torch.stack([local_sum, torch.tensor(float(len(x)))]))
+    (stats[0] / stats[1]).backward()
+    return (stats[0] / stats[1]).detach()
+
+
+def loss_all_reduce_coalesced(model, x, y):  # right numbers, one all_reduce_coalesced
+    import warnings
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    total, count = local_sum.detach().clone(), torch.tensor(float(len(x)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.all_reduce_coalesced([total, count])
+    (local_sum * dist.get_world_size() / count).backward()
+    return total / count
+
+
+def loss_sum_all_reduced_after_backward(model, x, y):  # the count before, the sum after
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    count = torch.tensor(float(len(x)))
+    dist.all_reduce(count)
+    (local_sum * dist.get_world_size() / count).backward()
+    total = local_sum.detach().clone()
+    dist.all_reduce(total)
+    return total / count
+
+
+def loss_forward_in_no_sync(model, x, y):  # DDP all-reduces no gradient
+    with model.no_sync():
+        local_sum = F.mse_loss(model(x), y, reduction="sum")
+        total, count = _loss_stats(local_sum, len(x))
+        (local_sum * dist.get_world_size() / count).backward()
+    return total / count
 
 
 @pytest.mark.parametrize("fn, words", [
-    (loss_stub, ["That is the mean of the per-rank means", "weights each rank equally"]),
-    (loss_sum_over_world_size, ["divided by world_size=4", "world_size counts ranks, not samples"]),
-    (loss_sum, ["That is the sum of all 18 losses, not their mean."]),
-    (loss_sum_over_local_batch, ["divided by this rank's own local batch size"]),
-    (loss_local_mean, ["That is this rank's own local mean"]),
-    (loss_own_sum_over_global_count, ["this rank's own loss sum divided by the global number of samples"]),
-    (loss_two_all_reduces, ["every rank returned the global mean loss", "called all_reduce 2 times",
+    (loss_stub, ["after your backward() rank 0 holds", "each rank's own local mean loss",
+                 "weighs 1/(world_size·n), not 1/18"]),
+    (loss_without_world_size, ["That is 1/world_size = 1/4 of it",
+                               "DDP divides each rank's gradient by world_size"]),
+    (loss_world_size_twice, ["That is 1/world_size² = 1/16 of it", "once more by DDP"]),
+    (loss_local_count, ["each rank divided its loss by its own local batch size",
+                        "weighs 1/n, not 1/18"]),
+    (loss_summed, ["the gradient of each rank's summed loss"]),
+    (loss_through_all_reduce, ["rank 0's backward() went through an all_reduce",
+                               "c10d::allreduce_: an autograd kernel was not registered",
+                               "Autograd has no formula for dist.all_reduce",
+                               "The gradient came out right here"]),
+    (loss_popular_answer, ["rank 0's backward() went through an all_reduce",
+                           "as if it were the identity", "The gradient came out ["]),
+    (loss_returns_early, ["local batch sizes [4, 0, 3]",
+                          "rank 1 (local batch of 0 samples) returned without calling backward()",
+                          "ranks 0 and 2 were left waiting for it (in all_reduce",
+                          "the check stopped them at once"]),
+    (loss_skips_backward, ["rank 1 (local batch of 0 samples) returned without calling "
+                           "backward()", "ranks 0 and 2 were left waiting for it"]),
+    (loss_constant_when_empty, ["rank 1 (local batch of 0 samples) called backward() on a "
+                                "tensor that does not depend on the model's parameters",
+                                "does not require grad"]),
+    (loss_two_all_reduces, ["every rank's gradient and logged loss are right",
+                            "rank 0 called all_reduce 2 times, not counting what DDP calls "
+                            "itself (in model(x), and its all_reduce of the gradients",
                             "The exercise asks for one all_reduce per rank.",
                             "Every collective is a round trip"]),
-    (loss_weighted_local_means, ["local batch sizes [4, 0, 3]",
-                                 "Rank 1 holds no sample here, and the mean of an empty tensor is nan"]),
-    (loss_two_numbers, ["returned a tensor of shape (2,)", "return one number"]),
+    (loss_all_gathered, ["rank 0 called all_gather once, not counting what DDP calls"]),
+    (loss_local_means_weighted, ["every rank's gradient is right", "returned nan",
+                                 "Rank 1 holds no sample here, and the mean of an empty "
+                                 "tensor is nan"]),
+    (loss_logs_local_mean, ["That is this rank's own local mean"]),
+    (loss_logs_mean_of_means, ["That is the mean of the per-rank means"]),
+    (loss_returns_two_numbers, ["returned a tensor of shape (2,)", "return one number"]),
     (loss_returns_none, ["returned a NoneType", "return one number"]),
+    (loss_no_backward, ["no rank called backward() through the model"]),
+    (loss_through_functional_all_reduce, [
+        "rank 0's backward() called all_reduce once besides DDP's all_reduce of the gradients",
+        "went back through a differentiable collective",
+        "torch.distributed._functional_collectives.all_reduce", "The gradient came out ["]),
+    (loss_through_dist_nn_all_reduce, [
+        "rank 0's backward() called all_reduce once besides DDP's all_reduce of the gradients",
+        "The gradient came out right here, but in all rank 0 called all_reduce 2 times"]),
+    (loss_all_reduce_coalesced, ["every rank's gradient and logged loss are right",
+                                 "rank 0 called all_reduce_coalesced once, not counting"]),
+    (loss_sum_all_reduced_after_backward, ["every rank's gradient and logged loss are right",
+                                           "rank 0 called all_reduce 2 times"]),
+    (loss_forward_in_no_sync, ["every rank called backward() and got gradients, but DDP "
+                               "started no all_reduce of the gradients on any rank",
+                               "after a forward inside no_sync()"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_global_mean_loss_names_each_mistake(group, fn, words):
-    assert_names(check_global_mean_loss(group, fn), *words)
+def test_check_backward_and_log_names_each_mistake(group, fn, words):
+    assert_names(check_backward_and_log(group, fn), *words)
 
 
-def test_check_global_mean_loss_refuses_what_is_not_a_function(group):
+def test_check_backward_and_log_refuses_what_is_not_a_function(group):
     with pytest.raises(TypeError, match="fn must be the function"):
-        check_global_mean_loss(group, 0.5)
+        check_backward_and_log(group, 0.5)
 
 
 # --- 05: check_mesh_sync (its table: tests/test_nb05_mesh.py) ----------------------------------

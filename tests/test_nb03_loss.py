@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import time
 import warnings
 
 import numpy as np
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 
 import conftest
 from reducelab import LocalGroup
-from reducelab.checks.loss import UNEVEN_BATCHES, check_global_mean_loss, exercise_losses
+from reducelab.checks.loss import (UNEVEN_BATCHES, _per_rank, _run_learner, check_backward_and_log,
+                                   exercise_batch, exercise_model, reference)
 from reducelab.plots import message_png
 from reducelab.plots.loss import LossAggregationPlot, gradient_variants, parameter_drift
 from reducelab.widgets.loss import LossExplorer, parse_batch_sizes
@@ -25,7 +27,7 @@ from reducelab.widgets.loss import LossExplorer, parse_batch_sizes
 
 
 def load_solution():
-    return conftest.load_solution("03_global_mean_loss")
+    return conftest.load_solution("03_backward_and_log")
 
 
 # --- the notebook's rank functions, and the same data rebuilt in one process ---------------
@@ -212,149 +214,244 @@ def test_explorer_rejects_bad_arguments(group):
 
 
 # --- the exercise check ---------------------------------------------------------------------
+def stub_from_the_notebook():
+    """The def cell as the notebook ships it (its TODO stub), defined from the cell's text."""
+    src = next(s for s, _ in notebook_cells() if s.startswith("# %load solutions/03_"))
+    namespace = {"F": F, "dist": dist, "torch": torch, "__name__": "notebook_03_def_cell"}
+    exec(src, namespace)
+    return namespace["backward_and_log"]
+
+
 def test_solution_passes(group):
-    verdict = check_global_mean_loss(group, load_solution().global_mean_loss)
+    verdict = check_backward_and_log(group, load_solution().backward_and_log)
     assert verdict, verdict.message
+    assert "the rank without samples still joins DDP's all_reduce" in verdict.message
     assert group.world_size == 4  # restored
 
 
-def stub(per_sample_losses):  # the notebook's TODO stub: the mean of per-rank means
-    loss = per_sample_losses.mean()
-    dist.all_reduce(loss)
-    return loss / dist.get_world_size()
-
-
-def test_stub_fails_and_names_the_mean_of_means(group):
-    verdict = check_global_mean_loss(group, stub)
+def test_the_notebook_s_stub_fails_and_names_the_local_mean_gradient(group):
+    verdict = check_backward_and_log(group, stub_from_the_notebook())
     sizes = UNEVEN_BATCHES[0]
-    expected = torch.cat([exercise_losses(r, n) for r, n in enumerate(sizes)]).mean().item()
-    assert not verdict
-    assert f"{expected:.4f}" in verdict.message
-    assert "mean of the per-rank means" in verdict.message
+    want, _ = reference(sizes)
+    assert not verdict and verdict.mistake == "wrong gradient"
+    assert f"local batch sizes {list(sizes)}" in verdict.message
+    assert "[" + ", ".join(f"{v:.3f}" for v in want.tolist()) + "]" in verdict.message
+    assert "each rank's own local mean loss" in verdict.message
     assert group.world_size == 4
 
 
-def local_only(l):
-    return l.mean()
+def test_reference_is_one_process_over_the_global_batch():
+    """The check's reference, rebuilt here in float64 from the same seeds: the model is
+    nn.Linear(3, 1) as torch.manual_seed(0) makes it, and rank r's targets sit r higher."""
+    sizes = (4, 0, 3)
+    grad, loss = reference(sizes)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    xs, ys = [], []
+    for r, n in enumerate(sizes):
+        g = torch.Generator().manual_seed(r)
+        xs.append(torch.randn(n, 3, generator=g))
+        ys.append(torch.randn(n, 1, generator=g) + r)
+    full = F.mse_loss(model(torch.cat(xs).double()), torch.cat(ys).double())
+    full.backward()
+    assert torch.allclose(grad.double(), torch.cat([model.weight.grad.flatten(), model.bias.grad]),
+                          atol=1e-6)
+    assert loss == pytest.approx(full.item(), rel=1e-6)
+    x, y = exercise_batch(1, 0)
+    assert x.shape == (0, 3) and y.shape == (0, 1)
 
 
-def sum_only(l):
-    s = l.sum()
-    dist.all_reduce(s)
-    return s
+def test_the_stub_s_numbers_sit_far_from_a_rounding_boundary():
+    """The stored verdict prints gradients to 3 decimals; float32 sums differ by about 1e-7
+    from one CPU to another, so each printed number must sit well away from the point where
+    its third decimal would flip."""
+    sizes = UNEVEN_BATCHES[0]
+    want, _ = reference(sizes)
+    stub_grad = sum(g / n for g, n in zip(_per_rank(sizes)[1], sizes)) / len(sizes)
+    for v in torch.cat([want.double(), stub_grad]).tolist():
+        assert abs(abs(v) * 1000 % 1 - 0.5) > 0.01, v   # at least 1e-5 from x.xxx5
 
 
-def count_not_reduced(l):
-    s = l.sum()
-    dist.all_reduce(s)
-    return s / l.numel()
+def test_a_rank_that_skips_backward_is_named_and_the_others_are_stopped_at_once(group):
+    """Rank 1 holds no sample and returns before backward(): ranks 0 and 2 wait in DDP's
+    all_reduce of the gradients. The check names rank 1 well before the group's timeout
+    (60 s here), and the group runs again afterwards."""
+    def returns_early_when_empty(model, x, y):
+        local_sum = F.mse_loss(model(x), y, reduction="sum")
+        stats = torch.stack([local_sum.detach(), torch.tensor(float(len(x)))])
+        dist.all_reduce(stats)
+        if len(x) == 0:
+            return stats[0] / stats[1]
+        (local_sum * dist.get_world_size() / stats[1]).backward()
+        return stats[0] / stats[1]
+
+    start = time.monotonic()
+    verdict = check_backward_and_log(group, returns_early_when_empty)
+    assert time.monotonic() - start < 15 < group.timeout
+    assert not verdict and verdict.mistake == "rank skipped backward()"
+    assert "rank 1 (local batch of 0 samples) returned without calling backward()" in verdict.message
+    assert "ranks 0 and 2 were left waiting for it" in verdict.message
+    assert group.world_size == 4
+    assert group.run(dist.get_world_size) == [4, 4, 4, 4]
 
 
-def raises(l):
-    return 1 / 0
+def test_ddp_s_all_reduce_is_counted_by_a_dispatch_mode_and_left_out_by_the_check(group):
+    """The fact the check's counting rests on: DDP's C++ reducer's all_reduce of the
+    gradients reaches a TorchDispatchMode (CommDebugMode counts 2 all_reduces for the
+    solution: its own and DDP's). The check leaves DDP's out: the solution makes one."""
+    solution = load_solution().backward_and_log
+
+    def counted_by_comm_debug_mode(fn):
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from reducelab.checks.loss import exercise_batch, exercise_model
+        model = DDP(exercise_model())
+        x, y = exercise_batch(dist.get_rank(), 3)
+        with CommDebugMode() as comm:
+            fn(model, x, y)
+        return {str(op): n for op, n in comm.get_comm_counts().items()}
+
+    assert group.run(counted_by_comm_debug_mode, solution) == [{"c10d.allreduce_": 2}] * 4
+    out = group.run(_run_learner, solution, (3, 5, 8, 2))
+    assert [r["collectives"] for r in out] == [{"all_reduce": 1}] * 4
+
+    def with_a_barrier(model, x, y):
+        dist.barrier()
+        return solution(model, x, y)
+    verdict = check_backward_and_log(group, with_a_barrier)
+    assert not verdict and "called barrier once and all_reduce once" in verdict.message
 
 
-def vector(l):
-    return torch.zeros(2)
-
-
-def text(l):
-    return "0.5"
-
-
-def two_all_reduces(l):  # step 1's weighted_mean: right, with two collectives
-    from torch.distributed import all_reduce  # counted however it is called
-    total, count = l.sum(), torch.tensor(float(l.numel()))
-    all_reduce(total)
-    dist.distributed_c10d.all_reduce(count)
-    return total / count
-
-
-def local_means_weighted(l):  # one all_reduce, right for non-empty batches, nan for an empty one
-    stats = torch.stack([l.mean() * l.numel(), torch.tensor(float(l.numel()))])
-    dist.all_reduce(stats)
+def right_with_functional_all_reduce(model, x, y):
+    """Right: the one all_reduce is torch's functional one, which the notebook's torch
+    warning recommends (_functional_collectives.all_reduce, a _c10d_functional op)."""
+    import torch.distributed._functional_collectives as funcol
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    stats = funcol.all_reduce(torch.stack([local_sum.detach(), torch.tensor(float(len(x)))]),
+                              "sum", dist.group.WORLD)
+    (local_sum * dist.get_world_size() / stats[1]).backward()
     return stats[0] / stats[1]
 
 
-def gathered(l):  # one collective, but not an all_reduce
-    stats = torch.stack([l.sum(), torch.tensor(float(l.numel()))])
-    out = [torch.zeros(2) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, stats)
-    total, count = torch.stack(out).sum(0)
-    return total / count
+def right_with_a_second_forward(model, x, y):
+    """Right: after backward() the loss is computed again, with grad enabled, to log it.
+    That second forward makes DDP rebuild its buckets, which broadcasts: DDP's, not the
+    learner's."""
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    stats = torch.stack([local_sum.detach(), torch.tensor(float(len(x)))])
+    dist.all_reduce(stats)
+    (local_sum * dist.get_world_size() / stats[1]).backward()
+    again = F.mse_loss(model(x), y, reduction="sum")
+    return stats[0] / stats[1] + 0 * again.detach()
 
 
-def gathered_single(l):  # torch 2.13's name for the gather into one tensor
-    stats = torch.stack([l.sum(), torch.tensor(float(l.numel()))])
-    out = torch.empty(2 * dist.get_world_size())
-    dist.all_gather_single(out, stats)
-    total, count = out.view(-1, 2).sum(0)
-    return total / count
+@pytest.mark.parametrize("fn", [right_with_functional_all_reduce, right_with_a_second_forward],
+                         ids=lambda f: f.__name__)
+def test_right_answers_other_than_the_solution_pass(group, fn):
+    verdict = check_backward_and_log(group, fn)
+    assert verdict, verdict.message
 
 
-WRONG = {
-    "local_only": (local_only, "other ranks' losses are not in it"),
-    "sum_only": (sum_only, "the sum of all 18 losses, not their mean"),
-    "count_not_reduced": (count_not_reduced, "each rank divides by a different number"),
-    "raises": (raises, "ZeroDivisionError"),
-    "vector": (vector, "shape (2,)"),
-    "text": (text, "returned a str"),
-    "two_all_reduces": (two_all_reduces, "rank 0 called all_reduce 2 times. The exercise asks "
-                                         "for one all_reduce per rank."),
-    "local_means_weighted": (local_means_weighted, "[4, 0, 3] (global batch 7), the global mean "
-                             "loss is 1.3025 (the sum of all 7 losses divided by 7), but rank 0 "
-                             "returned nan. Rank 1 holds no sample here, and the mean of an empty "
-                             "tensor is nan (0 / 0)"),
-    "gathered": (gathered, "rank 0 called all_gather once. The exercise asks for one all_reduce"),
-    "gathered_single": (gathered_single, "rank 0 called all_gather_single once."),
-    "stub": (stub, "mean of the per-rank means"),
-}
+def test_the_count_goes_on_after_backward_and_after_ddp_s_forward(group):
+    """The count is paused only inside DDP: in its forward (a second forward after
+    backward() broadcasts, as the raw count shows) and in its all_reduce of the gradients.
+    An all_reduce of the learner's after backward(), and one after a second forward, are
+    counted."""
+    def two_forwards_and_three_all_reduces(model, x, y):
+        local_sum = F.mse_loss(model(x), y, reduction="sum")
+        count = torch.tensor(float(len(x)))
+        dist.all_reduce(count)
+        (local_sum * dist.get_world_size() / count).backward()
+        total = local_sum.detach().clone()
+        dist.all_reduce(total)                    # after backward()
+        again = F.mse_loss(model(x), y, reduction="sum").detach()
+        dist.all_reduce(again)                    # after DDP's second forward
+        return total / count
+
+    out = group.run(_run_learner, two_forwards_and_three_all_reduces, (3, 5, 8, 2))
+    assert [r["collectives"] for r in out] == [{"all_reduce": 3}] * 4
+    assert [r["in_backward"] for r in out] == [{}] * 4
+
+    def raw_count_of_a_second_forward():
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from reducelab.checks.loss import _Collectives
+        model = DDP(exercise_model())
+        x, y = exercise_batch(dist.get_rank(), 3)
+        F.mse_loss(model(x), y).backward()
+        with _Collectives() as counter:
+            model(x)
+        return counter.counts
+    assert all(c.get("broadcast", 0) > 0 for c in group.run(raw_count_of_a_second_forward))
 
 
-@pytest.mark.parametrize("name", WRONG)
-def test_wrong_answers_are_explained(group, name):
-    fn, says = WRONG[name]
-    verdict = check_global_mean_loss(group, fn)
-    assert not verdict
-    assert says in verdict.message, verdict.message
+def test_a_forward_in_no_sync_is_told_apart_from_a_skipped_backward(group):
+    """Rank 1 (no sample) runs its forward and backward() inside model.no_sync(): it gets
+    gradients, but DDP starts no all_reduce of them there. The check says so, not that it
+    skipped backward(), and stops ranks 0 and 2 at once."""
+    def no_sync_when_empty(model, x, y):
+        import contextlib
+        with model.no_sync() if len(x) == 0 else contextlib.nullcontext():
+            local_sum = F.mse_loss(model(x), y, reduction="sum")
+            stats = torch.stack([local_sum.detach(), torch.tensor(float(len(x)))])
+            dist.all_reduce(stats)
+            (local_sum * dist.get_world_size() / stats[1]).backward()
+        return stats[0] / stats[1]
+
+    start = time.monotonic()
+    verdict = check_backward_and_log(group, no_sync_when_empty)
+    assert time.monotonic() - start < 15 < group.timeout
+    assert not verdict and verdict.mistake == "no all_reduce of the gradients"
+    assert ("rank 1 (local batch of 0 samples) called backward(), but DDP started no "
+            "all_reduce of the gradients there, while ranks 0 and 2 were left waiting for it"
+            in verdict.message)
+    assert "returned without calling backward()" not in verdict.message
+    assert "after a forward inside no_sync()" in verdict.message
     assert group.world_size == 4
 
 
-def test_no_check_message_gives_the_recipe(group):
-    """What was wrong, never how to write it: no solution line, and none of the recipe's
-    words (the review found 'All-reduce the loss sum and the sample count separately,
-    then divide.' in an earlier message)."""
-    solution = [line.strip() for line in
-                (conftest.SOLUTIONS / "03_global_mean_loss.py").read_text().splitlines()
-                if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
-    recipe = re.compile(r"separately|then divide|two.element|stack|one tensor|sum and the "
-                        r"(sample )?count|all-reduce the|divide (it )?by the global", re.I)
-    for name, (fn, _) in WRONG.items():
-        message = check_global_mean_loss(group, fn).message
-        assert not any(line in message for line in solution), (name, message)
-        assert not recipe.search(message), (name, message)
-
-
 def test_a_function_right_only_for_the_first_setting_fails_on_the_second(group):
-    # right answer for world_size 4 (hard-coded count 18), wrong for the other setting
-    def hard_coded(l):
-        s = l.sum()
-        dist.all_reduce(s)
-        return s / 18
-    verdict = check_global_mean_loss(group, hard_coded)
+    def hard_coded(model, x, y):  # the global batch of the first setting, 18, written in
+        local_sum = F.mse_loss(model(x), y, reduction="sum")
+        total = local_sum.detach().clone()
+        dist.all_reduce(total)
+        (local_sum * dist.get_world_size() / 18).backward()
+        return total / 18
+    verdict = check_backward_and_log(group, hard_coded)
     assert not verdict and "[4, 0, 3]" in verdict.message
+
+
+def test_no_check_message_gives_the_recipe(group):
+    """What was wrong, never how to write it: none of the recipe's words in the messages
+    of the usual mistakes (test_check_mistakes asserts no solution line is quoted)."""
+    def no_world_size(model, x, y):
+        local_sum = F.mse_loss(model(x), y, reduction="sum")
+        stats = torch.stack([local_sum.detach(), torch.tensor(float(len(x)))])
+        dist.all_reduce(stats)
+        (local_sum / stats[1]).backward()
+        return stats[0] / stats[1]
+
+    recipe = re.compile(r"multipl|\* ?world_size|detach|stack|one tensor|two.element|"
+                        r"reduction=\"sum\"|call backward\(\) on every|must call|should", re.I)
+    for fn in (stub_from_the_notebook(), no_world_size):
+        message = check_backward_and_log(group, fn).message
+        assert not recipe.search(message), message
 
 
 def test_the_check_includes_an_empty_local_batch():
     assert any(0 in sizes for sizes in UNEVEN_BATCHES)
-    assert exercise_losses(1, 0).shape == (0,)
-    assert torch.isnan(exercise_losses(1, 0).mean())  # what the check's nan message says
-    assert torch.isnan(torch.tensor([]).mean())
+    assert torch.isnan(F.mse_loss(torch.zeros(0, 1), torch.zeros(0, 1)))  # the nan message's fact
 
 
-def test_check_rejects_a_non_function(group):
+def test_check_rejects_a_non_function_and_batches_without_a_sample(group):
     with pytest.raises(TypeError, match="function"):
-        check_global_mean_loss(group, 3)
+        check_backward_and_log(group, 3)
+    with pytest.raises(ValueError, match="at least one above 0"):
+        check_backward_and_log(group, load_solution().backward_and_log, [(0, 0)])
+    with pytest.raises(ValueError, match="0 or more"):
+        check_backward_and_log(group, load_solution().backward_and_log, [(2, -1)])
+    assert group.world_size == 4
 
 
 # --- step 3: the popular answer's loop, without and with DDP ---------------------------------
@@ -682,10 +779,20 @@ def test_the_exercise_asks_for_one_all_reduce_with_the_check_s_batch_sizes():
     cells = [src for src, _ in notebook_cells()]
     exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/03_"))
     task = cells[exercise - 1]
+    assert cells[exercise].startswith("# %load solutions/03_backward_and_log.py\n")
+    assert (conftest.SOLUTIONS / "03_backward_and_log.py").exists()
     assert "**one** `all_reduce` per rank" in task and "may be 0" in task
+    assert "`backward_and_log(model, x, y)`" in task
+    # the tolerance as the check applies it: 1e-5 * max(1, max|reference|), over the gradient
+    assert "1e-5 times the largest of one process's 4 numbers in absolute value" in task
+    assert "(1e-5 itself when that largest value is below 1)" in task
+    assert "relative tolerance" not in task
+    assert "whatever its forward, `model(x)`, calls" in task
     for sizes in UNEVEN_BATCHES:
         assert ", ".join(map(str, sizes)) in task
-    assert cells[exercise + 1] == "check_global_mean_loss(group, global_mean_loss)"
+    assert cells[exercise + 1] == "check_backward_and_log(group, backward_and_log)"
+    from reducelab.checks.loss import TOLERANCE
+    assert TOLERANCE == 1e-5
 
 
 def test_the_spawn_cell_shows_what_spawn_started():

@@ -149,7 +149,7 @@ def test_solutions_open_on_the_instructors_word(server):
     assert status == 200
     status, text, _ = call("GET", url, token=secret)
     assert status == 200 and text == (ROOT / "notebooks/solutions/04_ddp_loss.py").read_text()
-    assert call("GET", server.base + "/api/solutions/03_global_mean_loss.py", token=secret)[0] == 403
+    assert call("GET", server.base + "/api/solutions/03_backward_and_log.py", token=secret)[0] == 403
     assert call("GET", server.base + "/api/solutions/..%2F..%2Fsecret.py", token=secret)[0] == 404
     assert "04_ddp_loss.py" in progress(server)["unlocked"]
     call("POST", server.base + "/api/unlock", {"solution": "04_ddp_loss.py", "open": False},
