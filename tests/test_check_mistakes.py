@@ -23,9 +23,9 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
 - 06 check_chain_broadcast: test_nb06_ring "likely", and its ring that hangs. Here: the
   chain run to the left neighbour; the pieces sent last first.
 - 07 check_node_command: test_nb07_cluster test_wrong_answers_are_explained.
-- 08 check_zero2_step: here, the whole table (test_nb08_sharded "usual" too), with an
-  all_reduce and an all_gather of every gradient, right numbers without a reduce_scatter (fix),
-  and a reduce of each shard to its owner.
+- 08 check_zero1_step: here, the table of gradient, broadcast and collective mistakes;
+  test_nb08_sharded "usual" has the partitions that differ from torch's (round robin,
+  greedy unsorted, smallest first), and the right answers other than the solution.
 - 09 check_vocab_parallel_embedding: test_nb09_tensor_parallel
   test_each_likely_mistake_gets_its_explanation.
 - 10 check_recursive_doubling: test_nb10_cost "usual".
@@ -68,7 +68,7 @@ from reducelab.checks.loss import check_backward_and_log
 from reducelab.checks.mesh import check_mesh_sync
 from reducelab.checks.reduce import check_reduce_to_owners
 from reducelab.checks.ring import check_chain_broadcast
-from reducelab.checks.sharded import check_zero2_step
+from reducelab.checks.sharded import check_zero1_step
 from reducelab.checks.shards import check_global_grad_norm
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -480,134 +480,139 @@ def test_check_chain_broadcast_names_each_mistake(fn, words):
         assert "With one piece" not in verdict.message
 
 
-# --- 08: check_zero2_step -----------------------------------------------------------------------
+# --- 08: check_zero1_step -----------------------------------------------------------------------
 
-def zero2_stub(flat_params, flat_grad, my_shard, optimizer):     # the def cell as shipped
+def _zero1_owners(params):          # ZeroRedundancyOptimizer's: largest first, fewest elements so far
+    held, owner = [0] * dist.get_world_size(), [None] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        owner[i] = held.index(min(held))
+        held[owner[i]] += params[i].numel()
+    return owner
+
+
+def _zero1_average(params, op=dist.ReduceOp.AVG):
+    for p in params:
+        dist.all_reduce(p.grad, op=op)
+
+
+def _zero1_broadcast(params, owner):
+    for p, src in zip(params, owner):
+        dist.broadcast(p.data, src=src)
+
+
+def zero1_stub(params, optimizer):      # the def cell as shipped
     pass
 
 
-def _reduce_scatter_padded(flat_grad, k, op):
+def zero1_sum(params, optimizer):       # Adam nearly hides it: only the gradient shows it
+    _zero1_average(params, dist.ReduceOp.SUM)
+    optimizer.step()
+    _zero1_broadcast(params, _zero1_owners(params))
+
+
+def zero1_not_averaged(params, optimizer):
+    optimizer.step()
+    _zero1_broadcast(params, _zero1_owners(params))
+
+
+def zero1_steps_before_averaging(params, optimizer):
+    optimizer.step()
+    _zero1_average(params)
+    _zero1_broadcast(params, _zero1_owners(params))
+
+
+def zero1_never_steps(params, optimizer):
+    _zero1_average(params)
+    _zero1_broadcast(params, _zero1_owners(params))
+
+
+def zero1_all_from_rank_0(params, optimizer):
+    _zero1_average(params)
+    optimizer.step()
+    _zero1_broadcast(params, [0] * len(params))
+
+
+def zero1_no_broadcast(params, optimizer):      # each rank keeps only its own parameters stepped
+    _zero1_average(params)
+    optimizer.step()
+
+
+def zero1_broadcasts_a_copy(params, optimizer):
+    _zero1_average(params)
+    optimizer.step()
+    for p, src in zip(params, _zero1_owners(params)):
+        dist.broadcast(p.detach().clone(), src=src)
+
+
+def zero1_copies_into_the_parameter(params, optimizer):   # in place on a leaf that requires grad
+    _zero1_average(params)
+    optimizer.step()
+    for p, src in zip(params, _zero1_owners(params)):
+        received = p.detach().clone()
+        dist.broadcast(received, src=src)
+        p.copy_(received)
+
+
+def zero1_reduces_to_round_robin_owners(params, optimizer):
     n = dist.get_world_size()
-    shard = torch.empty(k)
-    dist.reduce_scatter_single(shard, F.pad(flat_grad, (0, n * k - flat_grad.numel())), op=op)
-    return shard
-
-
-def _gather_into(flat_params, my_shard):
-    n, k = dist.get_world_size(), my_shard.numel()
-    gathered = torch.empty(n * k)
-    dist.all_gather_single(gathered, my_shard.detach())
-    flat_params.copy_(gathered[:flat_params.numel()])
-
-
-def zero2_sum(flat_params, flat_grad, my_shard, optimizer):
-    my_shard.grad = _reduce_scatter_padded(flat_grad, my_shard.numel(), dist.ReduceOp.SUM)
+    owner = [i % n for i in range(len(params))]
+    for p, dst in zip(params, owner):
+        dist.reduce(p.grad, dst=dst, op=dist.ReduceOp.AVG)
     optimizer.step()
-    _gather_into(flat_params, my_shard)
+    _zero1_broadcast(params, owner)
 
 
-def zero2_local_gradient(flat_params, flat_grad, my_shard, optimizer):
-    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
-    my_shard.grad = F.pad(flat_grad, (0, n * k - flat_grad.numel()))[r * k:(r + 1) * k].clone()
+def zero1_all_reduces_the_parameters(params, optimizer):   # right numbers, no broadcast
+    _zero1_average(params)
     optimizer.step()
-    _gather_into(flat_params, my_shard)
+    rank = dist.get_rank()
+    for p, owner in zip(params, _zero1_owners(params)):
+        if rank != owner:
+            p.data.zero_()
+        dist.all_reduce(p.data)
 
 
-def zero2_floor_offset(flat_params, flat_grad, my_shard, optimizer):   # k from 2410 // n
-    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
-    mean = flat_grad.clone()
-    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-    lo = r * (flat_grad.numel() // n)
-    my_shard.grad = F.pad(mean, (0, n * k - mean.numel()))[lo:lo + k].clone()
+def zero1_gathers_every_gradient(params, optimizer):       # right numbers, gradients travel whole
+    n = dist.get_world_size()
+    for p in params:
+        every = [torch.empty_like(p.grad) for _ in range(n)]
+        dist.all_gather(every, p.grad)
+        p.grad = torch.stack(every).mean(dim=0)
     optimizer.step()
-    _gather_into(flat_params, my_shard)
-
-
-def zero2_gathers_gradients(flat_params, flat_grad, my_shard, optimizer):
-    my_shard.grad = _reduce_scatter_padded(flat_grad, my_shard.numel(), dist.ReduceOp.AVG)
-    optimizer.step()
-    _gather_into(flat_params, my_shard.grad)
-
-
-def zero2_rebinds_params(flat_params, flat_grad, my_shard, optimizer):
-    n, k = dist.get_world_size(), my_shard.numel()
-    my_shard.grad = _reduce_scatter_padded(flat_grad, k, dist.ReduceOp.AVG)
-    optimizer.step()
-    gathered = torch.empty(n * k)
-    dist.all_gather_single(gathered, my_shard.detach())
-    flat_params = gathered[:flat_params.numel()]       # noqa: F841 - the mistake
-
-
-def zero2_own_shard_only(flat_params, flat_grad, my_shard, optimizer):
-    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
-    my_shard.grad = _reduce_scatter_padded(flat_grad, k, dist.ReduceOp.AVG)
-    optimizer.step()
-    end = min((r + 1) * k, flat_params.numel())
-    flat_params[r * k:end] = my_shard.detach()[:end - r * k]
-
-
-def zero2_no_padding(flat_params, flat_grad, my_shard, optimizer):
-    shard = torch.empty(my_shard.numel())
-    dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.AVG)
-    my_shard.grad = shard
-    optimizer.step()
-    _gather_into(flat_params, my_shard)
-
-
-def zero2_gathers_every_gradient(flat_params, flat_grad, my_shard, optimizer):  # no reduce_scatter
-    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
-    every = torch.empty(n * flat_grad.numel())
-    dist.all_gather_into_tensor(every, flat_grad)
-    mean = every.view(n, -1).mean(dim=0)
-    my_shard.grad = F.pad(mean, (0, n * k - mean.numel()))[r * k:(r + 1) * k].clone()
-    optimizer.step()
-    _gather_into(flat_params, my_shard)
-
-
-def zero2_reduce_to_owners(flat_params, flat_grad, my_shard, optimizer):   # notebook 02's way
-    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
-    padded = F.pad(flat_grad, (0, n * k - flat_grad.numel()))
-    for owner in range(n):
-        shard = padded[owner * k:(owner + 1) * k].clone()
-        dist.reduce(shard, dst=owner)
-        if owner == r:
-            my_shard.grad = shard / n
-    optimizer.step()
-    _gather_into(flat_params, my_shard)
-
-
-def zero2_all_reduce(flat_params, flat_grad, my_shard, optimizer):   # right numbers, DDP's collective
-    n, k, r = dist.get_world_size(), my_shard.numel(), dist.get_rank()
-    mean = flat_grad.clone()
-    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-    my_shard.grad = F.pad(mean, (0, n * k - mean.numel()))[r * k:(r + 1) * k].clone()
-    optimizer.step()
-    _gather_into(flat_params, my_shard)
+    _zero1_broadcast(params, _zero1_owners(params))
 
 
 @pytest.mark.parametrize("fn, words", [
-    (zero2_stub, ["With world_size=2, step 1: my_shard.grad is None on rank 0"]),
-    (zero2_sum, ["It is the SUM over the 2 ranks, 2 times the mean"]),
-    (zero2_local_gradient, ["It is this rank's own local gradient: nothing was reduced"]),
-    (zero2_floor_offset, ["With world_size=4", "a wrong shard offset",
-                          "k = ceil(2410 / 4) = 603"]),
-    (zero2_gathers_gradients, ["They equal the mean gradient: you all-gathered the gradient shards"]),
-    (zero2_rebinds_params, ["flat_params did not change at all", "in place"]),
-    (zero2_own_shard_only, ["This rank's own shard", "is right, the others are not"]),
-    (zero2_no_padding, ["With world_size=4,", "pad the flat gradient with 2 zero(s) at the end"]),
-    (zero2_gathers_every_gradient, ["the parameters are right, but at world_size=2 rank 0 never called a "
-                                     "reduce_scatter (it called dist.all_gather_into_tensor, "
-                                     "dist.all_gather_single)", "travelled whole"]),
-    (zero2_reduce_to_owners, ["rank 0 never called a reduce_scatter (it called dist.all_gather_single, "
-                              "dist.reduce)", "world_size reduces, each paying a collective's fixed cost"]),
-    (zero2_all_reduce, ["the gradient shards and the parameters are right, but at world_size=",
-                        "called dist.all_reduce", "ZeRO-2 uses the collectives of the bare step"]),
+    (zero1_stub, ["With world_size=2, step 1: On rank 0, which owns 0.weight",
+                  "It is this rank's own local gradient: nothing was averaged"]),
+    (zero1_sum, ["It is their SUM, 2 times the mean", "Adam nearly hides this"]),
+    (zero1_not_averaged, ["It is this rank's own local gradient", "420 digits instead of"]),
+    (zero1_steps_before_averaging, ["Rank 0 owns 0.weight, and after your call its gradient is the mean",
+                                    "with whatever .grad holds at the moment it steps"]),
+    (zero1_never_steps, ["Rank 0 owns 0.weight, yet 0.weight still holds its value from before",
+                         "never stepped it"]),
+    (zero1_all_from_rank_0, ["2.weight (320 elements) was broadcast from rank 0",
+                             "made rank 1 its owner", "You used rank 0 for every parameter"]),
+    (zero1_no_broadcast, ["still holds its value from before the step: rank 1 owns 0.bias",
+                          "no broadcast was called"]),
+    (zero1_broadcasts_a_copy, ["although a broadcast of 32 elements from its owner, rank 1, ran",
+                               "another tensor than the parameter itself"]),
+    (zero1_copies_into_the_parameter, ["your function raised on the ranks", "leaf Variable",
+                                       "it refuses an in-place operation on them"]),
+    (zero1_reduces_to_round_robin_owners, ["On rank 1, which owns 2.weight",
+                                           "2.weight (320 elements) was reduced to rank 0",
+                                           "round robin by position"]),
+    (zero1_all_reduces_the_parameters, ["the gradients and the parameters are right, but at "
+                                        "world_size=2 rank 0 never called dist.broadcast",
+                                        "_sync_params sends each parameter once"]),
+    (zero1_gathers_every_gradient, ["the gradients and the parameters are right, but at "
+                                    "world_size=2 rank 0 called dist.all_gather",
+                                    "n-1 copies of it"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
-def test_check_zero2_step_names_each_mistake(group, fn, words):
-    verdict = check_zero2_step(group, fn)
+def test_check_zero1_step_names_each_mistake(group, fn, words):
+    verdict = check_zero1_step(group, fn)
     assert_names(verdict, *words)
-    if fn is zero2_reduce_to_owners:          # each owner got its shard only: nothing travelled whole
-        assert "travelled whole" not in verdict.message
+    assert group.world_size == 4
 
 
 # --- 11: check_skip_together (its table: tests/test_nb11_disagree.py) -------------------------

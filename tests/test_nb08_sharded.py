@@ -1,7 +1,8 @@
 """Tests of notebook 08 (sharded data parallelism): the facts the notebook states, each run
 on real gloo ranks with the notebook's own rank functions (read from its code cells); the
-sharding explorer driven headlessly by setting its controls; the ZeRO-2 exercise check on
-the stub, the solution and each usual mistake; and the figures."""
+sharding explorer driven headlessly by setting its controls; the exercise check (ZeRO-1 by
+whole parameters, as torch's ZeroRedundancyOptimizer does it) on the stub, the solution and
+each usual mistake; and the figures."""
 from __future__ import annotations
 
 import ast
@@ -24,9 +25,9 @@ import torch.nn.functional as F
 import conftest
 from reducelab import RankError
 import reducelab.checks.sharded as helper
-from reducelab.checks.sharded import (ATOL, GLOBAL_BATCH, LAYOUT, NUMEL, check_zero2_step,
-                                      exercise_run, flat_gradient, global_batches, initial_flat,
-                                      load_digits_tensors, local_part, make_model, one_thread,
+from reducelab.checks.sharded import (ATOL, EXERCISE_WORLD_SIZES, GLOBAL_BATCH, LAYOUT, NUMEL,
+                                      PARAM_NAMES, check_zero1_step, exercise_run, flat_gradient,
+                                      global_batches, initial_flat, load_digits_tensors, local_part, make_model, one_thread,
                                       placed, placed_dtensors, reference_run)
 from reducelab.plots import MAX_WIDTH
 from reducelab.plots.sharded import (NOT_HELD, ShardingFigure, collective_figure, memory_figure,
@@ -187,19 +188,33 @@ def test_the_bare_zero2_step_averages_steps_and_gathers(group):
         assert full.tolist() == [-2.5] * 8              # one SGD step, lr 1, on the mean 2.5
 
 
-def copied_bare_step(flat_params, flat_grad, my_shard, optimizer):
-    NB.zero2_step_bare(flat_params, flat_grad, my_shard, optimizer)
+def test_the_exercise_is_a_case_the_notebook_did_not_run():
+    """The exercise asks for what no cell above it runs: owners of whole tensors and a
+    broadcast from each (step 2 only names ZeroRedundancyOptimizer and _sync_params)."""
+    stub_at = next(i for i, c in enumerate(CELLS)
+                   if "# %load solutions/08_zero1_step.py" in "".join(c["source"]))
+    before = "\n".join("".join(c["source"]) for c in CELLS[:stub_at] if c["cell_type"] == "code")
+    assert "broadcast" not in before and "ZeroRedundancyOptimizer" not in before
+    text = cell_with("## Exercise: ZeRO-1 by whole parameters")
+    for fact in ("`_partition_parameters`", "largest first", "fewest elements so far",
+                 "`_sync_params`", "**broadcasts**", "`src`", "owns nothing", "2,048", "(320)"):
+        assert fact in text, fact
+    stub = cell_with("# %load solutions/08_zero1_step.py")
+    for answer in ("broadcast(", "sorted", "all_reduce", "ReduceOp", "min(", ".step()"):
+        assert answer not in stub, answer
 
 
-def test_copying_the_bare_step_does_not_answer_the_exercise(group):
-    verdict = check_zero2_step(group, copied_bare_step)
-    assert not verdict
-    assert "With world_size=4" in verdict.message and "pad the flat gradient" in verdict.message
-    text = cell_with("## Exercise: a ZeRO-2 step")
-    for new in ("**padding**", "**offsets**", "**the write**", "in place"):
-        assert new in text
-    stub = cell_with("# %load solutions/08_zero2_step.py")
-    assert "reduce_scatter_single" not in stub and "all_gather_single" not in stub
+def test_the_text_states_torchs_partition_rule():
+    """What the exercise says of _partition_parameters, _get_min_index and step() is what
+    the installed torch does (torch/distributed/optim/zero_redundancy_optimizer.py)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as Z
+    partition = inspect.getsource(Z._partition_parameters)
+    assert "key=lambda t: t.numel(), reverse=True" in partition
+    assert "self._get_min_index(sizes)" in partition
+    assert "if value < min_value:" in inspect.getsource(Z._get_min_index)      # the lowest among equals
+    step = inspect.getsource(Z.step)
+    assert step.index("self._local_step(") < step.index("self._sync_params()")
+    assert "src=global_rank" in inspect.getsource(Z._broadcast_params_from_rank)
 
 
 def test_one_tolerance_is_stated_and_it_is_atol():
@@ -265,8 +280,14 @@ def test_bytes_sent_per_step_by_stage(group):
     text = markdown()
     assert "Up to stage 2 it costs no extra bytes" not in text
     assert "stage 2 costs no extra bytes, and nor does stage 1 when it reduce-scatters as the paper does; " \
-           "an all_reduce-based ZeRO-1 (ours, like `ZeroRedundancyOptimizer`) sends 1.5 times" in text
+           "an all_reduce-based ZeRO-1 (ours) sends 1.5 times DDP's bytes per rank" in text
     assert "21,708 against 14,472" in text
+    # ZeroRedundancyOptimizer's broadcasts at 2 ranks: what each owner sends (torch's partition)
+    sizes = [p.numel() for p in helper.make_model().parameters()]
+    owner = _owners([torch.empty(n) for n in sizes], 2, sorted(range(4), key=lambda i: -sizes[i]))
+    sent = [4 * sum(n for n, o in zip(sizes, owner) if o == r) for r in range(2)]
+    assert sent == [8_192, 1_448] and sum(sent) == 4 * NUMEL
+    assert "at 2 ranks, 8,192 from the owner of `0.weight`, 1,448 from the other" in text
 
 
 def test_what_each_stage_holds(group):
@@ -483,125 +504,160 @@ def test_explorer_refusal_is_a_sentence(group):
 
 
 # --- the exercise -----------------------------------------------------------------------------
-def pad_to(flat_grad, n, k):
-    return F.pad(flat_grad, (0, n * k - flat_grad.numel()))
+def _owners(params, n, order):
+    owner, held = [None] * len(params), [0] * n
+    for i in order:
+        owner[i] = held.index(min(held))
+        held[owner[i]] += params[i].numel()
+    return owner
 
 
-def gather_into(flat_params, my_shard, n, k):
-    out = torch.empty(n * k)
-    dist.all_gather_single(out, my_shard.detach())
-    flat_params.copy_(out[:flat_params.numel()])
-
-
-def forgot_to_divide(flat_params, flat_grad, my_shard, optimizer):
-    n, k = dist.get_world_size(), my_shard.numel()
-    g = torch.empty(k)
-    dist.reduce_scatter_single(g, pad_to(flat_grad, n, k))
-    my_shard.grad = g
+def _averaged_step_then_broadcast(params, optimizer, owner):
+    for p in params:
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
     optimizer.step()
-    gather_into(flat_params, my_shard, n, k)
+    for p, src in zip(params, owner):
+        dist.broadcast(p.data, src=src)
 
 
-def gathered_gradients(flat_params, flat_grad, my_shard, optimizer):
-    n, k = dist.get_world_size(), my_shard.numel()
-    g = torch.empty(k)
-    dist.reduce_scatter_single(g, pad_to(flat_grad, n, k), op=dist.ReduceOp.AVG)
-    my_shard.grad = g
-    optimizer.step()
-    out = torch.empty(n * k)
-    dist.all_gather_single(out, my_shard.grad)
-    flat_params.copy_(out[:flat_params.numel()])
-
-
-def floor_shards(flat_params, flat_grad, my_shard, optimizer):
+def round_robin(params, optimizer):             # params[i] to rank i % world_size
     n = dist.get_world_size()
-    k = flat_grad.numel() // n
-    g = torch.empty(k)
-    dist.reduce_scatter_single(g, flat_grad[:n * k])
-    my_shard.grad = g / n
+    _averaged_step_then_broadcast(params, optimizer, [i % n for i in range(len(params))])
+
+
+def greedy_unsorted(params, optimizer):         # the greedy rule in registration order
+    n = dist.get_world_size()
+    _averaged_step_then_broadcast(params, optimizer, _owners(params, n, range(len(params))))
+
+
+def greedy_smallest_first(params, optimizer):
+    n = dist.get_world_size()
+    order = sorted(range(len(params)), key=lambda i: params[i].numel())
+    _averaged_step_then_broadcast(params, optimizer, _owners(params, n, order))
+
+
+def reduce_to_owners(params, optimizer):        # right: only the owner needs the mean gradient
+    n = dist.get_world_size()
+    owner = _owners(params, n, sorted(range(len(params)), key=lambda i: -params[i].numel()))
+    for p, dst in zip(params, owner):
+        dist.reduce(p.grad, dst=dst, op=dist.ReduceOp.AVG)
     optimizer.step()
-    gather_into(flat_params, my_shard, n, my_shard.numel())
+    for p, src in zip(params, owner):
+        dist.broadcast(p.data, src=src)
 
 
-def floor_offsets(flat_params, flat_grad, my_shard, optimizer):
-    n, rank, k = dist.get_world_size(), dist.get_rank(), my_shard.numel()
-    dist.all_reduce(flat_grad, op=dist.ReduceOp.AVG)
-    lo = rank * (flat_grad.numel() // n)
-    my_shard.grad = pad_to(flat_grad, n, k)[lo:lo + k].clone()
+def one_flat_all_reduce(params, optimizer):     # right: DDP's bucket, one all_reduce for all
+    n = dist.get_world_size()
+    flat = torch.cat([p.grad.flatten() for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p).clone()
     optimizer.step()
-    gather_into(flat_params, my_shard, n, k)
+    owner = _owners(params, n, sorted(range(len(params)), key=lambda i: -params[i].numel()))
+    for p, src in zip(params, owner):
+        dist.broadcast(p.data, src=src)
 
 
-def no_padding(flat_params, flat_grad, my_shard, optimizer):
-    n, k = dist.get_world_size(), my_shard.numel()
-    g = torch.empty(k)
-    dist.reduce_scatter_single(g, flat_grad)
-    my_shard.grad = g / n
-    optimizer.step()
-    gather_into(flat_params, my_shard, n, k)
-
-
-def rebinds_flat_params(flat_params, flat_grad, my_shard, optimizer):
-    n, k = dist.get_world_size(), my_shard.numel()
-    g = torch.empty(k)
-    dist.reduce_scatter_single(g, pad_to(flat_grad, n, k), op=dist.ReduceOp.AVG)
-    my_shard.grad = g
-    optimizer.step()
-    out = torch.empty(n * k)
-    dist.all_gather_single(out, my_shard.detach())
-    flat_params = out[:NUMEL]  # noqa: F841 - the mistake
-
-
-def stub(flat_params, flat_grad, my_shard, optimizer):
+def stub(params, optimizer):
     pass
 
 
 def solution_lines() -> list[str]:
-    path = ROOT / "notebooks" / "solutions" / "08_zero2_step.py"
+    path = ROOT / "notebooks" / "solutions" / "08_zero1_step.py"
     return [line.strip() for line in path.read_text().splitlines()
             if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
 
 
-def test_solution_passes_and_the_world_size_is_restored(group):
-    solution = conftest.load_solution("08_zero2_step").zero2_step
-    verdict = check_zero2_step(group, solution)
+def test_solution_passes_equals_torchs_own_bit_for_bit_and_the_world_size_is_restored(group):
+    solution = conftest.load_solution("08_zero1_step").zero1_step
+    verdict = check_zero1_step(group, solution)
     assert verdict, verdict.message
-    assert "world sizes 2 and 4" in verdict.message
+    assert "world sizes 2 and 5" in verdict.message and "rank 4 0." in verdict.message
     assert group.world_size == 4
+    group.resize(5)                                   # some rank owns nothing
+    out = group.run(exercise_run, solution, X, y, 2)
+    assert [o["mine"] for o in out] == [["0.weight"], ["2.weight"], ["0.bias"], ["2.bias"], []]
+    for o in out:                                     # what torch's ZeroRedundancyOptimizer does
+        assert all(torch.equal(s["params"], t) for s, t in zip(o["steps"], o["torch"]))
+        assert [(c, peer) for c, peer, _ in o["steps"][0]["calls"] if c == "broadcast"] == \
+            [("broadcast", 0), ("broadcast", 2), ("broadcast", 1), ("broadcast", 3)]
 
 
 def test_the_notebook_stub_fails_and_says_what_is_missing(group):
-    verdict = check_zero2_step(group, NB.zero2_step)
-    assert not verdict and "my_shard.grad is None" in verdict.message
-    assert not check_zero2_step(group, stub)
+    verdict = check_zero1_step(group, NB.zero1_step)
+    assert not verdict and "It is this rank's own local gradient" in verdict.message
+    assert not check_zero1_step(group, stub)
+    refused = check_zero1_step(group, None)
+    assert not refused
+    assert "needs your function zero1_step(params, optimizer), got None" in refused.message
     assert group.world_size == 4
+
+
+@pytest.mark.parametrize("right", [reduce_to_owners, one_flat_all_reduce])
+def test_other_right_ways_pass(group, right):
+    verdict = check_zero1_step(group, right)
+    assert verdict, verdict.message
 
 
 @pytest.mark.parametrize("mistake, explanation", [
-    (forgot_to_divide, "SUM over the 2 ranks, 2 times the mean"),
-    (gathered_gradients, "They equal the mean gradient: you all-gathered the gradient shards"),
-    (floor_shards, "2410 does not divide by 4: each shard has k = ceil(2410 / 4) = 603"),
-    (floor_offsets, "not at rank * k = 603: a wrong shard offset. 2410 does not divide by 4"),
-    (no_padding, "pad the flat gradient with 2 zero(s) at the end, to 2412 elements"),
-    (rebinds_flat_params, "flat_params did not change at all"),
-])
+    (round_robin, ["With world_size=2", "2.weight (320 elements) was broadcast from rank 0",
+                   "made rank 1 its owner", "round robin by position"]),
+    (greedy_unsorted, ["With world_size=5", "2.weight (320 elements) was broadcast from rank 2",
+                       "without sorting by size first"]),
+    (greedy_smallest_first, ["With world_size=2",
+                             "0.weight (2,048 elements) was broadcast from rank 1",
+                             "with the smallest parameter first"]),
+], ids=lambda v: getattr(v, "__name__", ""))
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
-    verdict = check_zero2_step(group, mistake)
+    verdict = check_zero1_step(group, mistake)
     assert not verdict
-    assert explanation in verdict.message, verdict.message
-    shown = verdict.message
-    assert not [line for line in solution_lines() if line in shown]   # never the solution's code
+    for words in explanation:
+        assert words in verdict.message, verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]   # never the solution's code
     assert group.world_size == 4
 
 
+def owner_of_nothing_returns_early(params, optimizer):   # the mistake that hangs: at 5 ranks
+    world_size = dist.get_world_size()
+    owner = _owners(params, world_size, sorted(range(len(params)), key=lambda i: -params[i].numel()))
+    if dist.get_rank() not in owner:
+        return                                  # rank 4 owns nothing and leaves
+    _averaged_step_then_broadcast(params, optimizer, owner)
+
+
+def test_a_rank_that_owns_nothing_and_leaves_ends_in_a_verdict_on_the_hang():
+    """The hang the exercise text warns of ("still takes part") ends at the group's timeout in
+    a verdict that says the function did not finish, where the ranks waited, and why; it
+    does not call the hang an error the ranks raised, nor repeat the headline."""
+    from reducelab import LocalGroup
+    with LocalGroup(world_size=5, timeout=10, progress=False) as g:   # 10 s: fresh ranks import
+        verdict = check_zero1_step(g, owner_of_nothing_returns_early, world_sizes=(5,))
+        assert g.world_size == 5
+    assert not verdict and verdict.mistake == "hung past the timeout"
+    message = verdict.message
+    assert message.startswith("With world_size=5, your function did not finish on the ranks: "
+                              "exercise_run did not finish within 10 s"), message
+    assert "raised" not in message and message.count("did not finish within") == 1, message
+    assert "rank 4 returned" in message and "was waiting in all_reduce" in message, message
+    assert "a rank that owns nothing included" in message
+
+
 def test_exercise_data_match_the_docstring(group):
-    group.resize(4)
-    records = group.run(exercise_run, conftest.load_solution("08_zero2_step").zero2_step, X, y, 1)
-    k = 603
+    """EXERCISE_WORLD_SIZES's docstring: at 2, rank 0 owns 0.weight and rank 1 the other
+    three (362 elements); each parameter's .grad is the rank's local gradient."""
+    assert EXERCISE_WORLD_SIZES == (2, 5)
+    assert PARAM_NAMES == ("0.weight", "0.bias", "2.weight", "2.bias")
+    group.resize(2)
+    out = group.run(exercise_run, stub, X, y, 1)
+    assert [o["mine"] for o in out] == [["0.weight"], ["2.weight", "0.bias", "2.bias"]]
     ref = reference_run(X, y, 1)
-    for rank, rec in enumerate(records):
-        want = F.pad(ref["grads"][0], (0, 4 * k - NUMEL))[rank * k:(rank + 1) * k]
-        assert rec[0]["grad"].shape == (k,) and (rec[0]["grad"] - want).abs().max() < ATOL
+    mean = (out[0]["steps"][0]["local"] + out[1]["steps"][0]["local"]) / 2
+    assert (mean - ref["grads"][0]).abs().max() < ATOL
+    for o in out:
+        rec = o["steps"][0]
+        assert rec["calls"] == [] and torch.equal(rec["params"], initial_flat())
+        given = torch.cat([rec["grads"][n].flatten() for n in PARAM_NAMES])
+        assert torch.equal(given, rec["local"])
 
 
 # --- the model, data and figures ------------------------------------------------------------------

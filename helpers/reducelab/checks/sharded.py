@@ -22,12 +22,16 @@ Everything here runs in the kernel and on the ranks alike (it needs only ``torch
   of notebook 08's steps 1 and 2, where the learner reads them. Notebook 15 (FSDP2)
   imports these copies to compare FSDP2 with our stage 3, and
   ``tests/test_nb08_sharded.py`` holds them equal to the notebook's cells;
-* :func:`check_zero2_step`: the exercise, a ZeRO-2 step written by the learner.
+* :func:`exercise_run` and :func:`check_zero1_step`: the exercise, a step of DDP + torch's
+  ``ZeroRedundancyOptimizer`` written by the learner: ZeRO-1 with each parameter tensor
+  owned whole by one rank, and broadcast from it.
 
 Sources: Rajbhandari, Rasley, Ruwase and He, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", SC 2020, arXiv:1910.02054 (stage 2 = optimizer states and
 gradients partitioned); ``torch.distributed.reduce_scatter_single`` and
-``all_gather_single``, https://pytorch.org/docs/stable/distributed.html
+``all_gather_single``, https://pytorch.org/docs/stable/distributed.html ;
+``torch/distributed/optim/zero_redundancy_optimizer.py`` in torch 2.13
+(``_partition_parameters``, ``step``, ``_sync_params``).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 from ..data import batch_order, load_digits_tensors, local_slice
 from ..errors import RankError
 from ..group import LocalGroup
+from ..determinism import within
 from . import COLLECTIVES, Verdict, failed, passed, raised_on_ranks, restoring_world_size
 
 GLOBAL_BATCH = 840
@@ -54,8 +59,10 @@ ATOL = 1e-6
 """Largest absolute difference accepted between a sharded run and the single-process
 reference (float32; the runs measured in the notebook differ by 5e-8 or less). The one
 tolerance notebook 08 states: its text, its question 5 and this check all use it."""
-EXERCISE_WORLD_SIZES = (2, 4)
-"""World sizes the exercise check runs: 2,410 elements divide by 2, not by 4."""
+EXERCISE_WORLD_SIZES = (2, 5)
+"""World sizes the exercise check runs. ``ZeroRedundancyOptimizer`` gives each of the four
+parameter tensors whole to one rank: at 2, rank 0 owns ``0.weight`` (2,048 elements) and
+rank 1 the other three (362); at 5, rank 4 owns none."""
 EXERCISE_STEPS = 2
 """Adam steps the exercise check takes at each world size."""
 
@@ -297,69 +304,130 @@ def zero_train(stage: str, X: torch.Tensor, y: torch.Tensor, steps: int = 1,
 
 # --- the exercise ---------------------------------------------------------------------
 
-def exercise_run(zero2_step, X: torch.Tensor, y: torch.Tensor,
-                 steps: int = EXERCISE_STEPS) -> list[dict]:
-    """Runs on every rank: ``steps`` training steps in which the learner's
-    ``zero2_step(flat_params, flat_grad, my_shard, optimizer)`` does all communication
-    and the update.
-
-    The rank holds every parameter (``flat_params``, float32 ``(NUMEL,)``), computes its
-    local gradient on its part of each global batch (``flat_grad``), and owns
-    ``my_shard``: ``k = ceil(NUMEL / world_size)`` elements of the flat vector padded with
-    zeros to ``world_size * k``, starting at ``rank * k``; ``optimizer`` is Adam over
-    ``[my_shard]`` alone.
-
-    Returns:
-        One dict per step: ``params`` (``flat_params`` after the call), ``grad``
-        (``my_shard.grad`` after the call, or ``None``), ``local`` (the local gradient
-        before the call).
-    """
-    import torch.distributed as dist
-    rank, n = dist.get_rank(), dist.get_world_size()
-    k = math.ceil(NUMEL / n)
-    flat_params = initial_flat()
-    my_shard = nn.Parameter(F.pad(flat_params, (0, n * k - NUMEL))[rank * k:(rank + 1) * k].clone())
-    optimizer = torch.optim.Adam([my_shard], lr=LR)
-    records = []
-    for idx in global_batches(steps):
-        part = local_part(idx, rank, n)
-        flat_grad = flat_gradient(flat_params, X[part], y[part])
-        local = flat_grad.clone()
-        zero2_step(flat_params, flat_grad, my_shard, optimizer)
-        grad = my_shard.grad
-        records.append({"params": flat_params.detach().clone(), "local": local,
-                        "grad": None if grad is None else grad.detach().clone()})
-    return records
-
-
-REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
-"""The ``torch.distributed`` calls that reduce-scatter: a ZeRO-2 step calls one of them."""
-
+PARAM_NAMES = tuple(name for name, _, _ in LAYOUT)
+"""The model's parameters in ``model.parameters()`` order: ``0.weight``, ``0.bias``,
+``2.weight``, ``2.bias`` (2,048, 32, 320 and 10 elements)."""
+_NAME_OF_SIZE = {math.prod(shape): name for name, _, shape in LAYOUT}
+"""Element count -> parameter name: the four counts differ, so a recorded broadcast of
+``n`` elements names the parameter it carried."""
 RECORDED = COLLECTIVES
-"""The ``torch.distributed`` calls whose names :func:`check_zero2_step` records on each
-rank, to tell a step that reduce-scatters from one that reached the right numbers with
-every rank's whole gradient (an all_reduce, or an all_gather of the gradients)."""
+"""The ``torch.distributed`` calls that :func:`check_zero1_step` records on each rank
+(with their ``src`` or ``dst``), to tell a step whose parameters travel by a broadcast
+from each owner from one that reached the right numbers another way (an all_reduce of the
+parameters, a gather of the gradients)."""
+ALLOWED = ("all_reduce", "reduce", "broadcast")
+"""The collectives a step of DDP + ``ZeroRedundancyOptimizer`` needs: an ``all_reduce``
+(DDP's; or a ``reduce`` to each owner) of the gradients and a ``broadcast`` per
+parameter. :func:`check_zero1_step` names any other call of :data:`RECORDED`."""
 
 
-def _exercise_run_counted(zero2_step, X: torch.Tensor, y: torch.Tensor, steps: int) -> tuple:
-    """Runs on every rank: :func:`exercise_run` with the name of every call of
-    :data:`RECORDED` recorded, in order. Returns ``(records, calls)``: ``exercise_run``'s
-    records and those names (``"reduce_scatter_single"``, ``"all_gather_into_tensor"``, ...)."""
+def _zero_redundancy_adam(params):
+    """torch's ``ZeroRedundancyOptimizer`` over ``params`` with Adam at :data:`LR` (its
+    constructor calls no collective; it partitions in ``_partition_parameters``)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=LR)
+
+
+def _flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in params])
+
+
+def _set_local_gradients(params, X: torch.Tensor, y: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """Give each of ``params`` (:data:`LAYOUT` order) its local gradient on ``part`` as
+    ``.grad``; returns the flat local gradient (float32 ``(NUMEL,)``)."""
+    grad = flat_gradient(_flat(params), X[part], y[part])
+    for p, g in zip(params, as_parameters(grad).values()):
+        p.grad = g.clone()
+    return grad
+
+
+@contextlib.contextmanager
+def _recording():
+    """On a rank: record ``(name, peer, numel)`` for every call of :data:`RECORDED`
+    inside the block (``peer``: the ``src`` or ``dst`` passed, else ``None``; ``numel``:
+    the elements of the ``tensor`` argument, else ``None``). Yields the list; the module's
+    functions are restored on exit."""
+    import inspect
     calls, originals = [], {name: getattr(dist, name) for name in RECORDED if hasattr(dist, name)}
 
     def recorded(name, call):
+        try:
+            signature = inspect.signature(call)
+        except (TypeError, ValueError):
+            signature = None
+
         def wrapper(*args, **kwargs):
-            calls.append(name)
+            peer = numel = None
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments if signature else {}
+                for key in ("src", "dst", "group_src", "group_dst"):
+                    if bound.get(key) is not None:
+                        peer = bound[key]
+                        break
+                if isinstance(bound.get("tensor"), torch.Tensor):
+                    numel = bound["tensor"].numel()
+            except TypeError:
+                pass
+            calls.append((name, peer, numel))
             return call(*args, **kwargs)
         return wrapper
     for name, call in originals.items():
         setattr(dist, name, recorded(name, call))
     try:
-        records = exercise_run(zero2_step, X, y, steps)
+        yield calls
     finally:
         for name, call in originals.items():
             setattr(dist, name, call)
-    return records, calls
+
+
+def exercise_run(zero1_step, X: torch.Tensor, y: torch.Tensor, steps: int = EXERCISE_STEPS) -> dict:
+    """Runs on every rank: ``steps`` training steps of torch's own DDP +
+    ``ZeroRedundancyOptimizer``, then ``steps`` in which the learner's
+    ``zero1_step(params, optimizer)`` does all communication and the update.
+
+    torch's run: the model's parameters get this rank's local gradient on its part of each
+    global batch, ``dist.all_reduce(grad, op=ReduceOp.AVG)`` averages each (what DDP
+    does), and ``ZeroRedundancyOptimizer.step()`` steps this rank's parameters and
+    broadcasts every parameter from its owner (``_sync_params``). The learner's run: a
+    fresh model, each parameter's ``.grad`` the local gradient, and ``optimizer`` the Adam
+    that a ``ZeroRedundancyOptimizer`` keeps on this rank (its ``.optim``: over the
+    parameters this rank owns, none on a rank that owns none).
+
+    Returns:
+        ``{"mine": [names of the parameters torch gave this rank], "torch": [flat float32
+        (NUMEL,) parameters after each of torch's steps], "steps": [one dict per learner
+        step: "params" (flat, after the call), "local" (the flat local gradient given),
+        "grads" ({name: .grad after the call, or None}), "calls" ([(collective, src or
+        dst, numel)] the call made, see _recording)]}``.
+    """
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    params = list(make_model().parameters())
+    zero = _zero_redundancy_adam(params)
+    torch_params = []
+    for idx in global_batches(steps):
+        _set_local_gradients(params, X, y, local_part(idx, rank, n))
+        for p in params:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        zero.step()
+        torch_params.append(_flat(params))
+    params = list(make_model().parameters())
+    optimizer = _zero_redundancy_adam(params).optim
+    index = {id(p): i for i, p in enumerate(params)}
+    mine = [PARAM_NAMES[index[id(p)]] for g in optimizer.param_groups for p in g["params"]]
+    records = []
+    for idx in global_batches(steps):
+        local = _set_local_gradients(params, X, y, local_part(idx, rank, n))
+        with _recording() as calls:
+            zero1_step(params, optimizer)
+        records.append({"params": _flat(params), "local": local, "calls": calls,
+                        "grads": {name: None if p.grad is None else p.grad.detach().clone()
+                                  for name, p in zip(PARAM_NAMES, params)}})
+    return {"mine": mine, "torch": torch_params, "steps": records}
+
+
+def _split(flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {name: flat[o:o + math.prod(shape)] for name, o, shape in LAYOUT}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> bool:
@@ -370,189 +438,288 @@ def _worst(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def _explain_error(ws: int, err: RankError) -> str:
-    text = " ".join(r.summary for r in err.reports if r.summary)
-    k = math.ceil(NUMEL / ws)
-    if "worldSize == inputShape" in text or "outputShape" in text:
-        return (f" reduce_scatter needs an input of exactly world_size x k elements: with "
-                f"{NUMEL} parameters on {ws} ranks, k = ceil({NUMEL} / {ws}) = {k}, so pad "
-                f"the flat gradient with {ws * k - NUMEL} zero(s) at the end, to {ws * k} "
-                f"elements, before you reduce-scatter it.")
-    if "gradient of size" in text or "must match the size" in text:
-        return (f" The gradient you gave my_shard has another size than my_shard ({k} "
-                f"elements at world_size={ws}). {NUMEL} does not divide by {ws}: each shard "
-                f"has k = ceil({NUMEL} / {ws}) = {k} elements (my_shard.numel()), not "
-                f"{NUMEL} // {ws} = {NUMEL // ws}; the last rank's shard ends with padding.")
-    if "allgather" in text or "all_gather" in text:
-        return (f" all_gather needs an output of exactly world_size x k = {ws * k} "
-                f"elements: gather into a padded buffer, then copy its first {NUMEL} "
-                f"elements into flat_params.")
+def _size(name: str) -> int:
+    return next(math.prod(shape) for nm, _, shape in LAYOUT if nm == name)
+
+
+def _greedy(world_size: int, order) -> dict[str, int]:
+    """Owners given by the greedy rule over the parameter names in ``order``: each to the
+    rank with the fewest elements so far, the lowest among equals."""
+    held, owner = [0] * world_size, {}
+    for name in order:
+        owner[name] = held.index(min(held))
+        held[owner[name]] += _size(name)
+    return owner
+
+
+def _owners_text(owner: dict[str, int]) -> str:
+    return ", ".join(f"{name} -> rank {owner[name]}" for name in PARAM_NAMES if name in owner)
+
+
+def _partition_mistake(what: str, name: str, used: int, owner: dict[str, int],
+                       theirs: dict[str, int], ws: int) -> str:
+    """Why a parameter came from (or went to) a rank that does not own it under torch's
+    partition, with the rule the learner's owners seem to follow."""
+    what_happened = (f"rank {used}'s copy is never stepped" if what == "broadcast from" else
+                     f"the mean gradient reached rank {used}, which does not step {name}")
+    text = (f"{name} ({_size(name):,} elements) was {what} rank {used}, but torch's "
+            f"ZeroRedundancyOptimizer made rank {owner[name]} its owner: rank {owner[name]}'s "
+            f"optimizer holds {name} and steps it, {what_happened}. "
+            f"Owners by your calls: {_owners_text(theirs)}; torch's: {_owners_text(owner)}.")
+    if len(theirs) == len(PARAM_NAMES):
+        by_size = sorted(PARAM_NAMES, key=_size)
+        if set(theirs.values()) == {0}:
+            text += " You used rank 0 for every parameter, and rank 0 steps only what it owns."
+        elif theirs == _greedy(ws, PARAM_NAMES):
+            text += (" Yours are the greedy rule applied in the order of model.parameters(), "
+                     "without sorting by size first.")
+        elif theirs == {nm: i % ws for i, nm in enumerate(PARAM_NAMES)}:
+            text += (" Yours give params[i] to rank i % world_size, round robin by position; "
+                     "torch looks at the sizes.")
+        elif theirs == _greedy(ws, by_size):
+            text += " Yours are the greedy rule with the smallest parameter first."
+    return (text + " torch's _partition_parameters sorts the parameters by numel(), largest "
+            "first, and gives each in turn to the rank with the fewest elements so far "
+            "(the lowest rank among equals).")
+
+
+def _peers(calls, collective: str) -> dict[str, int]:
+    """``{parameter name: the src (or dst) of the first call of collective on it}``."""
+    out = {}
+    for name, peer, numel in calls:
+        if name == collective and numel in _NAME_OF_SIZE and peer is not None:
+            out.setdefault(_NAME_OF_SIZE[numel], peer)
+    return out
+
+
+def _diagnose_grads(rec: dict, mine: list[str], ref_grad: torch.Tensor, owner: dict[str, int],
+                    rank: int, ws: int) -> str:
+    want, local = _split(ref_grad), _split(rec["local"])
+    for name in mine:
+        got = rec["grads"][name]
+        if got is None:
+            return (f"{name}.grad is None on rank {rank}, which owns {name}: its owner needs the "
+                    f"mean gradient of {name} when its optimizer steps (an optimizer skips a "
+                    f"parameter without a .grad).")
+        got = got.flatten()
+        if got.numel() != want[name].numel():
+            return (f"{name}.grad has {got.numel()} elements on rank {rank}; expected "
+                    f"{want[name].numel()}, the size of {name}.")
+        if _close(got, want[name]):
+            continue
+        head = (f"On rank {rank}, which owns {name}, the gradient of {name} is not the mean "
+                f"over the {ws} ranks of their local gradients.")
+        if _close(got, want[name] * ws, atol=ATOL * ws):
+            return (f"{head} It is their SUM, {ws} times the mean. Adam nearly hides this: it "
+                    f"divides by the square root of the gradient's running square, so a "
+                    f"gradient {ws} times larger moves most parameters just as far; only those "
+                    f"whose gradient is small next to Adam's eps (1e-8) move differently. "
+                    f"DDP averages over the ranks.")
+        if _close(got, local[name]):
+            return (f"{head} It is this rank's own local gradient: nothing was averaged "
+                    f"across ranks, so each owner would step on its {GLOBAL_BATCH // ws} "
+                    f"digits instead of the global batch of {GLOBAL_BATCH}.")
+        reduced = _peers(rec["calls"], "reduce")
+        if name in reduced and reduced[name] != owner[name]:
+            return f"{head} " + _partition_mistake("reduced to", name, reduced[name], owner,
+                                                   reduced, ws)
+        return f"{head} (largest difference {_worst(got, want[name]):.1g}; expected at most {ATOL:g})"
     return ""
 
 
-def _diagnose_grad(got, want, local, ref_padded, rank: int, ws: int, k: int) -> str:
-    if got is None:
-        return (f"my_shard.grad is None on rank {rank}: set it to this rank's shard of the "
-                f"mean gradient (k = {k} elements) before the optimizer steps; an optimizer "
-                f"skips a tensor without a .grad.")
-    if got.shape != want.shape:
-        return (f"my_shard.grad has shape {tuple(got.shape)} on rank {rank}; expected "
-                f"({k},), the size of my_shard.")
-    if _close(got, want):
+def _diagnose_params(rec: dict, want_flat: torch.Tensor, before_flat: torch.Tensor,
+                     owner: dict[str, int], rank: int, ws: int, step: int,
+                     names=PARAM_NAMES) -> str:
+    """Why the parameters ``names`` on ``rank`` after ``step`` are not the reference's
+    (an empty string if they are)."""
+    if rec["params"].numel() != NUMEL:
+        return (f"the parameters hold {rec['params'].numel()} elements on rank {rank} after "
+                f"step {step + 1}; expected {NUMEL}: each keeps its shape.")
+    got, want, before = _split(rec["params"]), _split(want_flat), _split(before_flat)
+    wrong = [name for name in names if not _close(got[name], want[name])]
+    if not wrong:
         return ""
-    start = rank * k
-    head = (f"On rank {rank}, my_shard.grad differs from this rank's shard of the mean "
-            f"gradient, elements {start} to {start + k - 1} of the flat vector padded to "
-            f"{ws * k} (largest difference {_worst(got, want):.3g}).")
-    if _close(got, want * ws, atol=ATOL * ws):
-        return (f"{head} It is the SUM over the {ws} ranks, {ws} times the mean: "
-                f"reduce_scatter adds the ranks' gradients, so divide the shard by "
-                f"world_size (or reduce with ReduceOp.AVG).")
-    local_padded = F.pad(local, (0, ws * k - NUMEL))
-    if _close(got, local_padded[start:start + k]):
-        return (f"{head} It is this rank's own local gradient: nothing was reduced across "
-                f"ranks. Reduce-scatter the flat gradient and step with the result.")
-    for scale, what in ((1.0, "mean"), (float(ws), "sum")):
-        for o in range(0, ws * k - k + 1):
-            if o != start and _close(got, ref_padded[o:o + k] * scale, atol=ATOL * scale):
-                why = (f" {NUMEL} does not divide by {ws}: every shard has k = ceil({NUMEL} / "
-                       f"{ws}) = {k} elements, rank r's starts at r * k, and the flat "
-                       f"gradient is padded with {ws * k - NUMEL} zero(s) at the end."
-                       if NUMEL % ws else "")
-                return (f"{head} It is the {what} of the elements starting at {o}, not at "
-                        f"rank * k = {start}: a wrong shard offset.{why}")
-    return head
-
-
-def _diagnose_params(got, want, ref_grad, initial, rank: int, ws: int, k: int, step: int) -> str:
-    if got.shape != want.shape:
-        return (f"flat_params has shape {tuple(got.shape)} on rank {rank} after step "
-                f"{step + 1}; expected ({NUMEL},): the padding must not end up in it.")
-    if _close(got, want):
-        return ""
-    head = (f"After step {step + 1} on rank {rank}, flat_params differ from the "
-            f"single-process reference (largest difference {_worst(got, want):.3g}; "
+    name = wrong[0]
+    o = owner[name]
+    head = (f"After step {step + 1} on rank {rank}, {name} differs from one process's on the "
+            f"whole global batch (largest difference {_worst(got[name], want[name]):.1g}; "
             f"expected at most {ATOL:g}).")
-    if _close(got, ref_grad, atol=1e-5):
-        return (f"{head} They equal the mean gradient: you all-gathered the gradient "
-                f"shards. all_gather the updated parameter shards (my_shard, once the "
-                f"optimizer has stepped it) instead.")
-    if torch.equal(got, initial):
-        return (f"{head} flat_params did not change at all: write the gathered parameters "
-                f"into flat_params in place (its first {NUMEL} elements). Binding the name "
-                f"flat_params to a new tensor inside your function does not change the "
-                f"caller's tensor.")
-    padded_got, padded_want = F.pad(got, (0, ws * k - NUMEL)), F.pad(want, (0, ws * k - NUMEL))
-    lo = rank * k
-    if ws > 1 and _close(padded_got[lo:lo + k], padded_want[lo:lo + k]):
-        return (f"{head} This rank's own shard (elements {lo} to {min(lo + k, NUMEL) - 1}) is "
-                f"right, the others are not: all_gather every rank's updated shard so that "
-                f"each rank gets all of them.")
+    sent = _peers(rec["calls"], "broadcast")
+    if name in sent and sent[name] != o:
+        return f"{head} " + _partition_mistake("broadcast from", name, sent[name], owner, sent, ws)
+    if rank == o:
+        if torch.equal(got[name], before[name]):
+            return (f"{head} Rank {rank} owns {name}, yet {name} still holds its value from "
+                    f"before the step: this rank's optimizer never stepped it.")
+        return (f"{head} Rank {rank} owns {name}, and after your call its gradient is the mean "
+                f"over the ranks, yet its own step did not give one process's value: an "
+                f"optimizer steps with whatever .grad holds at the moment it steps.")
+    if not any(call == "broadcast" for call, _, _ in rec["calls"]):
+        if torch.equal(got[name], before[name]):
+            return (f"{head} It still holds its value from before the step: rank {o} owns "
+                    f"{name} and stepped it, but no broadcast was called, so no other rank "
+                    f"received it. Every rank needs every updated parameter for its next "
+                    f"forward pass.")
+        return head
+    if name not in sent:
+        return (f"{head} No broadcast of {name} ({_size(name):,} elements) was called: rank "
+                f"{o} owns it and stepped it, and only a broadcast from rank {o} brings its "
+                f"new values to the other ranks.")
+    if torch.equal(got[name], before[name]):
+        return (f"{head} It still holds its value from before the step, although a broadcast "
+                f"of {_size(name):,} elements from its owner, rank {o}, ran: the values went "
+                f"into another tensor than the parameter itself (a copy of it, or its .grad). "
+                f"A broadcast overwrites the tensor it is given, on every rank but src.")
     return head
 
 
-def check_zero2_step(group: LocalGroup, zero2_step, world_sizes=EXERCISE_WORLD_SIZES,
+def _explain_error(err: RankError) -> str:
+    text = " ".join(r.summary for r in err.reports if r.summary)
+    if any(r.state == "stuck" for r in err.reports):
+        return (" A rank waited in a collective that another rank did not call. Every rank "
+                "calls each broadcast, for the same parameter and in the same order, a rank "
+                "that owns nothing included; src only names the rank whose values they all "
+                "receive.")
+    if "leaf Variable" in text or "requires grad" in text:
+        return (" The parameters are leaf tensors that require grad: while autograd "
+                "records, it refuses an in-place operation on them, which is what torch's "
+                "error above says.")
+    return ""
+
+
+def _policy(calls, owner: dict[str, int], ws: int, rank: int) -> str:
+    """Why one step's calls on one rank are not those of DDP + ZeroRedundancyOptimizer
+    (an empty string if they are)."""
+    used = ", ".join(sorted({f"dist.{c}" for c, _, _ in calls})) or "no collective"
+    other = [c for c, _, _ in calls if c not in ALLOWED]
+    if other:
+        if any("gather" in c for c in other):
+            why = ("A gather brings whole tensors to every rank (or to one): gathering every "
+                   "rank's gradient sends n-1 copies of it where DDP's all_reduce sends "
+                   "2(n-1)/n of it (step 1's formulas), and each parameter needs to come from "
+                   "its owner alone.")
+        else:
+            why = ""
+        return (f"at world_size={ws} rank {rank} called dist.{other[0]} (its calls: {used}). "
+                f"{why} DDP + ZeroRedundancyOptimizer need only an all_reduce of the gradients "
+                f"(or a reduce to each owner) and one broadcast per parameter, from its owner.")
+    broadcasts = sorted((_NAME_OF_SIZE.get(numel, f"{numel} elements"), peer)
+                        for c, peer, numel in calls if c == "broadcast")
+    want = sorted(owner.items())
+    if not broadcasts:
+        return (f"at world_size={ws} rank {rank} never called dist.broadcast (its calls: "
+                f"{used}). The parameters reached every rank another way (an all_reduce in "
+                f"which non-owners add zeros, say: additions nobody needs), where "
+                f"ZeroRedundancyOptimizer's _sync_params sends each parameter once, by a "
+                f"broadcast from its owner.")
+    if broadcasts != want:
+        got = ", ".join(f"{nm} from rank {peer}" for nm, peer in broadcasts)
+        return (f"at world_size={ws} rank {rank} called {len(broadcasts)} broadcast(s) in one "
+                f"step ({got}); ZeroRedundancyOptimizer sends each of the {len(PARAM_NAMES)} "
+                f"parameters once, from its owner ({_owners_text(owner)}).")
+    return ""
+
+
+def check_zero1_step(group: LocalGroup, zero1_step, world_sizes=EXERCISE_WORLD_SIZES,
                      steps: int = EXERCISE_STEPS) -> Verdict:
-    """Exercise of notebook 08: ``zero2_step(flat_params, flat_grad, my_shard, optimizer)``
-    must reduce-scatter the flat gradient (averaged over ranks), step this rank's shard,
-    and all-gather the parameters into ``flat_params``.
+    """Exercise of notebook 08: ``zero1_step(params, optimizer)`` must do one step of DDP +
+    torch's ``ZeroRedundancyOptimizer`` on this rank: average every gradient over the
+    ranks, step the parameters this rank owns (``optimizer`` holds exactly those), and
+    broadcast every parameter from its owner, the rank torch's greedy partition gives it
+    (``torch/distributed/optim/zero_redundancy_optimizer.py``: ``_partition_parameters``,
+    ``step``, ``_sync_params``).
 
     Runs :func:`exercise_run` on real ranks at each world size in ``world_sizes`` (the
-    group is resized, then restored) for ``steps`` Adam steps on the digits, and compares
-    every rank, after every step, with :func:`reference_run` (one process, whole global
-    batch): ``my_shard.grad`` with the rank's shard of the mean gradient, and
-    ``flat_params`` with the reference parameters (absolute tolerance :data:`ATOL`).
+    group is resized, then restored; each wait is bounded by the group's timeout) for
+    ``steps`` Adam steps on the digits, and compares every rank, after every step, with
+    :func:`reference_run` (one process, whole global batch): the gradient of each
+    parameter on its owner with the mean gradient, and every parameter on every rank
+    with the reference parameters, and with torch's own ``ZeroRedundancyOptimizer`` run
+    on the same ranks (absolute tolerance :data:`ATOL`). Each rank's collectives are
+    recorded (:data:`RECORDED`): one broadcast per parameter and step, from its owner,
+    and nothing but :data:`ALLOWED`.
 
     Returns:
         A :class:`~reducelab.checks.Verdict`. A wrong answer is explained: a gradient that
-        is the sum (not divided by world_size), the rank's own unreduced gradient, a shard
-        taken at the wrong offset (the size, 2,410, does not divide by 4), gathered
-        gradients instead of parameters, parameters not written back, or only the rank's
-        own shard updated; an error on the ranks is quoted, with what it means. Right
-        numbers reached with a ``dist.all_reduce`` (DDP's collective: every rank holds the
-        whole mean gradient), or with no reduce_scatter at all (an all_gather of the
-        gradients), fail too: each rank's calls of :data:`RECORDED` are recorded.
+        is the sum (Adam nearly hides it), the rank's own unaveraged gradient, a parameter
+        broadcast from (or reduced to) a rank that does not own it, with the rule the
+        learner's owners follow (all rank 0, round robin, greedy unsorted or smallest
+        first), a parameter never broadcast, or broadcast into a copy; an error on the
+        ranks is quoted, with what it means. Right numbers reached without a broadcast
+        from each owner, or with a gather, fail too. A ``zero1_step`` that is not callable
+        is refused before anything runs.
     """
+    if not callable(zero1_step):
+        return failed(f"check_zero1_step needs your function zero1_step(params, optimizer), "
+                      f"got {zero1_step!r}.")
     X, y = load_digits_tensors()
     ref = reference_run(X, y, steps)
     initial = initial_flat()
-    all_reduced = not_scattered = None
+    owners_at, worst, worst_torch = {}, 0.0, 0.0
     with restoring_world_size(group):
         for ws in world_sizes:
             group.resize(ws)
             try:
-                out, called = zip(*group.run(_exercise_run_counted, zero2_step, X, y, steps))
+                out = group.run(exercise_run, zero1_step, X, y, steps)
             except RankError as err:
-                message = raised_on_ranks(f"With world_size={ws},", err).message.rstrip()
+                verdict = raised_on_ranks(f"With world_size={ws},", err)
+                message = verdict.message.rstrip()
                 if not message.endswith((".", "?", "!")):
                     message += "."
-                return failed(message + _explain_error(ws, err))
-            k = math.ceil(NUMEL / ws)
+                return failed(message + _explain_error(err), mistake=verdict.mistake)
+            owner = {name: rank for rank, o in enumerate(out) for name in o["mine"]}
+            owners_at[ws] = owner
             for step in range(steps):
-                ref_padded = F.pad(ref["grads"][step], (0, ws * k - NUMEL))
                 before = initial if step == 0 else ref["params"][step - 1]
-                for rank, records in enumerate(out):    # every rank's gradient shard first
-                    rec = records[step]
-                    want = ref_padded[rank * k:(rank + 1) * k]
-                    why = _diagnose_grad(rec["grad"], want, rec["local"], ref_padded, rank, ws, k)
+                for rank, o in enumerate(out):       # every owner's gradients first
+                    why = _diagnose_grads(o["steps"][step], o["mine"], ref["grads"][step],
+                                          owner, rank, ws)
                     if why:
                         return failed(f"With world_size={ws}, step {step + 1}: {why}")
-                for rank, records in enumerate(out):    # then every rank's parameters
-                    why = _diagnose_params(records[step]["params"], ref["params"][step],
-                                           ref["grads"][step], before, rank, ws, k, step)
+                for rank, o in enumerate(out):       # then each owner's own parameters
+                    why = _diagnose_params(o["steps"][step], ref["params"][step], before,
+                                           owner, rank, ws, step, o["mine"])
                     if why:
                         return failed(f"With world_size={ws}: {why}")
-            reduced = [r for r, names in enumerate(called) if "all_reduce" in names]
-            if reduced and all_reduced is None:       # named once the numbers are right everywhere
-                all_reduced = (ws, reduced[0], called[reduced[0]].count("all_reduce"))
-            unscattered = [r for r, names in enumerate(called)
-                           if not any(name in REDUCE_SCATTERS for name in names)]
-            if unscattered and not reduced and not_scattered is None:
-                r = unscattered[0]
-                not_scattered = (ws, r, sorted(set(called[r])))
-        if all_reduced is None and not_scattered is not None:
-            ws, rank, names = not_scattered
-            used = ", ".join(f"dist.{name}" for name in names) or "no collective we know"
-            if any("gather" in name for name in names if name != "all_gather_single"):
-                how = (f"A gradient that reaches the right shard through a gather travelled "
-                       f"whole: every rank received every rank's gradient, all {NUMEL} elements "
-                       f"of each, and summed them itself. ")
-            elif "reduce" in names:
-                how = ("A reduce to each shard's owner takes world_size reduces, each paying a "
-                       "collective's fixed cost, where one reduce_scatter does the same work. ")
-            else:
-                how = ""
-            return failed(
-                f"At world sizes {' and '.join(map(str, world_sizes))} the gradient shards and "
-                f"the parameters are right, but at world_size={ws} rank {rank} never called a "
-                f"reduce_scatter (it called {used}). {how}ZeRO-2 uses the collectives of the "
-                f"bare step: a reduce_scatter, so that each rank receives only the k elements of "
-                f"its own shard, and an all_gather of the updated parameters.")
-        if all_reduced is not None:
-            ws, rank, calls = all_reduced
-            return failed(
-                f"At world sizes {' and '.join(map(str, world_sizes))} the gradient shards and "
-                f"the parameters are right, but at world_size={ws} rank {rank} called "
-                f"dist.all_reduce ({calls} time{'' if calls == 1 else 's'} in {steps} steps). "
-                f"An all_reduce gives every rank the whole mean gradient, all {NUMEL} "
-                f"elements, and sends 2(n-1)/n of the flat vector, what DDP sends and holds. "
-                f"ZeRO-2 uses the collectives of the bare step: a reduce_scatter, so that each "
-                f"rank receives only the k elements of its own shard, and an all_gather of the "
-                f"updated parameters.")
-        worst = max(_worst(rec["params"], ref["params"][s]) for rec_list in out
-                    for s, rec in enumerate(rec_list))
-        sizes = " and ".join(map(str, world_sizes))
-        return passed(f"At world sizes {sizes}, after {steps} Adam steps, every rank's "
-                      f"gradient shard is its shard of the mean gradient and every rank's "
-                      f"parameters equal one process's on the whole global batch (largest "
-                      f"difference at world_size={world_sizes[-1]}: {worst:.2g}). Each rank "
-                      f"kept a k-element gradient and Adam state for k elements, and sent "
-                      f"(n-1)/n of the flat vector twice per step: what DDP's all_reduce "
-                      f"sends, for a fraction of the memory.")
+                for rank, o in enumerate(out):       # then every rank's parameters
+                    why = _diagnose_params(o["steps"][step], ref["params"][step], before,
+                                           owner, rank, ws, step)
+                    if why:
+                        return failed(f"With world_size={ws}: {why}")
+                    mine, theirs = o["steps"][step]["params"], o["torch"][step]
+                    if not _close(mine, theirs):
+                        return failed(
+                            f"With world_size={ws}, after step {step + 1} on rank {rank}, the "
+                            f"parameters are within {ATOL:g} of one process's but not of torch's "
+                            f"ZeroRedundancyOptimizer run on the same ranks (largest difference "
+                            f"{_worst(mine, theirs):.1g}).")
+                    worst = max(worst, _worst(mine, ref["params"][step]))
+                    worst_torch = max(worst_torch, _worst(mine, theirs))
+            for rank, o in enumerate(out):
+                for rec in o["steps"]:
+                    why = _policy(rec["calls"], owner, ws, rank)
+                    if why:
+                        sizes = " and ".join(map(str, world_sizes))
+                        return failed(f"At world sizes {sizes} the gradients and the parameters "
+                                      f"are right, but {why}")
+    sizes = " and ".join(map(str, world_sizes))
+
+    def owned(owner, ws):
+        counts = [sum(_size(nm) for nm in PARAM_NAMES if owner[nm] == r) for r in range(ws)]
+        return ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
+    return passed(f"At world sizes {sizes}, after {steps} Adam steps, every rank's parameters "
+                  f"equal one process's on the whole global batch ({within(worst, ATOL)}) and "
+                  f"those of torch's own ZeroRedundancyOptimizer on the same ranks "
+                  f"({within(worst_torch, ATOL)}); each owner's gradients are the mean over the "
+                  f"ranks, and each parameter travelled once per step, by a broadcast from its "
+                  f"owner. Elements owned (Adam state kept for them): "
+                  + "; ".join(f"at world_size={ws}: {owned(owners_at[ws], ws)}" for ws in world_sizes)
+                  + ". A rank that owns nothing keeps no Adam state, yet takes part in every "
+                    "broadcast.")
 
 
 __all__ = ["GLOBAL_BATCH", "LR", "ATOL", "LAYOUT", "NUMEL", "make_model", "initial_flat",
            "as_parameters", "flat_gradient", "global_batches", "local_part", "one_thread",
            "reference_run",
            "placed", "placed_dtensors", "ring_bytes", "counting_collectives", "storage_bytes",
-           "zero_train", "exercise_run", "check_zero2_step"]
+           "zero_train", "exercise_run", "check_zero1_step"]
