@@ -36,7 +36,7 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
 - 13 check_dropout_seeds: test_nb13_ddp_model "usual".
 - 14 check_global_grad_norm: test_nb14_shards "usual". Here: an all_gather of the local
   pieces (fix), and one sum per parameter, which passes; the copies never summed.
-- 15 check_cp_sync: test_nb15_fsdp2 "usual".
+- 15 check_accumulate_step: test_nb15_fsdp2 "usual".
 - 16 check_ddp_buckets: test_nb16_buckets "usual" (every entry of checks.buckets.MISTAKES).
 
 (Notebooks 13 and 16 also name torch's own ``_check_sync_bufs_pre_fwd`` and

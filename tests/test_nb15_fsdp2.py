@@ -1,7 +1,7 @@
 """Tests of notebook 15 (FSDP2): the facts the notebook states, each run on real gloo ranks
 with the notebook's own rank functions (read from its code cells); the claims its stored
-outputs make, re-derived; the explorer with FSDP2; and the cp-sync exercise check on the
-solution and each usual mistake."""
+outputs make, re-derived; the explorer with FSDP2; and the gradient-accumulation exercise
+check on the solution and each usual mistake, with the facts its text states."""
 from __future__ import annotations
 
 import ast
@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import conftest
 from reducelab import RankError
-from reducelab.checks.fsdp import check_cp_sync
+from reducelab.checks.fsdp import accumulate_run, check_accumulate_step
 from reducelab.checks.sharded import (ATOL, NUMEL, initial_flat, load_digits_tensors, make_model,
                                       placed_dtensors, reference_run, zero_train)
 from reducelab.widgets.sharded import SHARDINGS, ShardingExplorer
@@ -311,69 +312,271 @@ def test_explorer_offers_fsdp2_beside_the_zero_stages(group):
 
 
 # --- the exercise ---------------------------------------------------------------------------------
-def nothing(model, mesh):
-    pass
+# Mistaken answers, each written as a learner would write it.
+def share(labels, micro_batches):
+    """A micro-batch's share of the rank's digits (what the solution weighs its loss by)."""
+    return len(labels) / sum(len(l) for _, l in micro_batches)
 
 
-def summed_over_cp(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad.to_local(), group=mesh.get_group("cp"))
+def synced_every_micro_batch(model, micro_batches, optimizer):
+    for x, labels in micro_batches:
+        (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
-def averaged_over_the_world(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG)
+def sync_never_back_on(model, micro_batches, optimizer):
+    model.set_requires_gradient_sync(False)
+    for x, labels in micro_batches:
+        (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
-def averaged_over_dp(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
+def divided_by_the_number_of_micro_batches(model, micro_batches, optimizer):   # notebook 04's recipe
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        (F.cross_entropy(model(x), labels) / len(micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
-def averaged_twice(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh.get_group("cp"))
-        p.grad.to_local().div_(2)
+def loss_not_divided(model, micro_batches, optimizer):
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        F.cross_entropy(model(x), labels).backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
-def the_dtensor_itself(model, mesh):
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=mesh.get_group("cp"))
+def zero_grad_between_micro_batches(model, micro_batches, optimizer):
+    for x, labels in micro_batches:
+        optimizer.zero_grad()
+        (F.cross_entropy(model(x), labels) / len(micro_batches)).backward()
+    optimizer.step()
+
+
+def divided_by_world_size_too(model, micro_batches, optimizer):
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss = F.cross_entropy(model(x), labels) * share(labels, micro_batches)
+        (loss / dist.get_world_size()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def never_cleared(model, micro_batches, optimizer):
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
+    optimizer.step()
+
+
+def a_step_per_micro_batch(model, micro_batches, optimizer):
+    for x, labels in micro_batches:
+        F.cross_entropy(model(x), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def one_batch_of_every_micro_batch(model, micro_batches, optimizer):
+    x = torch.cat([x for x, _ in micro_batches])
+    labels = torch.cat([labels for _, labels in micro_batches])
+    F.cross_entropy(model(x), labels).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def one_backward_of_the_mean_loss(model, micro_batches, optimizer):
+    losses = [F.cross_entropy(model(x), labels) * share(labels, micro_batches)
+              for x, labels in micro_batches]
+    sum(losses).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def ddp_no_sync(model, micro_batches, optimizer):
+    import contextlib
+    for i, (x, labels) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def zero_grad_between_unsynced_micro_batches(model, micro_batches, optimizer):
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        optimizer.zero_grad()                    # harmless: the sums are not in p.grad yet
+        (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
+    optimizer.step()
 
 
 def solution_lines() -> list[str]:
-    path = ROOT / "notebooks" / "solutions" / "15_cp_sync.py"
-    return [line.strip() for line in path.read_text().splitlines()
-            if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+    path = ROOT / "notebooks" / "solutions" / "15_accumulate_step.py"
+    return [line.split("#")[0].strip() for line in path.read_text().splitlines()
+            if len(line.split("#")[0].strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
 
 
 def test_the_solution_passes_and_the_stub_fails(group):
-    verdict = check_cp_sync(group, conftest.load_solution("15_cp_sync").cp_sync)
+    verdict = check_accumulate_step(group, conftest.load_solution("15_accumulate_step").accumulate_step)
     assert verdict, verdict.message
+    assert "reduce-scattered 2 times per step" in verdict.message and "9,640 bytes" in verdict.message
+    assert "2,476 bytes" in verdict.message and "(100, 70, 40 digits)" in verdict.message
     assert group.world_size == 4
-    stub = check_cp_sync(group, NB.cp_sync)
-    assert not stub and "left it unchanged" in stub.message
-    assert "all_reduce" not in cell_with("# %load solutions/15_cp_sync.py")
+    stub = check_accumulate_step(group, NB.accumulate_step)
+    assert not stub and "returned without stepping the optimizer" in stub.message
+    check_cell = next(c for c in CELLS if c["cell_type"] == "code"
+                      and "check_accumulate_step(group, accumulate_step)" in "".join(c["source"]))
+    stored = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in check_cell["outputs"])
+    assert "❌ Not yet." in stored and "returned without stepping the optimizer" in stored
+    assert not re.search(r"\d\.\d", stored)                     # no digits that could vary by CPU
+    stub_cell = cell_with("# %load solutions/15_accumulate_step.py")
+    assert "set_requires_gradient_sync" not in stub_cell and "backward()" not in stub_cell
+    assert "/ len(" not in stub_cell and "i == " not in stub_cell and "len(labels)" not in stub_cell
+
+
+def with_an_accuracy_under_no_grad(model, micro_batches, optimizer):   # right, plus a metric
+    solution = conftest.load_solution("15_accumulate_step").accumulate_step
+    with torch.no_grad():
+        for x, labels in micro_batches:
+            (model(x).argmax(1) == labels).float().mean()
+    solution(model, micro_batches, optimizer)
+
+
+def test_a_forward_under_no_grad_is_no_micro_batch(group):
+    """The forward/backward count (a batch of all micro-batches at once fails) leaves out a
+    forward that records no graph, such as an accuracy computed under torch.no_grad()."""
+    verdict = check_accumulate_step(group, with_an_accuracy_under_no_grad)
+    assert verdict, verdict.message
+
+
+def test_the_check_refuses_what_is_not_a_function(group):
+    verdict = check_accumulate_step(group, "accumulate_step")
+    assert not verdict and "needs your function accumulate_step(model, micro_batches, optimizer)" \
+        in verdict.message
 
 
 @pytest.mark.parametrize("mistake, explanation", [
-    (nothing, "Your sync left it unchanged: it is still the mean over dp only, FSDP2's, of "
-              "the samples that this rank's dp group (the ranks with its cp index) saw"),
-    (summed_over_cp, "It is twice the mean: the SUM over the 2 cp ranks"),
-    (averaged_twice, "It is half the mean: divided twice"),
-    (averaged_over_the_world, "such as the whole world or dp, adds rows that do not belong together"),
-    (averaged_over_dp, "such as the whole world or dp, adds rows that do not belong together"),
-    (the_dtensor_itself, "p.grad is a DTensor, and a torch.distributed collective takes a plain tensor"),
+    (synced_every_micro_batch, "the gradient is right (within 1e-06), but FSDP2 reduce-scattered 6 "
+                               "times in one step, 3 times for each of the 2 FSDP units"),
+    (sync_never_back_on, "p.grad was None on every one of the model's 4 parameters, and FSDP2 had "
+                         "reduce-scattered 0 times"),
+    (divided_by_the_number_of_micro_batches, "each micro-batch's mean loss weighed 1/3: with "
+                                             "micro-batches of 100, 70 and 40 digits, that counts a "
+                                             "digit of the 40-digit micro-batch 2.5 times"),
+    (loss_not_divided, "It is the sum of the 3 micro-batches' gradients"),
+    (zero_grad_between_micro_batches, "It is the gradient of the last micro-batch alone, divided by 3"),
+    (divided_by_world_size_too, "It is 1/4 of that mean: divided by the world size on top of FSDP2's own"),
+    (never_cleared, "At step 2 of 2, the gradient your optimizer stepped with differs"),
+    (a_step_per_micro_batch, "stepped the optimizer 3 times"),
+    (one_batch_of_every_micro_batch, "ran the model's forward once (on 210 digits) and 1 backward pass"),
+    (one_backward_of_the_mean_loss, "ran the model's forward 3 times (on 100, 70, 40 digits) and 1 "
+                                    "backward pass, in the order forward forward forward backward"),
+    (ddp_no_sync, "object has no attribute 'no_sync'. FSDP2's sharded model has no no_sync()"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
-    verdict = check_cp_sync(group, mistake)
+    verdict = check_accumulate_step(group, mistake)
     assert not verdict and explanation in verdict.message, verdict.message
     assert not [line for line in solution_lines() if line in verdict.message]
-    assert "to_local()" not in verdict.message and 'get_group("cp")' not in verdict.message
+    assert "set_requires_gradient_sync" not in verdict.message
     assert group.world_size == 4
+    if mistake is never_cleared:
+        assert "this step's gradient plus the previous step's" in verdict.message
+    if mistake in (one_batch_of_every_micro_batch, one_backward_of_the_mean_loss):
+        assert "activations" in verdict.message and "bytes" not in verdict.message
 
 
-def test_the_exercise_is_a_case_the_notebook_did_not_run():
-    code = "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "code")
-    assert 'mesh_dim_names=("dp", "cp")' not in code          # the 2-D mesh only in the prompt
-    assert 'get_group("cp")' not in code
+def test_zero_grad_between_unsynced_micro_batches_is_harmless(group):
+    """The text: zero_grad clears p.grad only, so between unsynced micro-batches it does nothing."""
+    verdict = check_accumulate_step(group, zero_grad_between_unsynced_micro_batches)
+    assert verdict, verdict.message
+    assert "does nothing" in cell_with("### What skipping the sync costs")
+
+
+def test_what_skipping_the_sync_costs_as_the_text_says(group):
+    """Bytes held between micro-batches, reduce-scatters and all-gathers per step, with and
+    without the sync (rank by rank)."""
+    solution = conftest.load_solution("15_accumulate_step").accumulate_step
+    for fn, held, reduce_scatters in [(solution, [9640] * 4, 2), (synced_every_micro_batch, [2476] * 4, 6)]:
+        out = group.run(accumulate_run, fn, X, y)
+        assert [max(o["between"]) for o in out] == held
+        for o in out:
+            for sent in o["sent"]:
+                assert sent.count("reduce_scatter") == reduce_scatters and sent.count("all_gather") == 12
+        assert [o["seen"][0][0][2] for o in out] == [2476] * 4   # sharded at the step, padded alike
+    text = cell_with("### What skipping the sync costs")
+    for words in ("9,640 bytes (2,410 float32)", "2,476 bytes", "6 reduce-scatters per step instead of 2",
+                  "4 times per micro-batch, 12 in a step of 3", "within 1e-7 of it",
+                  "`FSDPParam._unsharded_param`"):
+        assert words in text
+
+
+def test_a_sync_never_turned_on_stops_training_as_the_verdict_says(group):
+    """The text and the check's verdict: with the sync never on, 0 reduce-scatters in every
+    step, no p.grad, the parameters unchanged, Adam's state empty, and each rank's unsharded
+    gradient its own growing sum, never averaged over the ranks."""
+    from reducelab.checks.fsdp import STEPS, micro_batch_indices
+    from reducelab.checks.sharded import flat_gradient
+    out = group.run(accumulate_run, sync_never_back_on, X, y)
+    start = initial_flat()
+    for rank, o in enumerate(out):
+        assert [s.count("reduce_scatter") for s in o["sent"]] == [0] * STEPS
+        assert all(o["seen"][s][0][0] == 4 for s in range(STEPS))
+        assert [a["state"] for a in o["after"]] == [0] * STEPS and all(a["moved"] == 0 for a in o["after"])
+        own = torch.zeros(NUMEL)
+        for s in range(STEPS):                                   # the rank's own digits only
+            for idx in micro_batch_indices(s, rank, 4):
+                own += flat_gradient(start, X[idx], y[idx]) * len(idx) / 210
+            assert (o["after"][s]["pending"] - own).abs().max() < 1e-6
+    assert (out[0]["after"][-1]["pending"] - out[1]["after"][-1]["pending"]).abs().max() > 1e-3
+    verdict = check_accumulate_step(group, sync_never_back_on)
+    for words in ("0 reduce-scatters in each: training stopped, without an error",
+                  "its state stayed empty (0 parameters with state after step 2)",
+                  "the parameters did not change", "never averaged over the ranks"):
+        assert words in verdict.message, verdict.message
+    text = cell_with("### What skipping the sync costs")
+    assert "0 reduce-scatters in every step, the parameters never change, Adam's state stays empty" in text
+    assert "as that rank's own sum, never averaged over the ranks" in text
+
+
+def turned_on_only_at_the_second_step(model, micro_batches, optimizer):
+    first = not hasattr(model, "_calls")
+    model._calls = True
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(not first and i == len(micro_batches) - 1)
+        (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_sync_turned_on_later_sends_the_sum_of_both_steps(group):
+    from reducelab.checks.sharded import flat_gradient, global_batches
+    out = group.run(accumulate_run, turned_on_only_at_the_second_step, X, y)
+    assert all(o["seen"][0][0][0] == 4 for o in out)                 # no p.grad at step 1
+    got = torch.stack([o["seen"][1][0][1] for o in out]).nanmean(0)
+    first, second = global_batches(2)
+    start = initial_flat()
+    both = flat_gradient(start, X[first], y[first]) + flat_gradient(start, X[second], y[second])
+    assert (got - both).abs().max() < 1e-7                           # step 1 changed nothing
+    assert "that step uses the sum of both steps' gradients (within 1e-7 of it" in \
+        cell_with("### What skipping the sync costs")
+
+
+def test_the_exercise_is_a_case_the_notebooks_did_not_run():
+    for path in (NOTEBOOK, ROOT / "notebooks" / "05_device_mesh_sync.ipynb",
+                 ROOT / "notebooks" / "04_ddp_gradients.ipynb",
+                 ROOT / "notebooks" / "08_sharded_data_parallel.ipynb"):
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        assert "set_requires_gradient_sync" not in code, path.name
+        if path.name.startswith("04"):                           # 04 accumulated equal chunks
+            assert "chunk(micro_batches)" in code
+    assert 'mesh_dim_names=("dp", "cp")' not in "\n".join(
+        "".join(c["source"]) for c in CELLS if c["cell_type"] == "code")
+    assert "wrapped_step" in markdown()                               # the cp sync: notebook 05's
+    from reducelab.checks.fsdp import SIZES
+    assert len(set(SIZES)) == len(SIZES) and sum(SIZES) == 210       # unequal, 210 on every rank
+    exercise = cell_with("## Exercise: gradient accumulation with FSDP2")
+    assert "100, 70 and 40 digits" in exercise and "/ micro_batches" not in exercise
