@@ -355,6 +355,14 @@ def loss_sum_all_reduced_after_backward(model, x, y):  # the count before, the s
     return total / count
 
 
+def loss_count_averaged(model, x, y):     # ReduceOp.AVG over [sum, count]: the count is N / ws
+    local_sum = F.mse_loss(model(x), y, reduction="sum")
+    stats = torch.stack([local_sum.detach(), torch.tensor(float(len(x)))])
+    dist.all_reduce(stats, op=dist.ReduceOp.AVG)
+    (local_sum * dist.get_world_size() / stats[1]).backward()
+    return stats[0] / stats[1]
+
+
 def loss_forward_in_no_sync(model, x, y):  # DDP all-reduces no gradient
     with model.no_sync():
         local_sum = F.mse_loss(model(x), y, reduction="sum")
@@ -407,11 +415,13 @@ def loss_forward_in_no_sync(model, x, y):  # DDP all-reduces no gradient
         "torch.distributed._functional_collectives.all_reduce", "The gradient came out ["]),
     (loss_through_dist_nn_all_reduce, [
         "rank 0's backward() called all_reduce once besides DDP's all_reduce of the gradients",
-        "The gradient came out right here, but in all rank 0 called all_reduce 2 times"]),
+        "The gradient came out right here, but rank 0 called all_reduce 2 times in all"]),
     (loss_all_reduce_coalesced, ["every rank's gradient and logged loss are right",
                                  "rank 0 called all_reduce_coalesced once, not counting"]),
     (loss_sum_all_reduced_after_backward, ["every rank's gradient and logged loss are right",
                                            "rank 0 called all_reduce 2 times"]),
+    (loss_count_averaged, ["That is world_size = 4 times it",
+                           "a count averaged over the ranks instead of summed"]),
     (loss_forward_in_no_sync, ["every rank called backward() and got gradients, but DDP "
                                "started no all_reduce of the gradients on any rank",
                                "after a forward inside no_sync()"]),

@@ -784,8 +784,11 @@ def test_the_exercise_asks_for_one_all_reduce_with_the_check_s_batch_sizes():
     assert "**one** `all_reduce` per rank" in task and "may be 0" in task
     assert "`backward_and_log(model, x, y)`" in task
     # the tolerance as the check applies it: 1e-5 * max(1, max|reference|), over the gradient
-    assert "1e-5 times the largest of one process's 4 numbers in absolute value" in task
-    assert "(1e-5 itself when that largest value is below 1)" in task
+    assert "within 1e-5 × max(1, the largest |number| of one process's gradient)" in task
+    from reducelab.checks.loss import TOLERANCE, _close
+    assert TOLERANCE == 1e-5 and _close(torch.tensor([0.5 + 9e-6]), torch.tensor([0.5]))
+    assert not _close(torch.tensor([0.5 + 2e-5]), torch.tensor([0.5]))           # absolute below 1
+    assert _close(torch.tensor([2.03, 4e3 + 0.039]), torch.tensor([2.0, 4e3]))    # 1e-5 of the largest
     assert "relative tolerance" not in task
     assert "whatever its forward, `model(x)`, calls" in task
     for sizes in UNEVEN_BATCHES:

@@ -484,6 +484,8 @@ def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
     assert group.world_size == 4
     if mistake is never_cleared:
         assert "this step's gradient plus the previous step's" in verdict.message
+    if mistake is divided_by_world_size_too:   # the same gradient as a loss divided by 840
+        assert "(dividing by the global batch size, 840, does this too)" in verdict.message
     if mistake in (one_batch_of_every_micro_batch, one_backward_of_the_mean_loss):
         assert "activations" in verdict.message and "bytes" not in verdict.message
 

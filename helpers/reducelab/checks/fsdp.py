@@ -303,8 +303,9 @@ def _gradient_mistake(name, got, want, previous, micro) -> Verdict:
                       f"rank's {total} digits.", mistake="sum of micro-batches")
     if _close(got, want / WORLD_SIZE):
         return failed(f"{head} It is 1/{WORLD_SIZE} of that mean: divided by the world size on "
-                      f"top of FSDP2's own average. FSDP2's reduce-scatter already averages over "
-                      f"the {WORLD_SIZE} ranks (ReduceOp.AVG for float32).",
+                      f"top of FSDP2's own average (dividing by the global batch size, "
+                      f"{WORLD_SIZE * sum(SIZES)}, does this too). FSDP2's reduce-scatter already "
+                      f"averages over the {WORLD_SIZE} ranks (ReduceOp.AVG for float32).",
                       mistake="divided by world_size")
     for factor, words in ((1 / k, f"divided by {k}"), (SIZES[-1] / total, f"weighed {SIZES[-1]}/{total}"),
                           (1, "")):

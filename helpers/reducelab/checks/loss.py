@@ -383,8 +383,9 @@ def _diagnose_grad(got: torch.Tensor, sizes, grads) -> str:
         (full / ws ** 2, f"That is 1/world_size² = 1/{ws * ws} of it: divided by "
                          f"world_size={ws} once in the loss, and once more by DDP in "
                          f"backward()."),
-        (full * ws, f"That is world_size = {ws} times it: the loss was scaled up by "
-                    f"world_size one time too many."),
+        (full * ws, f"That is world_size = {ws} times it: the loss's factor is world_size "
+                    f"times too large (a count averaged over the ranks instead of summed "
+                    f"does this too)."),
         (sum(grads) / ws, "That is the gradient of each rank's summed loss, averaged over "
                           "ranks by DDP: no sample count divides it."),
     ]
@@ -552,8 +553,8 @@ def check_backward_and_log(group: LocalGroup, fn, local_batch_sizes=UNEVEN_BATCH
                         f"DDP's all_reduce averages the parameters' gradients over the ranks "
                         f"(torch/distributed/nn/functional.py, _AllReduce.backward; "
                         f"torch/distributed/_functional_collectives.py, all_reduce_backward). "
-                        + (f"The gradient came out right here, but in all rank {rank} "
-                           f"{_calls(r['collectives'])}, besides DDP's all_reduce of the "
+                        + (f"The gradient came out right here, but rank {rank} "
+                           f"{_calls(r['collectives'])} in all, besides DDP's all_reduce of the "
                            f"gradients; the exercise asks for one all_reduce per rank."
                            if right else f"The gradient came out {_fmt(r['grad'])} against "
                                          f"{_fmt(want_grad)}."),
