@@ -453,6 +453,15 @@ def _first_sentences(warning: str) -> str:
     return warning[:end + len("behavior.")] if end >= 0 else warning.split(" (Triggered")[0]
 
 
+def _gradient_outcome(got: torch.Tensor, want: torch.Tensor, but: str) -> str:
+    """The closing sentence of a verdict whose gradient may be right by chance: "The gradient
+    came out right here, but {but}" when ``got`` is within the check's tolerance of ``want``
+    (``_close``), else both gradients, printed by ``_fmt``."""
+    if _close(got, want):
+        return f"The gradient came out right here, but {but}"
+    return f"The gradient came out {_fmt(got)} against {_fmt(want)}."
+
+
 def _fmt(t: torch.Tensor) -> str:
     """A gradient to 3 decimals: enough to tell the mistakes apart, and far from a
     rounding boundary for the exercise's numbers on any CPU (float32 differs by ~1e-7)."""
@@ -527,21 +536,17 @@ def check_backward_and_log(group: LocalGroup, fn, local_batch_sizes=UNEVEN_BATCH
             losses, grads = _per_rank(sizes)
             for rank, r in enumerate(out):
                 if r["through_all_reduce"]:
-                    right = _close(r["grad"], want_grad)
                     return failed(
                         f"{setting}, rank {rank}'s backward() went through an all_reduce, and "
                         f"torch warned: \"{_first_sentences(r['through_all_reduce'])}\" "
                         f"Autograd has no formula for dist.all_reduce and passes the gradient "
                         f"through it as if it were the identity (question 3). "
-                        + ("The gradient came out right here, but only through that "
-                           "fallback, which torch deprecates and says may be silently "
-                           "incorrect."
-                           if right else f"The gradient came out {_fmt(r['grad'])} against "
-                                         f"{_fmt(want_grad)}."),
+                        + _gradient_outcome(r["grad"], want_grad,
+                                            "only through that fallback, which torch "
+                                            "deprecates and says may be silently incorrect."),
                         mistake="backward() through all_reduce")
             for rank, r in enumerate(out):
                 if r["in_backward"]:
-                    right = _close(r["grad"], want_grad)
                     return failed(
                         f"{setting}, rank {rank}'s backward() {_calls(r['in_backward'])} "
                         f"besides DDP's all_reduce of the gradients: it went back through a "
@@ -553,11 +558,10 @@ def check_backward_and_log(group: LocalGroup, fn, local_batch_sizes=UNEVEN_BATCH
                         f"DDP's all_reduce averages the parameters' gradients over the ranks "
                         f"(torch/distributed/nn/functional.py, _AllReduce.backward; "
                         f"torch/distributed/_functional_collectives.py, all_reduce_backward). "
-                        + (f"The gradient came out right here, but rank {rank} "
-                           f"{_calls(r['collectives'])} in all, besides DDP's all_reduce of the "
-                           f"gradients; the exercise asks for one all_reduce per rank."
-                           if right else f"The gradient came out {_fmt(r['grad'])} against "
-                                         f"{_fmt(want_grad)}."),
+                        + _gradient_outcome(r["grad"], want_grad,
+                                            f"rank {rank} {_calls(r['collectives'])} in all, "
+                                            f"besides DDP's all_reduce of the gradients; the "
+                                            f"exercise asks for one all_reduce per rank."),
                         mistake="backward() through a differentiable all_reduce")
             for rank, r in enumerate(out):
                 if not _close(r["grad"], want_grad):
