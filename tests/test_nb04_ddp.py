@@ -360,39 +360,35 @@ def test_solution_passes_and_the_world_size_is_restored(group, batch):
     assert group.world_size == 2
 
 
-def _scale(reduction, world_size, local_batch, global_batch):
-    return world_size if reduction == "sum" else world_size * local_batch / global_batch
+def _scale(reduction, world_size):
+    return world_size if reduction == "sum" else 1
 
 
-def notebook_stub(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+def notebook_stub(data_loss, penalty, reduction, world_size):
     return data_loss + penalty
 
 
-def scales_everything(data_loss, penalty, reduction, world_size, local_batch, global_batch):
-    return (data_loss + penalty) * _scale(reduction, world_size, local_batch, global_batch)
+def scales_everything(data_loss, penalty, reduction, world_size):
+    return (data_loss + penalty) * _scale(reduction, world_size)
 
 
-def divides_the_penalty(data_loss, penalty, reduction, world_size, local_batch, global_batch):
-    return data_loss * _scale(reduction, world_size, local_batch, global_batch) + penalty / world_size
+def divides_the_penalty(data_loss, penalty, reduction, world_size):
+    return data_loss * _scale(reduction, world_size) + penalty / world_size
 
 
-def drops_the_penalty(data_loss, penalty, reduction, world_size, local_batch, global_batch):
-    return data_loss * _scale(reduction, world_size, local_batch, global_batch)
+def drops_the_penalty(data_loss, penalty, reduction, world_size):
+    return data_loss * _scale(reduction, world_size)
 
 
-def fixes_sum_only(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+def fixes_sum_only(data_loss, penalty, reduction, world_size):
     return data_loss * world_size + penalty
 
 
-def fixes_mean_only(data_loss, penalty, reduction, world_size, local_batch, global_batch):
-    return data_loss * world_size * local_batch / global_batch + penalty
+def hard_codes_four(data_loss, penalty, reduction, world_size):
+    return data_loss * (4 if reduction == "sum" else 1) + penalty
 
 
-def hard_codes_four(data_loss, penalty, reduction, world_size, local_batch, global_batch):
-    return data_loss * (4 if reduction == "sum" else 4 * local_batch / global_batch) + penalty
-
-
-def returns_a_number(data_loss, penalty, reduction, world_size, local_batch, global_batch):
+def returns_a_number(data_loss, penalty, reduction, world_size):
     return (data_loss + penalty).item()
 
 
@@ -401,8 +397,9 @@ def raises(*args):
 
 
 MISTAKES = [
-    (notebook_stub, "reduction='mean', world_size=4, uneven",
-     "The data term's gradient is not a multiple of one process's (element-wise ratios 0.21 to 1.70)"),
+    (notebook_stub, "reduction='sum', world_size=4, equal",
+     "The data term's gradient came out 0.25 x one process's; expected 1 x. Why: DDP divides "
+     "every rank's gradient by world_size=4 before it sums them"),
     (scales_everything, "reduction='sum', world_size=4, equal",
      "The penalty's gradient came out 4 x one process's; expected 1 x. That is the penalty "
      "scaled like the data term, by world_size=4."),
@@ -411,10 +408,9 @@ MISTAKES = [
      "divided by world_size=4."),
     (drops_the_penalty, "reduction='mean', world_size=4, equal", "The penalty's gradient is missing"),
     (fixes_sum_only, "reduction='mean', world_size=4, equal",
-     "The data term's gradient came out 4 x one process's; expected 1 x."),
-    (fixes_mean_only, "reduction='sum', world_size=4, equal",
-     "The data term's gradient came out 0.25 x one process's; expected 1 x."),
-    (hard_codes_four, "reduction='mean', world_size=3, equal",
+     "The data term's gradient came out 4 x one process's; expected 1 x. Why: with 'mean' "
+     "and equal local batches every rank's loss weighs each of its 210 samples 1/210"),
+    (hard_codes_four, "reduction='sum', world_size=3, equal",
      "The data term's gradient came out 1.3333 x one process's"),
     (returns_a_number, "reduction='mean', world_size=4, equal",
      "ddp_loss must return the loss to call backward() on"),

@@ -166,7 +166,7 @@ def _ddp_loss_gradient(X, y, reduction, split, ddp_loss, keep="both"):
         penalty = penalty * 0.0
     elif keep == "penalty":
         data_loss = data_loss * 0.0
-    loss = ddp_loss(data_loss, penalty, reduction, world_size, len(X[part]), len(X))
+    loss = ddp_loss(data_loss, penalty, reduction, world_size)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise TypeError(f"ddp_loss must return the loss to call backward() on: a tensor of "
                         f"one element that requires grad; it returned {_short(loss)}")
@@ -210,6 +210,10 @@ def full_gradients(X: torch.Tensor, y: torch.Tensor, reduction: str) -> tuple[to
     return grads[0], grads[1]
 
 
+CASES = (("mean", "equal"), ("sum", "equal"), ("sum", "uneven"))
+"""The (reduction, split) pairs :func:`check_ddp_loss` runs, in order. ``"mean"`` over
+uneven local batches is left out: its weighting is notebook 03's exercise."""
+
 CHECK_WORLD_SIZES = (4, 3)
 """World sizes :func:`check_ddp_loss` runs at (a loss that hard-codes 4 fails at 3)."""
 
@@ -218,16 +222,17 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
                    world_sizes=CHECK_WORLD_SIZES) -> Verdict:
     """Check the exercise of notebook 04: a loss with a term every rank computes alike.
 
-    ``ddp_loss(data_loss, penalty, reduction, world_size, local_batch, global_batch)``
-    returns the loss each rank calls ``backward()`` on; ``data_loss`` is the rank's
+    ``ddp_loss(data_loss, penalty, reduction, world_size)`` returns the loss each rank calls ``backward()`` on; ``data_loss`` is the rank's
     cross entropy over its local batch with ``reduction``, ``penalty`` is
     ``PENALTY[reduction] · Σ w²`` over the ``Linear``'s weight, the same number on every
     rank. DDP's gradient must equal one process's gradient of the cross entropy over
     the whole global batch plus the penalty.
 
     For each world size in ``world_sizes`` the check resizes ``group``, runs real DDP on
-    every rank for each reduction (``"mean"``, ``"sum"``) and split (``"equal"``,
-    ``"uneven"``), and compares with :func:`full_gradients`. Where it differs, it runs
+    every rank for each case of :data:`CASES` (``"sum"`` with equal and uneven local
+    batches, ``"mean"`` with equal ones: ``"mean"`` over uneven ones needs the weighting
+    of notebook 03's exercise, not this one's question), and compares with
+    :func:`full_gradients`. Where it differs, it runs
     the learner's function again with the penalty zeroed and with the data loss zeroed,
     and names what each part's gradient came out as, times what one process gets, and
     why. The group's world size is restored afterwards.
@@ -261,8 +266,9 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
             if verdict is not None:
                 return verdict
     sizes = " and ".join(str(w) for w in world_sizes)
-    return passed(f"DDP's gradient equals one process's, penalty included, for 'mean' and "
-                  f"'sum', equal and uneven local batches, on world_size {sizes}. DDP "
+    return passed(f"DDP's gradient equals one process's, penalty included, for 'sum' with "
+                  f"equal and uneven local batches and 'mean' with equal ones, on world_size "
+                  f"{sizes}. DDP "
                   f"divides every gradient by world_size before it sums them: the data "
                   f"term, different on every rank, needs your scale; the penalty, the same "
                   f"on every rank, comes out of that average as it went in.")
@@ -270,33 +276,32 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
 
 def _check_at(group, ddp_loss, X, y, W: int, N: int) -> Verdict | None:
     """The failing :class:`Verdict` of the first wrong case at world size ``W``, or ``None``."""
-    for reduction in REDUCTIONS:
+    for reduction, split in CASES:
         data_full, penalty_full = full_gradients(X, y, reduction)
-        for split in SPLITS:
-            sizes = split_sizes(N, W, split)
-            case = (f"For reduction={reduction!r}, world_size={W}, {split} local batches "
-                    f"{sizes} (global batch {N})")
-            try:
-                ddp = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss)[0]
-            except RankError as err:
-                return raised_on_ranks(f"{case},", err)
-            want = data_full + penalty_full
-            if (ddp - want).abs().max().item() <= TOLERANCE * want.abs().max().item():
-                continue
-            try:
-                data = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss, "data")[0]
-                penalty = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss,
-                                    "penalty")[0]
-            except RankError as err:
-                return raised_on_ranks(f"{case}, with one part of the loss zeroed,", err)
-            parts = [_data_part(data, data_full, reduction, W, N),
-                     _penalty_part(penalty, penalty_full, W)]
-            said = [s for s in parts if s]
-            if not said:
-                said = ["each part alone comes out right, but not the two together: return "
-                        "a loss whose gradient is the sum of theirs."]
-            return failed(f"{case}, DDP's gradient differs from one process's. "
-                          + " ".join(said))
+        sizes = split_sizes(N, W, split)
+        case = (f"For reduction={reduction!r}, world_size={W}, {split} local batches "
+                f"{sizes} (global batch {N})")
+        try:
+            ddp = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss)[0]
+        except RankError as err:
+            return raised_on_ranks(f"{case},", err)
+        want = data_full + penalty_full
+        if (ddp - want).abs().max().item() <= TOLERANCE * want.abs().max().item():
+            continue
+        try:
+            data = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss, "data")[0]
+            penalty = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss,
+                                "penalty")[0]
+        except RankError as err:
+            return raised_on_ranks(f"{case}, with one part of the loss zeroed,", err)
+        parts = [_data_part(data, data_full, reduction, W, N),
+                 _penalty_part(penalty, penalty_full, W)]
+        said = [s for s in parts if s]
+        if not said:
+            said = ["each part alone comes out right, but not the two together: return "
+                    "a loss whose gradient is the sum of theirs."]
+        return failed(f"{case}, DDP's gradient differs from one process's. "
+                      + " ".join(said))
     return None
 
 
@@ -311,9 +316,9 @@ def _data_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int, N:
         why = (f"DDP divides every rank's gradient by world_size={W} before it sums them, and "
                f"the local sums already add up to the full-batch sum.")
     else:
-        why = (f"with 'mean' rank r's loss is divided by its own local_batch, the full-batch "
-               f"loss by global_batch={N}, and DDP divides by world_size={W} on top: each "
-               f"sample must end up weighted 1/global_batch.")
+        why = (f"with 'mean' and equal local batches every rank's loss weighs each of its "
+               f"{N // W} samples 1/{N // W}, DDP divides by world_size={W} before it sums, "
+               f"and one process weighs each of the {N} samples 1/{N}.")
     return f"The data term's gradient {found}; expected 1 x. Why: {why}"
 
 
