@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import conftest
 from reducelab import plots
 from reducelab.checks.ddp import (CHECK_WORLD_SIZES, PENALTY, check_ddp_loss, compare_gradients,
-                                  expected_factor, explain, full_gradients)
+                                  TOLERANCE, expected_factor, explain, full_gradients)
 from reducelab.data import batch_order, load_digits_tensors, local_slice, split_sizes
 from reducelab.plots import message_png
 from reducelab.plots.ddp import GAP_FLOOR, GradientScatter, loss_curves, sample_weights
@@ -478,8 +478,9 @@ def test_the_exercise_cells_as_committed(group, batch):
     assert not v and v.message in shown
     assert src[i + 1].strip() == "check_ddp_loss(group, ddp_loss, X, y)"
     for rule in ("λ·Σw²", "the same on every rank", "λ is 0.5", "840 times", "4 and then 3 ranks",
-                 "Run the def cell, then the check"):
+                 "Run the def cell, then the check", "1e-4 times the largest element"):
         assert rule in src[i - 1], rule
+    assert TOLERANCE == 1e-4       # the tolerance the exercise text states
 
 
 # --- pure helpers ------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 
 def ddp_loss(data_loss, penalty, reduction, world_size):
     """The loss each rank calls backward() on, so that DDP's gradient equals one process's
-    gradient of the full-batch data loss plus the penalty."""
+    gradient of the full-batch data loss plus the penalty: for "sum" with any local batch
+    sizes, and for "mean" with equal ones (the cases the check runs)."""
     if reduction == "sum":
         # the local sums already add up to the full-batch sum; undo DDP's division by world_size
         data_loss = data_loss * world_size

@@ -222,10 +222,10 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
                    world_sizes=CHECK_WORLD_SIZES) -> Verdict:
     """Check the exercise of notebook 04: a loss with a term every rank computes alike.
 
-    ``ddp_loss(data_loss, penalty, reduction, world_size)`` returns the loss each rank calls ``backward()`` on; ``data_loss`` is the rank's
-    cross entropy over its local batch with ``reduction``, ``penalty`` is
-    ``PENALTY[reduction] · Σ w²`` over the ``Linear``'s weight, the same number on every
-    rank. DDP's gradient must equal one process's gradient of the cross entropy over
+    ``ddp_loss(data_loss, penalty, reduction, world_size)`` returns the loss each rank
+    calls ``backward()`` on; ``data_loss`` is the rank's cross entropy over its local batch
+    with ``reduction``, ``penalty`` is ``PENALTY[reduction] · Σ w²`` over the ``Linear``'s
+    weight, the same number on every rank. DDP's gradient must equal one process's gradient of the cross entropy over
     the whole global batch plus the penalty.
 
     For each world size in ``world_sizes`` the check resizes ``group``, runs real DDP on
