@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import conftest
 from reducelab import plots
 from reducelab.checks.ddp import (CHECK_WORLD_SIZES, PENALTY, check_ddp_loss, compare_gradients,
-                                  TOLERANCE, expected_factor, explain, full_gradients)
+                                  TOLERANCE, _penalty, expected_factor, explain, full_gradients,
+                                  penalty_rows)
 from reducelab.data import batch_order, load_digits_tensors, local_slice, split_sizes
 from reducelab.plots import message_png
 from reducelab.plots.ddp import GAP_FLOOR, GradientScatter, loss_curves, sample_weights
@@ -364,31 +365,39 @@ def _scale(reduction, world_size):
     return world_size if reduction == "sum" else 1
 
 
-def notebook_stub(data_loss, penalty, reduction, world_size):
+def notebook_stub(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return data_loss + penalty
 
 
-def scales_everything(data_loss, penalty, reduction, world_size):
+def scales_everything(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return (data_loss + penalty) * _scale(reduction, world_size)
 
 
-def divides_the_penalty(data_loss, penalty, reduction, world_size):
+def divides_the_penalty(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return data_loss * _scale(reduction, world_size) + penalty / world_size
 
 
-def drops_the_penalty(data_loss, penalty, reduction, world_size):
+def drops_the_penalty(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return data_loss * _scale(reduction, world_size)
 
 
-def fixes_sum_only(data_loss, penalty, reduction, world_size):
+def fixes_sum_only(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return data_loss * world_size + penalty
 
 
-def hard_codes_four(data_loss, penalty, reduction, world_size):
-    return data_loss * (4 if reduction == "sum" else 1) + penalty
+def hard_codes_four(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return data_loss * (4 if reduction == "sum" else 1) + penalty * (4 if penalty_in_parts else 1)
 
 
-def returns_a_number(data_loss, penalty, reduction, world_size):
+def ignores_the_parts(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return data_loss * _scale(reduction, world_size) + penalty
+
+
+def scales_every_penalty(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return data_loss * _scale(reduction, world_size) + penalty * world_size
+
+
+def returns_a_number(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return (data_loss + penalty).item()
 
 
@@ -415,6 +424,14 @@ MISTAKES = [
     (returns_a_number, "reduction='mean', world_size=4, equal",
      "ddp_loss must return the loss to call backward() on"),
     (raises, "reduction='mean', world_size=4, equal", "ZeroDivisionError: oops"),
+    (ignores_the_parts, "reduction='mean', world_size=4, equal local batches [210, 210, 210, 210] "
+                        "(global batch 840), the penalty in parts",
+     "The penalty's gradient came out 0.25 x one process's; expected 1 x. That is each rank's "
+     "part left as it is."),
+    (scales_every_penalty, "reduction='mean', world_size=4, equal local batches [210, 210, 210, "
+                           "210] (global batch 840), the whole penalty on every rank",
+     "The penalty's gradient came out 4 x one process's; expected 1 x. That is the penalty "
+     "multiplied by world_size=4."),
 ]
 
 
@@ -433,19 +450,35 @@ def test_only_the_wrong_part_is_named(group, batch):
     v = check_ddp_loss(group, scales_everything, *batch)
     assert "The data term" not in v.message
     v = check_ddp_loss(group, fixes_sum_only, *batch)
-    assert "penalty" not in v.message
+    assert "The data term" in v.message and "The penalty's gradient" not in v.message
 
 
 def test_bad_input_is_refused(group, batch):
     assert not check_ddp_loss(group, "not a function", *batch)
     with pytest.raises(ValueError, match="divisible"):
         check_ddp_loss(group, raises, batch[0][:10], batch[1][:10])
-    with pytest.raises(ValueError, match="2 or more"):
-        check_ddp_loss(group, raises, *batch, world_sizes=(1,))
+    for bad in (1, 11):
+        with pytest.raises(ValueError, match="must be from 2 .* to 10"):
+            check_ddp_loss(group, raises, *batch, world_sizes=(bad,))
     with pytest.raises(ValueError, match="reduction must be one of"):
         full_gradients(*batch, "max")
     assert group.world_size == 4
     assert CHECK_WORLD_SIZES == (4, 3)             # a loss that hard-codes 4 ranks fails at 3
+
+
+def test_the_penalty_s_parts_share_out_every_row_once_and_add_up_to_the_whole():
+    """``penalty_in_parts``: rank r takes rows r, r + world_size, ... of the weight; every
+    row goes to one rank, so the parts' penalties add up to the whole penalty."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 10)
+    for world_size in range(2, 11):
+        rows = [penalty_rows(r, world_size) for r in range(world_size)]
+        assert sorted(sum(rows, [])) == list(range(10)), world_size
+        parts = sum(_penalty(model, "mean", r) for r in rows)
+        assert torch.allclose(parts, _penalty(model, "mean"), rtol=1e-6), world_size
+    assert penalty_rows(1, 4) == [1, 5, 9] and penalty_rows(2, 3) == [2, 5, 8]
+    with pytest.raises(ValueError, match="rank must be from 0 to world_size - 1 = 3"):
+        penalty_rows(4, 4)
 
 
 def test_the_penalty_matters_beside_either_reduction(batch):

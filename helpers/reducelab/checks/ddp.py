@@ -138,21 +138,39 @@ def _validate(reduction, world_size, split) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-# --- the exercise: a loss with a term every rank computes alike ---------------------
+# --- the exercise: a penalty every rank computes whole, or only its part of ---------
 PENALTY = {"mean": 0.5, "sum": 0.5 * 840}
 """λ of the exercise's L2 penalty ``λ · Σ w²`` on the ``Linear``'s weight, per reduction:
 a ``"sum"`` loss over 840 samples is 840 times a ``"mean"`` one, and so is its λ, so
 that the penalty matters as much beside either."""
 
 
-def _penalty(model, reduction: str) -> torch.Tensor:
-    return PENALTY[reduction] * model.weight.pow(2).sum()
+def penalty_rows(rank: int, world_size: int, rows: int = 10) -> list[int]:
+    """The rows of the weight (one per class, ``rows`` of them) whose penalty ``rank``
+    computes when the penalty is computed in parts: ``rank, rank + world_size, ...``.
+    Every row belongs to exactly one rank, so the parts add up to the whole penalty; a
+    rank may get no row (``world_size > rows``).
+
+    Raises:
+        ValueError: ``rank`` outside ``0 .. world_size - 1``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be from 0 to world_size - 1 = {world_size - 1}, got {rank}")
+    return list(range(rank, rows, world_size))
 
 
-def _ddp_loss_gradient(X, y, reduction, split, ddp_loss, keep="both"):
-    """Rank function: DDP backward of ``ddp_loss(data_loss, penalty, ...)``; returns the
-    gradient (weight, then bias, flattened). ``keep="data"`` or ``"penalty"`` zeroes the
-    other part before the call, so the gradient of each part can be told apart."""
+def _penalty(model, reduction: str, rows=None) -> torch.Tensor:
+    """``PENALTY[reduction] · Σ w²`` over the weight's ``rows`` (all of them if ``None``)."""
+    w = model.weight if rows is None else model.weight[rows]
+    return PENALTY[reduction] * w.pow(2).sum()
+
+
+def _ddp_loss_gradient(X, y, reduction, split, in_parts, ddp_loss, keep="both"):
+    """Rank function: DDP backward of ``ddp_loss(data_loss, penalty, reduction,
+    world_size, penalty_in_parts)``; returns the gradient (weight, then bias, flattened).
+    With ``in_parts`` the penalty is this rank's part (:func:`penalty_rows`), else the
+    whole penalty. ``keep="data"`` or ``"penalty"`` zeroes the other part before the
+    call, so the gradient of each part can be told apart."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -161,17 +179,19 @@ def _ddp_loss_gradient(X, y, reduction, split, ddp_loss, keep="both"):
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(X.shape[1], 10))
     data_loss = F.cross_entropy(model(X[part]), y[part], reduction=reduction)
-    penalty = _penalty(model.module, reduction)
+    penalty = _penalty(model.module, reduction,
+                       penalty_rows(rank, world_size) if in_parts else None)
     if keep == "data":
         penalty = penalty * 0.0
     elif keep == "penalty":
         data_loss = data_loss * 0.0
-    loss = ddp_loss(data_loss, penalty, reduction, world_size)
+    loss = ddp_loss(data_loss, penalty, reduction, world_size, in_parts)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise TypeError(f"ddp_loss must return the loss to call backward() on: a tensor of "
                         f"one element that requires grad; it returned {_short(loss)}")
     loss.backward()
     return _flat_grad(model.module)
+
 
 
 def _flat_grad(model) -> torch.Tensor:
@@ -210,9 +230,11 @@ def full_gradients(X: torch.Tensor, y: torch.Tensor, reduction: str) -> tuple[to
     return grads[0], grads[1]
 
 
-CASES = (("mean", "equal"), ("sum", "equal"), ("sum", "uneven"))
-"""The (reduction, split) pairs :func:`check_ddp_loss` runs, in order. ``"mean"`` over
-uneven local batches is left out: its weighting is notebook 03's exercise."""
+CASES = (("mean", "equal", False), ("sum", "equal", False), ("sum", "uneven", False),
+         ("mean", "equal", True), ("sum", "uneven", True))
+"""The (reduction, split, penalty in parts) cases :func:`check_ddp_loss` runs, in order.
+``"mean"`` over uneven local batches is left out: its weighting is notebook 03's
+exercise."""
 
 CHECK_WORLD_SIZES = (4, 3)
 """World sizes :func:`check_ddp_loss` runs at (a loss that hard-codes 4 fails at 3)."""
@@ -220,44 +242,49 @@ CHECK_WORLD_SIZES = (4, 3)
 
 def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
                    world_sizes=CHECK_WORLD_SIZES) -> Verdict:
-    """Check the exercise of notebook 04: a loss with a term every rank computes alike.
+    """Check the exercise of notebook 04: a penalty every rank computes whole, or only its
+    part of.
 
-    ``ddp_loss(data_loss, penalty, reduction, world_size)`` returns the loss each rank
-    calls ``backward()`` on; ``data_loss`` is the rank's cross entropy over its local batch
-    with ``reduction``, ``penalty`` is ``PENALTY[reduction] · Σ w²`` over the ``Linear``'s
-    weight, the same number on every rank. DDP's gradient must equal one process's gradient of the cross entropy over
-    the whole global batch plus the penalty.
+    ``ddp_loss(data_loss, penalty, reduction, world_size, penalty_in_parts)`` returns the
+    loss each rank calls ``backward()`` on. ``data_loss`` is the rank's cross entropy over
+    its local batch with ``reduction``. ``penalty`` is ``PENALTY[reduction] · Σ w²`` over
+    the ``Linear``'s weight, the same number on every rank, when ``penalty_in_parts`` is
+    ``False``; when it is ``True``, the same sum over this rank's rows of the weight only
+    (:func:`penalty_rows`), so that the parts add up to the whole penalty. DDP's gradient
+    must equal one process's gradient of the cross entropy over the whole global batch
+    plus the whole penalty.
 
     For each world size in ``world_sizes`` the check resizes ``group``, runs real DDP on
-    every rank for each case of :data:`CASES` (``"sum"`` with equal and uneven local
-    batches, ``"mean"`` with equal ones: ``"mean"`` over uneven ones needs the weighting
-    of notebook 03's exercise, not this one's question), and compares with
-    :func:`full_gradients`. Where it differs, it runs
-    the learner's function again with the penalty zeroed and with the data loss zeroed,
-    and names what each part's gradient came out as, times what one process gets, and
-    why. The group's world size is restored afterwards.
+    every rank for each case of :data:`CASES` (``"mean"`` with equal local batches only:
+    ``"mean"`` over uneven ones needs the weighting of notebook 03's exercise, not this
+    one's question), and compares with :func:`full_gradients`: it passes when no element
+    is further than ``TOLERANCE`` times one process's largest element from it. Where it
+    differs, it runs the learner's function again with the penalty zeroed and with the
+    data loss zeroed, and names what each part's gradient came out as, times what one
+    process gets, and why. The group's world size is restored afterwards.
 
     Args:
         group: a running :class:`~reducelab.LocalGroup`.
         ddp_loss: the learner's function; it runs on the ranks.
         X, y: the global batch, ``float32 (N, F)`` and ``int64 (N,)``; ``N`` must be
             divisible by every world size in ``world_sizes``.
-        world_sizes: ints of 2 or more.
+        world_sizes: ints of 2 to 10 (the weight has 10 rows to share out).
 
     Returns:
         A :class:`Verdict` that names the first failing case and, for each part of the
         loss, the factor it found and why; it never shows a solution.
 
     Raises:
-        ValueError: a world size below 2, or ``N`` not divisible by one.
+        ValueError: a world size below 2 or above 10, or ``N`` not divisible by one.
     """
     if not callable(ddp_loss):
         return failed(f"check_ddp_loss needs your function ddp_loss, got {ddp_loss!r}.")
     N = len(X)
     for W in world_sizes:
-        if W < 2:
-            raise ValueError(f"world sizes must be 2 or more (with one rank the plain sum "
-                             f"passes), got {W}")
+        if not 2 <= W <= 10:
+            raise ValueError(f"world sizes must be from 2 (with one rank the plain sum "
+                             f"passes) to 10 (the weight's rows, shared out when the "
+                             f"penalty is computed in parts), got {W}")
         split_sizes(N, W, "equal")  # raises ValueError when N is not divisible by W
     with restoring_world_size(group):
         for W in world_sizes:
@@ -267,40 +294,43 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
                 return verdict
     sizes = " and ".join(str(w) for w in world_sizes)
     return passed(f"DDP's gradient equals one process's, penalty included, for 'sum' with "
-                  f"equal and uneven local batches and 'mean' with equal ones, on world_size "
-                  f"{sizes}. DDP "
-                  f"divides every gradient by world_size before it sums them: the data "
-                  f"term, different on every rank, needs your scale; the penalty, the same "
-                  f"on every rank, comes out of that average as it went in.")
+                  f"equal and uneven local batches and 'mean' with equal ones, the penalty "
+                  f"whole on every rank or in parts, on world_size {sizes}. DDP divides "
+                  f"every gradient by world_size before it sums them: a term every rank "
+                  f"computes alike comes out of that average as it went in; terms that "
+                  f"differ from rank to rank (the data term, the parts of the penalty) add "
+                  f"up, each divided by world_size.")
 
 
 def _check_at(group, ddp_loss, X, y, W: int, N: int) -> Verdict | None:
     """The failing :class:`Verdict` of the first wrong case at world size ``W``, or ``None``."""
-    for reduction, split in CASES:
+    for reduction, split, in_parts in CASES:
         data_full, penalty_full = full_gradients(X, y, reduction)
         sizes = split_sizes(N, W, split)
         case = (f"For reduction={reduction!r}, world_size={W}, {split} local batches "
-                f"{sizes} (global batch {N})")
+                f"{sizes} (global batch {N}), "
+                + (f"the penalty in parts (rank r: rows r, r + {W}, ... of the weight)"
+                   if in_parts else "the whole penalty on every rank"))
+        args = (X, y, reduction, split, in_parts, ddp_loss)
         try:
-            ddp = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss)[0]
+            ddp = group.run(_ddp_loss_gradient, *args)[0]
         except RankError as err:
             return raised_on_ranks(f"{case},", err)
         want = data_full + penalty_full
         if (ddp - want).abs().max().item() <= TOLERANCE * want.abs().max().item():
             continue
         try:
-            data = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss, "data")[0]
-            penalty = group.run(_ddp_loss_gradient, X, y, reduction, split, ddp_loss,
-                                "penalty")[0]
+            data = group.run(_ddp_loss_gradient, *args, "data")[0]
+            penalty = group.run(_ddp_loss_gradient, *args, "penalty")[0]
         except RankError as err:
             return raised_on_ranks(f"{case}, with one part of the loss zeroed,", err)
         parts = [_data_part(data, data_full, reduction, W, N),
-                 _penalty_part(penalty, penalty_full, W)]
+                 _penalty_part(penalty, penalty_full, reduction, W, in_parts)]
         said = [s for s in parts if s]
         if not said:
             said = ["each part alone comes out right, but not the two together: return "
                     "a loss whose gradient is the sum of theirs."]
-        return failed(f"{case}, DDP's gradient differs from one process's. "
+        return failed(f"{case}: DDP's gradient differs from one process's. "
                       + " ".join(said))
     return None
 
@@ -322,7 +352,8 @@ def _data_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int, N:
     return f"The data term's gradient {found}; expected 1 x. Why: {why}"
 
 
-def _penalty_part(got: torch.Tensor, want: torch.Tensor, W: int) -> str:
+def _penalty_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int,
+                  in_parts: bool) -> str:
     b = want.double()
     k = (got.double() @ b / (b @ b)).item()
     constant = (got.double() - k * b).abs().max().item() <= TOLERANCE * b.abs().max().item()
@@ -332,14 +363,21 @@ def _penalty_part(got: torch.Tensor, want: torch.Tensor, W: int) -> str:
         return ("The penalty's gradient is missing: the loss you return must still contain "
                 "the penalty.")
     found = f"came out {_fmt(k)} x one process's" if constant else "is not a multiple of one process's"
-    hint = ""
+    hint = " "
+    if in_parts:
+        if constant and abs(k - 1 / W) < 1e-3:
+            hint = " That is each rank's part left as it is. "
+        return (f"The penalty's gradient {found}; expected 1 x.{hint}"
+                f"Each rank's part covers other rows of the weight, so the ranks' penalty "
+                f"gradients differ (each is zero outside its own rows), and DDP sums the "
+                f"{W} of them after dividing each by {W}.")
     if constant and abs(k - W) < 1e-3 * W:
-        hint = f" That is the penalty scaled like the data term, by world_size={W}. "
+        hint = (f" That is the penalty scaled like the data term, by world_size={W}. "
+                if reduction == "sum" else f" That is the penalty multiplied by world_size={W}. ")
     elif constant and abs(k - 1 / W) < 1e-3:
         hint = f" That is the penalty divided by world_size={W}. "
-    else:
-        hint = " "
     return (f"The penalty's gradient {found}; expected 1 x.{hint}"
             f"Every rank computes the same penalty from the same weights, so every rank's "
             f"penalty gradient is the same, and DDP's divide-by-{W}-then-sum of {W} equal "
             f"gradients gives that gradient back.")
+
