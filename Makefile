@@ -72,9 +72,9 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
 # its own tempfile directories). The browser test runs alone: its Run All times are what
 # the notebooks' headers claim (benchmarks/store_run_times.py).
 TEST_WORKERS ?= 2
+UNIT = $(BIN)/python -m pytest tests -q --ignore=tests/browser -n $(TEST_WORKERS) --dist loadfile
 test: install browser
-	$(BIN)/python -m pytest tests -q --ignore=tests/browser -n $(TEST_WORKERS) --dist loadfile \
-	  --durations=30
+	$(UNIT) --durations=30
 	$(BIN)/python -m pytest tests/browser -q --durations=20
 	$(MAKE) --no-print-directory test-spawn
 	$(MAKE) --no-print-directory -j2 --output-sync=target nbval nbval-other-cpu
@@ -93,7 +93,7 @@ test-spawn: install
 	REDUCELAB_START_METHOD=spawn $(NBVAL) notebooks/01_all_reduce.ipynb
 
 unit: install
-	$(BIN)/python -m pytest tests -q --ignore=tests/browser -n $(TEST_WORKERS) --dist loadfile
+	$(UNIT)
 
 nbval: install
 	$(NBVAL) notebooks
