@@ -286,10 +286,11 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
                              f"passes) to 10 (the weight's rows, shared out when the "
                              f"penalty is computed in parts), got {W}")
         split_sizes(N, W, "equal")  # raises ValueError when N is not divisible by W
+    full = {reduction: full_gradients(X, y, reduction) for reduction, _, _ in CASES}
     with restoring_world_size(group):
         for W in world_sizes:
             group.resize(W)
-            verdict = _check_at(group, ddp_loss, X, y, W, N)
+            verdict = _check_at(group, ddp_loss, X, y, W, N, full)
             if verdict is not None:
                 return verdict
     sizes = " and ".join(str(w) for w in world_sizes)
@@ -302,10 +303,11 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
                   f"up, each divided by world_size.")
 
 
-def _check_at(group, ddp_loss, X, y, W: int, N: int) -> Verdict | None:
-    """The failing :class:`Verdict` of the first wrong case at world size ``W``, or ``None``."""
+def _check_at(group, ddp_loss, X, y, W: int, N: int, full: dict) -> Verdict | None:
+    """The failing :class:`Verdict` of the first wrong case at world size ``W``, or ``None``.
+    ``full`` maps each reduction to its :func:`full_gradients` (one process's)."""
     for reduction, split, in_parts in CASES:
-        data_full, penalty_full = full_gradients(X, y, reduction)
+        data_full, penalty_full = full[reduction]
         sizes = split_sizes(N, W, split)
         case = (f"For reduction={reduction!r}, world_size={W}, {split} local batches "
                 f"{sizes} (global batch {N}), "
@@ -367,17 +369,18 @@ def _penalty_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int,
     if in_parts:
         if constant and abs(k - 1 / W) < 1e-3:
             hint = " That is each rank's part left as it is. "
-        return (f"The penalty's gradient {found}; expected 1 x.{hint}"
-                f"Each rank's part covers other rows of the weight, so the ranks' penalty "
-                f"gradients differ (each is zero outside its own rows), and DDP sums the "
-                f"{W} of them after dividing each by {W}.")
-    if constant and abs(k - W) < 1e-3 * W:
-        hint = (f" That is the penalty scaled like the data term, by world_size={W}. "
-                if reduction == "sum" else f" That is the penalty multiplied by world_size={W}. ")
-    elif constant and abs(k - 1 / W) < 1e-3:
-        hint = f" That is the penalty divided by world_size={W}. "
-    return (f"The penalty's gradient {found}; expected 1 x.{hint}"
-            f"Every rank computes the same penalty from the same weights, so every rank's "
-            f"penalty gradient is the same, and DDP's divide-by-{W}-then-sum of {W} equal "
-            f"gradients gives that gradient back.")
+        why = (f"Each rank's part covers other rows of the weight, so the ranks' penalty "
+               f"gradients differ (each is zero outside its own rows), and DDP sums the "
+               f"{W} of them after dividing each by {W}.")
+    else:
+        if constant and abs(k - W) < 1e-3 * W:
+            hint = (f" That is the penalty scaled like the data term, by world_size={W}. "
+                    if reduction == "sum" else
+                    f" That is the penalty multiplied by world_size={W}. ")
+        elif constant and abs(k - 1 / W) < 1e-3:
+            hint = f" That is the penalty divided by world_size={W}. "
+        why = (f"Every rank computes the same penalty from the same weights, so every rank's "
+               f"penalty gradient is the same, and DDP's divide-by-{W}-then-sum of {W} equal "
+               f"gradients gives that gradient back.")
+    return f"The penalty's gradient {found}; expected 1 x.{hint}{why}"
 
