@@ -6,7 +6,10 @@ Both run real Jupyter kernels (ipykernel through jupyter_client), as JupyterLab 
   ``LocalGroup(world_size=4)``) against a bare ``import torch`` in another fresh kernel
   of the same kind; and a warm start (a second group in the same kernel). The
   forkserver is started in the background when ``reducelab`` is imported, so the
-  kernel's torch import and the forkserver's overlap.
+  kernel's torch import and the forkserver's overlap. Then each notebook's own setup
+  cell (its first code cell: its imports, data and groups), ``--notebooks-repeat``
+  times, in a fresh kernel started in ``notebooks/``, each after a bare ``import torch``
+  in another fresh kernel.
 * **A class of K learners.** K kernels at once, each running a heavy notebook up to its
   explorer (02, 08 and 10 in turn: learner i gets ``HEAVY[i % 3]``) and then moving
   that explorer's controls through their options as the browser sends the changes
@@ -19,7 +22,8 @@ Both run real Jupyter kernels (ipykernel through jupyter_client), as JupyterLab 
   Also one learner
   alone with notebook 01 (the lightest setup), for its memory.
 
-Usage: ``python benchmarks/workshop.py [--classes 1 2 4 8] [--think 0.5] [--rounds 2]``.
+Usage: ``python benchmarks/workshop.py [--classes 1 2 4 8] [--think 0.5] [--rounds 2]
+[--notebooks-repeat 3] [--first-start-only]``.
 Results go to ``benchmarks/results/workshop.json`` and ``workshop.md``. Nothing here
 asserts a time.
 """
@@ -92,6 +96,47 @@ def first_start(repeat: int, preload: str = "full") -> dict:
     b, s = statistics.median(bare), statistics.median(setup)
     return {"preload": preload, "bare_import_torch_s": b, "setup_cell_s": s, "ratio": s / b,
             "warm_start_s": statistics.median(warm)}
+
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def setup_cell(notebook: pathlib.Path) -> str:
+    """The first code cell of ``notebook``: its setup cell (imports, data, first group)."""
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    return "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
+
+
+def notebooks_first_start(repeat: int) -> dict:
+    """Each notebook's own setup cell in a fresh kernel started in ``notebooks/`` (as
+    JupyterLab starts it), ``repeat`` times in rounds over the notebooks, each round
+    after a bare ``import torch`` in another fresh kernel. Seconds from the request to
+    the kernel's idle; medians, and the range."""
+    cells = {p.stem: setup_cell(p) for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))}
+    bare: list[float] = []
+    setup: dict[str, list[float]] = {name: [] for name in cells}
+    for _ in range(repeat):
+        for name, code in cells.items():
+            km, kc = start_new_kernel(kernel_name="python3", cwd=str(NOTEBOOKS))
+            try:
+                bare.append(execute(kc, "import torch")[0])
+            finally:
+                kc.stop_channels()
+                km.shutdown_kernel(now=True)
+            km, kc = start_new_kernel(kernel_name="python3", cwd=str(NOTEBOOKS))
+            try:
+                setup[name].append(execute(kc, code)[0])
+            finally:
+                kc.stop_channels()
+                km.shutdown_kernel(now=True)
+            print(f"  {name}: {setup[name][-1]:.2f} s (bare import torch {bare[-1]:.2f} s)",
+                  flush=True)
+    b = statistics.median(bare)
+    return {"repeat": repeat, "bare_import_torch_s": b, "bare_min_s": min(bare),
+            "bare_max_s": max(bare),
+            "notebooks": {name: {"setup_cell_s": statistics.median(t), "min_s": min(t),
+                                 "max_s": max(t), "ratio": statistics.median(t) / b}
+                          for name, t in setup.items()}}
 
 
 def pss_of_tree(pid: int) -> float:
@@ -192,6 +237,20 @@ def report(r: dict) -> str:
         lines.append(f"| {f['preload']} | {f['bare_import_torch_s']:.2f} s | "
                      f"{f['setup_cell_s']:.2f} s | {f['ratio']:.2f}x | "
                      f"{f['warm_start_s'] * 1e3:.0f} ms |")
+    n = r.get("notebooks_first_start")
+    if n:
+        lines += ["", f"Each notebook's own setup cell (its first code cell) in a fresh kernel, "
+                      f"median of {n['repeat']} (range), against a bare `import torch` in "
+                      f"another fresh kernel before each: median {n['bare_import_torch_s']:.2f} s "
+                      f"({n['bare_min_s']:.2f} to {n['bare_max_s']:.2f} s).", "",
+                  "| notebook | setup cell | ratio to bare `import torch` |", "|---|---|---|"]
+        for name, x in n["notebooks"].items():
+            lines.append(f"| {name} | {x['setup_cell_s']:.2f} s ({x['min_s']:.2f} to "
+                         f"{x['max_s']:.2f}) | {x['ratio']:.2f}x |")
+    measured = r.get("classroom_when", r["when"])
+    if measured != r["when"]:
+        lines += ["", f"Measured {measured}, with the code of then (`--first-start-only` "
+                      f"keeps these rows):"]
     a = r.get("alone")
     if a:
         lines += ["", f"One learner alone, {a['notebook']} up to its explorer: {a['pss_gib']:.2f} GiB "
@@ -236,6 +295,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="sweeps of every control per learner")
     ap.add_argument("--repeat", type=int, default=3, help="fresh kernels per first-start row")
     ap.add_argument("--skip-first-start", action="store_true")
+    ap.add_argument("--notebooks-repeat", type=int, default=3,
+                    help="fresh kernels per notebook's own setup cell (0 keeps the stored rows)")
+    ap.add_argument("--first-start-only", action="store_true",
+                    help="measure only the first start (both kinds); keep the stored class rows")
     args = ap.parse_args()
     results = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, "
@@ -249,13 +312,25 @@ def main() -> None:
     else:
         print("first start ...", flush=True)
         results["first_start"] = [first_start(args.repeat, p) for p in ("full", "eager", "torch")]
-    print("one learner alone ...", flush=True)
-    results["alone"] = alone()
-    results["classroom"] = []
-    results["classroom_load"] = os.getloadavg()
-    for k in args.classes:
-        print(f"a class of {k} ...", flush=True)
-        results["classroom"].append(classroom(k, args.think, args.rounds))
+    if args.notebooks_repeat > 0:
+        print("each notebook's own setup cell ...", flush=True)
+        results["notebooks_first_start"] = notebooks_first_start(args.notebooks_repeat)
+    else:
+        results["notebooks_first_start"] = previous.get("notebooks_first_start")
+    if args.first_start_only:
+        for key in ("alone", "classroom", "classroom_load", "classroom_when"):
+            if key in previous:
+                results[key] = previous[key]
+        results["classroom_when"] = previous.get("classroom_when", previous.get("when"))
+    else:
+        print("one learner alone ...", flush=True)
+        results["alone"] = alone()
+        results["classroom"] = []
+        results["classroom_load"] = os.getloadavg()
+        results["classroom_when"] = results["when"]
+        for k in args.classes:
+            print(f"a class of {k} ...", flush=True)
+            results["classroom"].append(classroom(k, args.think, args.rounds))
     OUT.mkdir(exist_ok=True)
     (OUT / "workshop.json").write_text(json.dumps(results, indent=2) + "\n")
     md = report(results)
