@@ -201,3 +201,50 @@ def test_what_a_process_reports_follows_its_imports():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]
+
+
+EARLY = """
+import json, time
+from reducelab import LocalGroup            # first, as in every setup cell: the pre-warm
+from reducelab import processes
+{kernel_imports}
+
+def asked():
+    return sorted(set().union(*processes._later_asked.values()))
+
+deadline = time.monotonic() + {wait}
+while time.monotonic() < deadline and not asked():
+    time.sleep(0.05)
+before_group = asked()
+g = LocalGroup(world_size=2, timeout=60)
+have = g.run(lambda: "torch.distributed.checkpoint" in __import__("sys").modules)[0]
+g.close()
+print("RESULT", json.dumps({{"before_group": before_group, "first_has_dcp": have}}))
+"""
+
+
+def run_early(kernel_imports: str, wait: float) -> dict:
+    env = {**__import__("os").environ, "REDUCELAB_PREWARM": "1", "REDUCELAB_PRELOAD": "full"}
+    code = textwrap.dedent(EARLY).format(kernel_imports=kernel_imports, wait=wait)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240, env=env)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, out.stderr[-3000:]
+    return json.loads(line[-1][7:])
+
+
+def test_what_the_setup_cell_imports_is_asked_for_before_the_first_group_starts():
+    """Notebook 14's setup cell imports DCP first and starts its group seconds later
+    (after plotting, the data and a reference run): the pre-warm asks the server for DCP
+    as soon as the kernel has it, so the server imports it meanwhile, and the first
+    group's ranks still start with it."""
+    r = run_early("import torch.distributed.checkpoint", wait=60)
+    assert "torch.distributed.checkpoint" in r["before_group"], r
+    assert r["first_has_dcp"]
+
+
+def test_a_setup_cell_of_torch_alone_is_asked_for_nothing_early():
+    """Notebook 01's case with the pre-warm: ``import torch`` asks the server for nothing,
+    before the first group or with it, and its ranks never hold DCP."""
+    r = run_early("import torch\nimport torch.distributed as dist", wait=5)
+    assert r == {"before_group": [], "first_has_dcp": False}

@@ -14,8 +14,11 @@ def _prewarm() -> None:
 
     In a notebook, the setup cell then imports torch in the kernel while the forkserver
     imports it in its own process, and the first ``LocalGroup`` finds it ready, instead
-    of paying for the two imports one after the other. Only in a Jupyter kernel's main
-    process (or with ``REDUCELAB_PREWARM=1``); ``REDUCELAB_PREWARM=0`` turns it off.
+    of paying for the two imports one after the other. Then, until the first group
+    starts, the same thread asks the server for what the setup cell imports of DDP,
+    DTensor, FSDP or DCP as soon as it is imported (:func:`reducelab.processes.ask_early`).
+    Only in a Jupyter kernel's main process (or with ``REDUCELAB_PREWARM=1``);
+    ``REDUCELAB_PREWARM=0`` turns it off.
     """
     import os
     import sys
@@ -33,11 +36,12 @@ def _prewarm() -> None:
     watch_kernel_shutdown()  # before the server starts: a restart may come at any time
 
     def warm_up() -> None:
-        from .processes import context, warm
+        from .processes import ask_early, context, warm
         try:
             warm(context(), group=False)
         except Exception:  # noqa: BLE001 - the first LocalGroup will start it and say why
-            pass
+            return
+        ask_early()  # what the setup cell imports of DDP, DTensor, FSDP, DCP: asked at once
     threading.Thread(target=warm_up, name="reducelab-prewarm", daemon=True).start()
 
 

@@ -355,6 +355,43 @@ def _before_group(ctx) -> None:
         _imports_served[pid] = _imports_served.get(pid, 0) + 1
 
 
+EARLY_LIMIT = 120.0
+"""Seconds after the forkserver is up in which :func:`ask_early` watches the kernel's
+imports, unless a group starts first."""
+EARLY_POLL = 0.05
+"""Seconds between two looks at the kernel's imports in :func:`ask_early` (a look reads
+``sys.modules`` when it grew, and the notebook's namespace: well under a millisecond)."""
+
+
+def ask_early(limit: float = EARLY_LIMIT, poll: float = EARLY_POLL) -> None:
+    """Until this kernel's first group starts, ask the forkserver for the later imports
+    as soon as the kernel has made them, not when that group starts.
+
+    Run by the background pre-warm once the server is up (``reducelab/__init__.py``): a
+    setup cell that imports DDP, DTensor, FSDP or DCP says its ranks will use them, and
+    the first group waits until the server has imported them (:func:`_before_group`).
+    Asked here, the server imports them on the machine's other core while the kernel
+    goes on with the rest of its setup cell (plotting, data, a single-process
+    reference), instead of after it: the group then waits for what is left, if
+    anything. The same test as the first group's decides what to ask for, so a notebook
+    that never imports them never gets them; from the second group on,
+    :func:`_before_group` asks as before. Returns when a group has started, after
+    ``limit`` seconds, or at once where the server makes no later imports (``limit``
+    and ``poll`` in seconds)."""
+    from .forkserver_imports import LATER
+    pid, later = _server()
+    if not (pid and later):
+        return
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and not _groups_started.get(pid):
+        wanted = kernel_later()
+        if any(m in LATER for m in wanted):
+            with _forkserver_lock:  # a group start counts and asks under it too
+                if not _groups_started.get(pid):
+                    ask_for_later(wanted)
+        time.sleep(poll)
+
+
 def generation() -> tuple:
     """What the processes the forkserver forks now start with: ``(server pid, how many
     of its later-import requests a group has waited for)``. A spare forked under an
