@@ -397,6 +397,25 @@ def scales_every_penalty(data_loss, penalty, reduction, world_size, penalty_in_p
     return data_loss * _scale(reduction, world_size) + penalty * world_size
 
 
+def scales_the_penalty_for_sum_only(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return data_loss + penalty * (world_size if reduction == "sum" else 1)
+
+
+def parts_scaled_for_mean_only(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return (data_loss * _scale(reduction, world_size)
+            + penalty * (world_size if penalty_in_parts and reduction == "mean" else 1))
+
+
+def mean_scaled_for_four_ranks(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return (data_loss * (world_size if reduction == "sum" else world_size / 4)
+            + penalty * (world_size if penalty_in_parts else 1))
+
+
+def multiplies_the_terms(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return (data_loss * _scale(reduction, world_size)
+            + penalty * (world_size if penalty_in_parts else 1) + data_loss * penalty)
+
+
 def returns_a_number(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return (data_loss + penalty).item()
 
@@ -413,8 +432,8 @@ MISTAKES = [
      "The penalty's gradient came out 4 x one process's; expected 1 x. That is the penalty "
      "scaled like the data term, by world_size=4."),
     (divides_the_penalty, "reduction='mean', world_size=4, equal",
-     "The penalty's gradient came out 0.25 x one process's; expected 1 x. That is the penalty "
-     "divided by world_size=4."),
+     "The penalty's gradient came out 0.25 x one process's; expected 1 x. That is 1/4 of it, as "
+     "if each rank divided the penalty by world_size=4, or one rank alone added it."),
     (drops_the_penalty, "reduction='mean', world_size=4, equal", "The penalty's gradient is missing"),
     (fixes_sum_only, "reduction='mean', world_size=4, equal",
      "The data term's gradient came out 4 x one process's; expected 1 x. Why: with 'mean' "
@@ -432,6 +451,23 @@ MISTAKES = [
                            "210] (global batch 840), the whole penalty on every rank",
      "The penalty's gradient came out 4 x one process's; expected 1 x. That is the penalty "
      "multiplied by world_size=4."),
+    # the data term left as it is: a penalty multiplied by world_size is not "like" it
+    (scales_the_penalty_for_sum_only, "reduction='sum', world_size=4, equal",
+     "The data term's gradient came out 0.25 x one process's; expected 1 x. Why: DDP divides "
+     "every rank's gradient by world_size=4 before it sums them, and the local sums already "
+     "add up to the full-batch sum. The penalty's gradient came out 4 x one process's; expected "
+     "1 x. That is the penalty multiplied by world_size=4."),
+    (parts_scaled_for_mean_only, "reduction='sum', world_size=4, uneven local batches",
+     "The penalty's gradient came out 0.25 x one process's; expected 1 x. That is each rank's "
+     "part left as it is."),
+    (mean_scaled_for_four_ranks, "reduction='mean', world_size=3, equal local batches [280, 280, "
+                                 "280] (global batch 840)",
+     "The data term's gradient came out 0.75 x one process's; expected 1 x. Why: with 'mean' and "
+     "equal local batches every rank's loss weighs each of its 280 samples 1/280, DDP divides by "
+     "world_size=3 before it sums, and one process weighs each of the 840 samples 1/840."),
+    (multiplies_the_terms, "reduction='mean', world_size=4, equal",
+     "DDP's gradient differs from one process's. Each part alone comes out right, but not the "
+     "two together"),
 ]
 
 

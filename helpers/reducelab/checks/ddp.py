@@ -286,7 +286,7 @@ def check_ddp_loss(group, ddp_loss, X: torch.Tensor, y: torch.Tensor,
                              f"passes) to 10 (the weight's rows, shared out when the "
                              f"penalty is computed in parts), got {W}")
         split_sizes(N, W, "equal")  # raises ValueError when N is not divisible by W
-    full = {reduction: full_gradients(X, y, reduction) for reduction, _, _ in CASES}
+    full = {reduction: full_gradients(X, y, reduction) for reduction in REDUCTIONS}
     with restoring_world_size(group):
         for W in world_sizes:
             group.resize(W)
@@ -326,11 +326,13 @@ def _check_at(group, ddp_loss, X, y, W: int, N: int, full: dict) -> Verdict | No
             penalty = group.run(_ddp_loss_gradient, *args, "penalty")[0]
         except RankError as err:
             return raised_on_ranks(f"{case}, with one part of the loss zeroed,", err)
-        parts = [_data_part(data, data_full, reduction, W, N),
-                 _penalty_part(penalty, penalty_full, reduction, W, in_parts)]
+        data_said = _data_part(data, data_full, reduction, W, N)
+        data_scaled = reduction == "sum" and not data_said   # the data term took world_size
+        parts = [data_said,
+                 _penalty_part(penalty, penalty_full, reduction, W, in_parts, data_scaled)]
         said = [s for s in parts if s]
         if not said:
-            said = ["each part alone comes out right, but not the two together: return "
+            said = ["Each part alone comes out right, but not the two together: return "
                     "a loss whose gradient is the sum of theirs."]
         return failed(f"{case}: DDP's gradient differs from one process's. "
                       + " ".join(said))
@@ -355,7 +357,10 @@ def _data_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int, N:
 
 
 def _penalty_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int,
-                  in_parts: bool) -> str:
+                  in_parts: bool, data_scaled: bool) -> str:
+    """What the penalty's gradient did, or ``""`` when it is right. ``data_scaled``: the
+    data term was multiplied by ``W`` (and rightly so), so a penalty multiplied by ``W``
+    too is named as scaled like it."""
     b = want.double()
     k = (got.double() @ b / (b @ b)).item()
     constant = (got.double() - k * b).abs().max().item() <= TOLERANCE * b.abs().max().item()
@@ -375,12 +380,13 @@ def _penalty_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int,
     else:
         if constant and abs(k - W) < 1e-3 * W:
             hint = (f" That is the penalty scaled like the data term, by world_size={W}. "
-                    if reduction == "sum" else
+                    if data_scaled else
                     f" That is the penalty multiplied by world_size={W}. ")
         elif constant and abs(k - 1 / W) < 1e-3:
-            hint = f" That is the penalty divided by world_size={W}. "
-        why = (f"Every rank computes the same penalty from the same weights, so every rank's "
-               f"penalty gradient is the same, and DDP's divide-by-{W}-then-sum of {W} equal "
-               f"gradients gives that gradient back.")
+            hint = (f" That is 1/{W} of it, as if each rank divided the penalty by "
+                    f"world_size={W}, or one rank alone added it. ")
+        why = (f"When every rank adds the same penalty, computed from the same weights, every "
+               f"rank's penalty gradient is the same, and DDP's divide-by-{W}-then-sum of {W} "
+               f"equal gradients gives that gradient back.")
     return f"The penalty's gradient {found}; expected 1 x.{hint}{why}"
 
