@@ -359,8 +359,9 @@ EARLY_LIMIT = 120.0
 """Seconds after the forkserver is up in which :func:`ask_early` watches the kernel's
 imports, unless a group starts first."""
 EARLY_POLL = 0.05
-"""Seconds between two looks at the kernel's imports in :func:`ask_early` (a look reads
-``sys.modules`` when it grew, and the notebook's namespace: well under a millisecond)."""
+"""Seconds between two looks at the kernel's imports in :func:`ask_early`. A look reads
+the notebook's namespace, and ``sys.modules`` again when it grew: 0.02 ms, and 0.5 ms
+while imports add modules (1,500 modules; one process, 200 looks each)."""
 
 
 def ask_early(limit: float = EARLY_LIMIT, poll: float = EARLY_POLL) -> None:
