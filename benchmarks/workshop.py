@@ -69,9 +69,15 @@ def execute(kc, code: str, timeout: float = 600) -> tuple[float, str]:
             return time.perf_counter() - t0, "".join(out)
 
 
-def fresh_kernel():
-    km, kc = start_new_kernel(kernel_name="python3")
-    return km, kc
+def in_fresh_kernel(*cells: str, cwd: str | None = None) -> list[float]:
+    """Run ``cells`` one after another in a fresh kernel (started in ``cwd``), then shut
+    it down; return each cell's seconds from the request to the kernel's idle."""
+    km, kc = start_new_kernel(kernel_name="python3", **({"cwd": cwd} if cwd else {}))
+    try:
+        return [execute(kc, code)[0] for code in cells]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def first_start(repeat: int, preload: str = "full") -> dict:
@@ -79,19 +85,10 @@ def first_start(repeat: int, preload: str = "full") -> dict:
     os.environ["REDUCELAB_PRELOAD"] = preload  # the kernels inherit it
     bare, setup, warm = [], [], []
     for _ in range(repeat):
-        km, kc = fresh_kernel()
-        try:
-            bare.append(execute(kc, "import torch")[0])
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
-        km, kc = fresh_kernel()
-        try:
-            setup.append(execute(kc, SETUP)[0])
-            warm.append(execute(kc, "LocalGroup(world_size=4).close()")[0])
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
+        bare += in_fresh_kernel("import torch")
+        s, w = in_fresh_kernel(SETUP, "LocalGroup(world_size=4).close()")
+        setup.append(s)
+        warm.append(w)
     os.environ.pop("REDUCELAB_PRELOAD")
     b, s = statistics.median(bare), statistics.median(setup)
     return {"preload": preload, "bare_import_torch_s": b, "setup_cell_s": s, "ratio": s / b,
@@ -117,18 +114,8 @@ def notebooks_first_start(repeat: int) -> dict:
     setup: dict[str, list[float]] = {name: [] for name in cells}
     for _ in range(repeat):
         for name, code in cells.items():
-            km, kc = start_new_kernel(kernel_name="python3", cwd=str(NOTEBOOKS))
-            try:
-                bare.append(execute(kc, "import torch")[0])
-            finally:
-                kc.stop_channels()
-                km.shutdown_kernel(now=True)
-            km, kc = start_new_kernel(kernel_name="python3", cwd=str(NOTEBOOKS))
-            try:
-                setup[name].append(execute(kc, code)[0])
-            finally:
-                kc.stop_channels()
-                km.shutdown_kernel(now=True)
+            bare += in_fresh_kernel("import torch", cwd=str(NOTEBOOKS))
+            setup[name] += in_fresh_kernel(code, cwd=str(NOTEBOOKS))
             print(f"  {name}: {setup[name][-1]:.2f} s (bare import torch {bare[-1]:.2f} s)",
                   flush=True)
     b = statistics.median(bare)

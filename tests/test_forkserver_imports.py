@@ -40,15 +40,21 @@ print("RESULT", json.dumps({{"first": first, "later": later}}))
 """
 
 
-def run_case(kernel_imports: str = "", rank_imports: str = "pass",
-             preload: str = "full") -> dict:
-    env = {**__import__("os").environ, "REDUCELAB_PRELOAD": preload}
-    code = textwrap.dedent(CASE).format(kernel_imports=kernel_imports, rank_imports=rank_imports)
+def run_in_fresh_process(code: str, **env: str) -> dict:
+    """Run ``code`` in a fresh Python process with ``env`` added to the environment (the
+    forkserver lives as long as the process that started it); return what it printed
+    after ``RESULT``, as JSON."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=240, env=env)
+                         timeout=240, env={**__import__("os").environ, **env})
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, out.stderr[-3000:]
     return json.loads(line[-1][7:])
+
+
+def run_case(kernel_imports: str = "", rank_imports: str = "pass",
+             preload: str = "full") -> dict:
+    code = textwrap.dedent(CASE).format(kernel_imports=kernel_imports, rank_imports=rank_imports)
+    return run_in_fresh_process(code, REDUCELAB_PRELOAD=preload)
 
 
 def test_a_notebook_that_never_uses_them_never_imports_them():
@@ -224,13 +230,8 @@ print("RESULT", json.dumps({{"before_group": before_group, "first_has_dcp": have
 
 
 def run_early(kernel_imports: str, wait: float) -> dict:
-    env = {**__import__("os").environ, "REDUCELAB_PREWARM": "1", "REDUCELAB_PRELOAD": "full"}
     code = textwrap.dedent(EARLY).format(kernel_imports=kernel_imports, wait=wait)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=240, env=env)
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, out.stderr[-3000:]
-    return json.loads(line[-1][7:])
+    return run_in_fresh_process(code, REDUCELAB_PREWARM="1", REDUCELAB_PRELOAD="full")
 
 
 def test_what_the_setup_cell_imports_is_asked_for_before_the_first_group_starts():
