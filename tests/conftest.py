@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import psutil
 import pytest
 
@@ -42,9 +43,19 @@ def audited_figures(request):
 
     def record(fig):
         problems.extend(audit(fig))
+
+    def same_as_matplotlib(fig, pixels):
+        fig.canvas.draw()                   # matplotlib's own draw, every artist in order
+        own = np.asarray(fig.canvas.buffer_rgba())
+        if pixels.shape != own.shape or not np.array_equal(pixels, own):
+            differ = int((pixels != own).any(axis=-1).sum()) if pixels.shape == own.shape else -1
+            problems.append(f"the layered draw differs from matplotlib's in {differ} pixels: "
+                            f"{fig.get_suptitle()!r}, axes {[ax.get_title() for ax in fig.axes]}")
     plots.AUDITS.append(record)
+    plots.CHECK_LAYERS.append(same_as_matplotlib)
     yield
     plots.AUDITS.remove(record)
+    plots.CHECK_LAYERS.remove(same_as_matplotlib)
     if problems and "no_figure_audit" not in request.keywords:
         pytest.fail("figures break the project's rules (see reducelab/plots/__init__.py):\n  "
                     + "\n  ".join(dict.fromkeys(problems)))

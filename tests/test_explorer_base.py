@@ -373,11 +373,12 @@ def _titled_figure(ys=(0.0, 1.0), ticks_on_top: bool = False, layout: str = "non
                    extra: str = ""):
     """Two titled axes; ``extra`` adds to the right one a ``"secondary"`` y axis (13's
     "same / differs" labels), a ``"twin"`` (twinx), one whose values need an offset text
-    (``"twin offset"``), or a secondary x axis on top (``"secondary top"``)."""
+    (``"twin offset"``), or a secondary x axis on top (``"secondary top"``); or stacks
+    the two with a shared x axis (``"sharex"``: the upper one's x labels hidden, 14's)."""
     from reducelab.plots import new_figure
     fig = new_figure(6, 3)
     fig.set_layout_engine(layout)
-    left, right = fig.subplots(1, 2)
+    left, right = fig.subplots(2, 1, sharex=True) if extra == "sharex" else fig.subplots(1, 2)
     for ax in (left, right):
         ax.plot([0, 1], ys)
         ax.set_title("a title with descenders: gyp")
@@ -404,6 +405,7 @@ def _titled_figure(ys=(0.0, 1.0), ticks_on_top: bool = False, layout: str = "non
     ((1.0, 1.001), False, "none", ""),          # and one of another kind ("+1")
     ((0.0, 1.0), False, "constrained", "secondary"), ((0.0, 1.0), False, "none", "twin"),
     ((0.0, 1.0), False, "none", "twin offset"), ((0.0, 1.0), False, "constrained", "secondary top"),
+    ((0.0, 1.0), False, "none", "sharex"), ((0.0, 1.0), True, "none", "sharex"),
 ])
 def test_titles_placed_without_measuring_the_y_axis_land_on_the_same_pixels(
         monkeypatch, ys, ticks_on_top, layout, extra):
@@ -659,3 +661,98 @@ def test_the_state_key_tells_apart_values_dtype_shape_requires_grad_and_every_bi
                 state_key({"n": 1}, a.clone().requires_grad_()),
                 state_key({"n": 1}, torch.tensor([1.0, 0.0])),
                 state_key({"n": 1}, a.to(torch.bfloat16))}) == 7
+
+
+def test_the_upper_axes_of_a_shared_x_axis_keeps_its_titles_without_measuring():
+    """14's checkpoint figure: two stacked axes sharing x, the upper one's x labels hidden
+    (matplotlib calls its tick position "unknown" and measures its x axis). What that
+    measure finds lies below the axes, so the titles are fixed and the y axis is not
+    measured (the pixels are the same: the "sharex" cases above)."""
+    fig = _titled_figure(extra="sharex")
+    png(fig)
+    assert [ax._autotitlepos for ax in fig.axes] == [False, False]
+
+
+def _bars_figure(heights=(1.0, 2.0, 3.0), change: str = ""):
+    """A kept figure's kind of plot (bars under a grid, a titled axes, a secondary y axis
+    at its edge), with ``change`` applied to what the static layer holds."""
+    fig = new_figure(6, 3, layout=False)
+    ax = fig.add_axes((0.15, 0.2, 0.7, 0.65))
+    ax.bar(range(3), heights, color="C0", hatch="//")
+    ax.grid(True, axis="y")
+    ax.set_title("bars")
+    ax.set_xticks(range(3), ["rank 0", "rank 1", "rank 2"])
+    ax.set_ylim(0, 4)
+    ax.set_ylabel("kB")
+    ax.secondary_yaxis("right").set_yticks([1, 3], ["low", "high"])
+    _static_change(fig, ax, change)
+    return fig
+
+
+def _static_change(fig, ax, change: str) -> None:
+    if change == "ylim":
+        ax.set_ylim(0, 5)
+    elif change == "tick labels":
+        ax.set_xticks(range(3), ["r0", "r1", "r2"])
+    elif change == "tick colour":
+        ax.tick_params(axis="y", colors="C1")
+    elif change == "one tick label":
+        ax.xaxis.get_major_ticks()[1].label1.set_color("C2")
+    elif change == "axis label":
+        ax.set_ylabel("MB")
+    elif change == "axes background":
+        ax.set_facecolor("C3")
+    elif change == "place":
+        ax.set_position((0.2, 0.2, 0.6, 0.65))
+    elif change == "figure size":
+        fig.set_size_inches(5, 3)
+    elif change == "label place":
+        ax.yaxis.set_label_coords(-0.12, 0.3)
+
+
+STATIC_CHANGES = ["ylim", "tick labels", "tick colour", "one tick label", "axis label",
+                  "axes background", "place", "figure size", "label place"]
+
+
+def test_a_redraw_of_the_same_axes_draws_only_what_changed(monkeypatch):
+    """The static layer (backgrounds, ticks, tick labels, axis labels) is drawn once and
+    restored while it would come out the same: a second draw with new data updates no
+    tick, and its pixels are those of a new figure with that data."""
+    from matplotlib.axis import Axis
+    from reducelab import plots
+    monkeypatch.setattr(plots, "CHECK_LAYERS", [])     # (the check draws it all again)
+    fig = _bars_figure()
+    png(fig)
+    calls = record_calls(monkeypatch, Axis, "_update_ticks")
+    for ax in fig.axes:
+        for bar, h in zip(ax.patches, (3.0, 1.0, 2.5)):
+            bar.set_height(h)
+    again = png(fig)
+    assert [c for c in calls if c.axes is fig.axes[0]] == []
+    assert again == png(_bars_figure((3.0, 1.0, 2.5)))
+
+
+@pytest.mark.parametrize("change", STATIC_CHANGES)
+def test_a_change_to_the_static_layer_draws_it_again(monkeypatch, change):
+    """Each thing the static layer shows, changed between two draws of one figure, is
+    drawn anew: the second draw's pixels are those of a new figure made with the change
+    (a key that missed it would restore the old ticks, labels or background). The
+    conftest's check is off here: it draws every figure again, its own way."""
+    from reducelab import plots
+    monkeypatch.setattr(plots, "CHECK_LAYERS", [])
+    fig = _bars_figure()
+    png(fig)
+    _static_change(fig, fig.axes[0], change)
+    assert png(fig) == png(_bars_figure(change=change))
+
+
+def test_axes_whose_ticks_point_in_are_drawn_the_usual_way():
+    """Ticks inside the axes would lie under the data if drawn first: such an axes stays
+    out of the static layer (the conftest compares every draw's pixels with matplotlib's)."""
+    from reducelab import plots
+    fig = _bars_figure()
+    png(fig)                                # (which fixes the title's place)
+    assert plots._static_axes(fig) == [fig.axes[0]]
+    fig.axes[0].tick_params(direction="in")
+    assert plots._static_axes(fig) == []
+    png(fig)
