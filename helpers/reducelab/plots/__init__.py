@@ -621,9 +621,11 @@ one that checks the palette, font sizes and width); empty in normal use."""
 def png(fig: Figure) -> bytes:
     """Render ``fig`` at its own dpi and return PNG bytes (RGB, no metadata).
 
-    Draws the Agg canvas once and encodes its pixels with Pillow at low compression:
-    about half the cost of ``savefig``, which matters when a widget redraws on every
-    control change.
+    Draws the Agg canvas once, in layers (:func:`_draw_layers`: the axes' ticks and
+    labels restored from the last draw where they would come out the same, the same
+    pixels as matplotlib's own draw), and encodes its pixels with Pillow at low
+    compression: about half the cost of ``savefig``, which matters when a widget redraws
+    on every control change.
     """
     from PIL import Image
     key = _layout_key(fig)
