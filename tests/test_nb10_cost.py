@@ -246,7 +246,7 @@ def test_the_code_uses_torch_2_13_names_and_shows_the_old_names_warning(group):
     assert "".join(cell["outputs"][0]["text"]).startswith("\n".join(messages))   # as stored
 
 
-def test_first_calls_find_gloo_connected_when_the_group_was_created(group):
+def test_first_calls_find_gloo_connected_when_the_group_was_created(group, tmp_path):
     """Step 1's warm-up: gloo connects the full mesh at new_group(), not at the first call
     (TORCH_GLOO_LAZY_INIT is off by default)."""
     ns = notebook("first_calls")
@@ -259,8 +259,34 @@ def test_first_calls_find_gloo_connected_when_the_group_was_created(group):
             assert len(seconds) == 3 and all(t > 0 for t in seconds)
     assert os.environ.get("TORCH_GLOO_LAZY_INIT") is None
     with LocalGroup(world_size=2, env={"TORCH_GLOO_LAZY_INIT": "1"}) as lazy:    # as the text says
-        counts, _ = lazy.run(ns["first_calls"], 2, 256)[0]
-    assert counts == [0, 0, 1], counts           # nothing connected until the first collective
+        counts = lazy.run(lazy_connections, str(tmp_path / "counted"))
+    assert counts == [[0, 0, 1]] * 2, counts     # nothing connected until the first collective
+
+
+def lazy_connections(path: str) -> list[int]:
+    """This rank's TCP connections before ``new_group()``, after it, and after one barrier
+    on the new group, with every rank's second count taken before any rank's barrier.
+
+    With lazy init, a faster rank's first barrier connects to the slower one, so rank 0
+    counting after new_group() without waiting saw [0, 1, 1] in one CI run (a0ea72c).
+    The wait is on a FileStore of its own, which opens no socket.
+    """
+    store = dist.FileStore(path, dist.get_world_size())
+
+    def connections():
+        return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process().net_connections("tcp"))
+    counts = [connections()]
+    fresh = dist.new_group()
+    counts.append(connections())
+    store.add("counted", 1)
+    deadline = time.monotonic() + 30
+    while store.add("counted", 0) < dist.get_world_size():
+        assert time.monotonic() < deadline, "the other ranks did not count in 30 s"
+        time.sleep(0.005)
+    dist.barrier(group=fresh)
+    counts.append(connections())
+    dist.destroy_process_group(fresh)
+    return counts
 
 
 def test_sweep_and_fit_give_positive_parameters_and_a_crossover(group):
