@@ -752,7 +752,7 @@ def test_axes_whose_ticks_point_in_are_drawn_the_usual_way():
     from reducelab import plots
     fig = _bars_figure()
     png(fig)                                # (which fixes the title's place)
-    assert plots._static_axes(fig) == [fig.axes[0]]
+    assert plots._static_axes(fig, plots._subfigures(fig)) == [fig.axes[0]]
     fig.axes[0].tick_params(direction="in")
-    assert plots._static_axes(fig) == []
+    assert plots._static_axes(fig, plots._subfigures(fig)) == []
     png(fig)

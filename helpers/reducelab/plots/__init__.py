@@ -261,25 +261,31 @@ def _layout_of(fig: Figure) -> tuple:
             [ax.get_position(original=False).frozen() for ax in fig.axes])
 
 
-def _margins(fig: Figure) -> tuple:
+def _ticks(ticker) -> tuple:
+    """The places (floats) and labels (str) of ``ticker``'s ticks (``axis.major`` or
+    ``axis.minor``) as its locator and formatter give them now, at the axes' present size
+    and view limits."""
+    locs = ticker.locator()
+    if not len(locs):
+        return (), ()
+    return tuple(np.asarray(locs, dtype=float).tolist()), tuple(ticker.formatter.format_ticks(locs))
+
+
+def _margins(fig: Figure, subs: list) -> tuple:
     """What sets constrained layout's margins, per axes: the longest tick label on each
-    axis, the lines of each title, and whether the axis labels are set; per (sub)figure,
-    the lines of its suptitle."""
+    axis, the lines of each title, and whether the axis labels are set; per (sub)figure
+    in ``subs`` (:func:`_subfigures`), the lines of its suptitle."""
     sig = []
     for ax in fig.axes:
         row = []
         for axis in (ax.xaxis, ax.yaxis):
-            labels = []
-            for ticker in (axis.major, axis.minor):
-                locs = ticker.locator()
-                if len(locs):
-                    labels += list(ticker.formatter.format_ticks(locs))
+            labels = [*_ticks(axis.major)[1], *_ticks(axis.minor)[1]]
             row.append(max((len(x) for x in labels), default=0))
             row.append(bool(axis.label.get_text()))
         row.extend(ax.get_title(loc).count("\n") + bool(ax.get_title(loc))
                    for loc in ("left", "center", "right"))
         sig.append(tuple(row))
-    for sub in _subfigures(fig):
+    for sub in subs:
         title = sub._suptitle
         text = title.get_text() if title is not None else None
         sig.append(None if text is None else text.count("\n") + bool(text))
@@ -288,7 +294,9 @@ def _margins(fig: Figure) -> tuple:
 
 def _layout_key(fig: Figure, key=None):
     key = getattr(fig, "_reducelab_layout_key", None) if key is None else key
-    return None if key is None else (key, tuple(fig.get_size_inches()), _margins(fig))
+    if key is None:
+        return None
+    return (key, tuple(fig.get_size_inches()), _margins(fig, _subfigures(fig)))
 
 
 def _reuse_layout(fig: Figure, key) -> bool:
@@ -417,7 +425,7 @@ made (a copy, a numpy array of shape (height, width, 4)); the tests register one
 draws the figure matplotlib's own way and compares. Empty in normal use."""
 
 
-def _static_axes(fig: Figure) -> list:
+def _static_axes(fig: Figure, subs: list) -> list:
     """The axes of ``fig`` whose background and axes can be drawn in the static layer, or
     ``[]`` for a figure drawn the usual way. An axes qualifies when it is a plain
     rectilinear ``Axes`` with its axes and frame on, not animated and not rasterized,
@@ -428,11 +436,11 @@ def _static_axes(fig: Figure) -> list:
     its ticks and labels outside the other side). The figure qualifies when its layout
     is fixed (no layout engine runs at draw time), no two axes and no two sibling
     subfigures overlap, its axes are all in subfigures or none is, and no figure-level
-    artist is drawn below an axes."""
+    artist is drawn below an axes. ``subs`` is ``fig`` and its subfigures
+    (:func:`_subfigures`), walked once per draw by :func:`_draw_layers`."""
     engine = fig.get_layout_engine()
     if not fig.axes or (engine is not None and not isinstance(engine, PlaceHolderLayoutEngine)):
         return []
-    subs = _subfigures(fig)
     if len(subs) > 1 and fig._localaxes:
         return []                               # axes beside subfigures: drawn the usual way
     top = max(ax.zorder for ax in fig.axes)
@@ -484,9 +492,11 @@ def _tick_direction(axis) -> str:
     return directions.pop() if len(directions) == 1 else "mixed"
 
 
-def _text_key(text) -> tuple:
-    return (text.get_visible(), text.get_text(), text.get_color(), text.get_fontsize(),
-            text.get_rotation(), hash(text.get_fontproperties()), text.get_position())
+def _text_style(text) -> tuple:
+    """How ``text`` is drawn, apart from what it says and where: visibility, colour, size,
+    rotation and font."""
+    return (text.get_visible(), text.get_color(), text.get_fontsize(), text.get_rotation(),
+            hash(text.get_fontproperties()))
 
 
 def _axis_key(axis) -> tuple:
@@ -496,31 +506,32 @@ def _axis_key(axis) -> tuple:
     if not axis.get_visible():
         return (False,)
     # the label's place is the draw's own work unless set by hand (``set_label_coords``)
-    label = _text_key(axis.label)[:-1] + ((() if axis._autolabelpos else axis.label.get_position()),)
+    label = (_text_style(axis.label), axis.label.get_text(),
+             () if axis._autolabelpos else axis.label.get_position())
     row = [axis.get_view_interval().tolist(), axis.get_scale(), repr(axis._major_tick_kw),
            repr(axis._minor_tick_kw), label, axis.label_position,
            axis.offsetText.get_visible(), axis.offsetText.get_color(),
            axis.offsetText.get_fontsize()]
     for ticker, ticks in ((axis.major, axis.majorTicks), (axis.minor, axis.minorTicks)):
-        locs = ticker.locator()
-        row.append(tuple(np.asarray(locs, dtype=float).tolist()))
-        row.append(tuple(ticker.formatter.format_ticks(locs)))
+        # after the layout: the locator's tick count follows the axes' size
+        locs, labels = _ticks(ticker)
+        row.extend((locs, labels))
         row.append(ticker.formatter.get_offset() if hasattr(ticker.formatter, "get_offset") else "")
         for tick in ticks[:len(locs)]:
             row.append((tick.get_visible(), tick.tick1line.get_visible(), tick.tick2line.get_visible(),
                         tick.tick1line.get_color(), tick.tick1line.get_markersize(),
                         tick.tick1line.get_markeredgewidth(),
-                        _text_key(tick.label1)[:1] + _text_key(tick.label1)[2:-1],
-                        _text_key(tick.label2)[:1] + _text_key(tick.label2)[2:-1]))
+                        _text_style(tick.label1), _text_style(tick.label2)))
     return tuple(row)
 
 
-def _static_key(fig: Figure, static: list) -> tuple:
+def _static_key(fig: Figure, subs: list, static: list) -> tuple:
     """Everything the static layer's pixels depend on: the figure's size, dpi and
-    background; per static axes, its place, zorder and background, and its x and y
-    axes (:func:`_axis_key`); the spines' positions (which move the ticks)."""
+    background, and each subfigure's in ``subs``; per static axes, its place, zorder and
+    background, and its x and y axes (:func:`_axis_key`); the spines' positions (which
+    move the ticks)."""
     key = [tuple(fig.bbox.bounds), fig.dpi]
-    for sub in _subfigures(fig):
+    for sub in subs:
         key.append((tuple(sub.bbox.bounds), sub.patch.get_visible(), sub.patch.get_facecolor(),
                     sub.patch.get_edgecolor(), sub.patch.get_linewidth()))
     for ax in static:
@@ -561,12 +572,13 @@ def _draw_layers(fig: Figure) -> None:
         locator = ax.get_axes_locator()
         ax.apply_aspect(locator(ax, renderer) if locator else None)
         ax._unstale_viewLim()
-    static = _static_axes(fig)
+    subs = _subfigures(fig)
+    static = _static_axes(fig, subs)
     if not static:
         fig.__dict__.pop("_reducelab_background", None)
         canvas.draw()
         return
-    key = _static_key(fig, static)
+    key = _static_key(fig, subs, static)
     kept = fig.__dict__.get("_reducelab_background")
     try:
         same = kept is not None and kept[1] is renderer and bool(kept[0] == key)
@@ -577,7 +589,7 @@ def _draw_layers(fig: Figure) -> None:
         grids = kept[3]
     else:
         renderer.clear()
-        for sub in _subfigures(fig):        # the figure's background, then its subfigures'
+        for sub in subs:                    # the figure's background, then its subfigures'
             sub.patch.draw(renderer)
         grids = {}
         for ax in sorted(static, key=lambda a: a.zorder):
@@ -585,7 +597,7 @@ def _draw_layers(fig: Figure) -> None:
             for axis in (ax.xaxis, ax.yaxis):
                 grids[axis] = _draw_axis_static(axis, renderer)
         fig._reducelab_background = (key, renderer, renderer.copy_from_bbox(fig.bbox), grids)
-    overridden = [*(sub.patch for sub in _subfigures(fig)), *(ax.patch for ax in static)]
+    overridden = [*(sub.patch for sub in subs), *(ax.patch for ax in static)]
     for artist in overridden:
         artist.draw = _draw_nothing
     for axis, lines in grids.items():
