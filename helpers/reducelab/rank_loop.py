@@ -271,7 +271,7 @@ def _serve_as(rank, world_size, backend, tmpdir, timeout, conn, loopback_ifname,
         setup(rank, world_size, loopback_ifname, sys_path, env)  # like a torchrun worker
         threading.Thread(target=me.reader, name="reducelab-reader", daemon=True).start()
         step = "join the process group"
-        me.pg.join()
+        me.pg.join(wait_for_all=False)   # the kernel waits for every rank's "ready"
         me.pg.wrap_init_process_group()
     except BaseException as e:
         summary, text, _ = describe_exception(e)
