@@ -494,8 +494,11 @@ def _tick_direction(axis) -> str:
 
 def _text_style(text) -> tuple:
     """How ``text`` is drawn, apart from what it says and where: visibility, colour, size,
-    rotation and font."""
-    return (text.get_visible(), text.get_color(), text.get_fontsize(), text.get_rotation(),
+    rotation and font (only visibility for a hidden text, such as most ticks' second
+    label: hashing the font is the costliest part of the static layer's key)."""
+    if not text.get_visible():
+        return (False,)
+    return (True, text.get_color(), text.get_fontsize(), text.get_rotation(),
             hash(text.get_fontproperties()))
 
 
