@@ -609,9 +609,13 @@ def _failure(name, replies, died, pending, stacks, world_size=3, timeout=3.0, re
     return run_failure(name, world_size, timeout, replies, died, pending, stacks, returned or {})
 
 
-def _error(summary, in_distributed=False, pg=True):
+def _error(summary, in_distributed=False, pg=True, collectives=None):
     return {"kind": "error", "summary": summary, "traceback": "tb", "in_distributed": in_distributed,
-            "pg": pg}
+            "pg": pg, "collectives": collectives}
+
+
+def _refused(collectives=5, summary="RuntimeError: Cannot use ReduceOp.BAND", pg=True):
+    return _error(summary, in_distributed=True, pg=pg, collectives=collectives)
 
 
 def _stack(collective):
@@ -643,6 +647,19 @@ RESTART = "The ranks were stopped; 3 fresh ranks start at the next run()."
      "rank 0 raised RuntimeError in f", True),
     ({0: _error("ValueError: a", pg=False), 1: DONE, 2: DONE}, {}, set(), {},
      "rank 0 raised ValueError in f", True),
+    # the same refusal on every rank, each after the same number of collectives: kept
+    ({0: _refused(), 1: _refused(), 2: _refused()}, {}, set(), {},
+     "ranks 0, 1, 2 raised RuntimeError in f", False),
+    ({0: _refused(6), 1: _refused(), 2: _refused()}, {}, set(), {},       # rank 0 is ahead
+     "ranks 0, 1, 2 raised RuntimeError in f", True),
+    ({0: _refused(None), 1: _refused(None), 2: _refused(None)}, {}, set(), {},   # not counted
+     "ranks 0, 1, 2 raised RuntimeError in f", True),
+    ({0: _refused(summary="RuntimeError: other"), 1: _refused(), 2: _refused()}, {}, set(), {},
+     "ranks 0, 1, 2 raised RuntimeError in f", True),
+    ({0: _refused(pg=False), 1: _refused(pg=False), 2: _refused(pg=False)}, {}, set(), {},
+     "ranks 0, 1, 2 raised RuntimeError in f", True),
+    ({0: _refused(), 1: _refused()}, {}, {2}, {2: _stack("all_reduce")},   # one still waits
+     "ranks 0, 1 raised RuntimeError in f", True),
 ])
 def test_a_failed_run_is_headlined_by_what_happened_and_says_whether_ranks_restart(
         replies, died, pending, stacks, headline, restart):

@@ -5,7 +5,8 @@ every promise and its test is in the issue's closing note):
   ``notebook_launcher`` hangs);
 * "Everything a group starts dies with it": each rank leads its own process group;
 * the faults table's "then" column: a failure inside a collective restarts the ranks at
-  the next ``run()``, one outside a collective keeps them ("group kept");
+  the next ``run()``, one outside a collective keeps them ("group kept"), and so does the
+  same refusal on every rank, unless a rank is a collective ahead;
 * "On Binder": the CPU build of torch and every other version from ``constraints.txt``;
 * "Your copy of the notebooks": ``make lab`` opens the working copy, never ``notebooks/``;
 * "a fresh Linux machine with Python 3.11+": the oldest Python the pins install on.
@@ -89,6 +90,42 @@ def test_a_failure_outside_a_collective_keeps_the_ranks_and_one_inside_restarts_
     assert group.state == "stopped" and group.pids == []
     assert group.run(lambda: globals().get("promise_kept")) == [None] * 4   # fresh ranks
     assert group.restarts == restarts + 1 and not set(group.pids) & set(pids)
+
+
+def _refused_everywhere():
+    dist.all_reduce(torch.ones(1), op=dist.ReduceOp.BAND)   # every rank: refused by gloo
+
+
+def _refused_one_more_time_on_rank_0():
+    if dist.get_rank() == 0:
+        with pytest.raises(RuntimeError, match="Cannot use ReduceOp.BAND"):
+            _refused_everywhere()                       # rank 0 is now a collective ahead
+    _refused_everywhere()
+
+
+def _sum_of_ranks():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_the_same_refusal_on_every_rank_keeps_the_ranks_unless_one_is_a_collective_ahead(group):
+    group.run(lambda: globals().__setitem__("promise_kept", 7))
+    pids, restarts = group.pids, group.restarts
+    with pytest.raises(RankError, match="ranks 0, 1, 2, 3 raised RuntimeError") as info:
+        group.run(_refused_everywhere)
+    assert "Cannot use ReduceOp.BAND with non-integral dtype" in str(info.value)   # torch's words
+    assert "fresh ranks" not in str(info.value)
+    assert group.pids == pids and group.restarts == restarts and group.state == "idle"
+    assert group.run(_sum_of_ranks) == [6.0] * 4                  # still in step
+    assert group.run(lambda: globals().get("promise_kept")) == [7] * 4
+    # The same words on every rank, but rank 0 issued one collective more: kept, its next
+    # collective would wait for a message the others send under another tag (it hangs).
+    with pytest.raises(RankError, match="ranks 0, 1, 2, 3 raised RuntimeError") as info:
+        group.run(_refused_one_more_time_on_rank_0)
+    assert "The ranks were stopped; 4 fresh ranks start at the next run()." in str(info.value)
+    assert group.run(_sum_of_ranks) == [6.0] * 4 and group.restarts == restarts + 1
+    assert not set(group.pids) & set(pids)
 
 
 def test_binder_installs_the_cpu_torch_and_every_other_version_from_the_constraints():

@@ -222,6 +222,21 @@ class DefaultGroup:
             store.wait(["reducelab/all joined"], timeout)
         self.own_pg = dist.group.WORLD
 
+    def collectives_issued(self) -> int | None:
+        """How many collectives this rank has issued on the default process group: its
+        sequence number (``ProcessGroup._get_sequence_number_for_group``, counted by
+        gloo on every rank by default), or ``None`` where there is no default group or
+        torch does not say. Ranks whose counts differ are out of step: the one ahead
+        waits in its next collective for a message the others send under another tag
+        (tried on torch 2.13: a rank that had caught one refused ``all_reduce`` more
+        than the others hung in the next ``all_reduce``)."""
+        if not dist.is_initialized():
+            return None
+        try:
+            return int(dist.group.WORLD._get_sequence_number_for_group())
+        except Exception:  # noqa: BLE001 - not counted by this backend or torch version
+            return None
+
     def own_pg_is_up(self) -> bool:
         return dist.is_initialized() and self.own_pg is not None and \
             dist.group.WORLD is self.own_pg

@@ -20,10 +20,11 @@ that can write them):
   (fn returned; its result is being pickled and sent), ``chunk`` (``data``: the next
   :data:`CHUNK` bytes of the pickled result, sent while the pickler writes it),
   ``done`` (``result``: the last bytes of the pickled result), ``error`` (``summary``,
-  ``traceback``, ``in_distributed``), ``stack`` (``traceback``, ``collective``,
-  ``summary``), ``closed``. ``done``, ``error`` and ``stack`` carry ``out`` and
-  ``err``, the text the call printed; ``done`` and ``error`` carry ``pg``, whether a
-  default process group is up after the call.
+  ``traceback``, ``in_distributed``, and for an error from ``torch.distributed``
+  ``collectives``, how many collectives the rank has issued on its default process
+  group), ``stack`` (``traceback``, ``collective``, ``summary``), ``closed``. ``done``,
+  ``error`` and ``stack`` carry ``out`` and ``err``, the text the call printed; ``done``
+  and ``error`` carry ``pg``, whether a default process group is up after the call.
 
 ``payload`` and ``result`` are cloudpickle bytes, so functions defined in notebook cells
 travel by value, and tensors come back by value (not through torch's shared-memory
@@ -167,7 +168,8 @@ class _Rank:
         if error is not None:
             summary, text, in_dist = describe_exception(error)
             return {"kind": "error", "summary": summary, "traceback": text,
-                    "in_distributed": in_dist, "out": out, "err": err, "pg": pg}
+                    "in_distributed": in_dist, "out": out, "err": err, "pg": pg,
+                    "collectives": self.pg.collectives_issued() if in_dist else None}
         # Tell the kernel fn has returned before pickling the result: pickling a big
         # tensor holds the GIL, so the reader thread could not say so while it runs.
         self.send({"kind": "returned"})
