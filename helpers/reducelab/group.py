@@ -136,7 +136,9 @@ class LocalGroup:
     Ranks persist across :meth:`run` calls, so state (a model, a tensor in a global)
     survives between cells and a widget change costs one round trip. After a rank dies,
     hangs or fails inside a collective, the group stops its ranks and starts fresh ones
-    at the next :meth:`run`. :meth:`close` is idempotent; ranks, and every process they
+    at the next :meth:`run`; not after the same refusal on every rank, such as gloo's
+    ``ReduceOp.BAND`` on float32, which leaves them in step
+    (:func:`reducelab.reports.the_same_refusal`). :meth:`close` is idempotent; ranks, and every process they
     started, also stop when the kernel exits or is killed.
 
     Source: ``torch.distributed.init_process_group`` and ``FileStore``,
