@@ -138,8 +138,8 @@ class LocalGroup:
     hangs or fails inside a collective, the group stops its ranks and starts fresh ones
     at the next :meth:`run`; not after the same refusal on every rank, such as gloo's
     ``ReduceOp.BAND`` on float32, which leaves them in step
-    (:func:`reducelab.reports.the_same_refusal`). :meth:`close` is idempotent; ranks, and every process they
-    started, also stop when the kernel exits or is killed.
+    (:func:`reducelab.reports.the_same_refusal`). :meth:`close` is idempotent; ranks,
+    and every process they started, also stop when the kernel exits or is killed.
 
     Source: ``torch.distributed.init_process_group`` and ``FileStore``,
     https://pytorch.org/docs/stable/distributed.html

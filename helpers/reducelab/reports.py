@@ -90,7 +90,10 @@ def the_same_refusal(replies: dict[int, dict], world_size: int) -> bool:
     before any data moves. The ranks are then still in step, and are kept: the next call
     needs no fresh ranks, which cost a move of notebook 01's explorer about 0.1 s on 2
     cores (stopping the failed ranks, then starting new ones). A rank that raised
-    something else, or is a collective ahead, restarts them all."""
+    something else, or is a collective ahead, restarts them all. Only the default group
+    is counted: a subgroup that a rank function keeps in a global across calls, with one
+    rank a collective ahead in it, shows as a timeout in its next collective there (with
+    where each rank waited), after which the ranks restart."""
     if len(replies) != world_size or not all(m["kind"] == "error" for m in replies.values()):
         return False
     counts = {m.get("collectives") for m in replies.values()}
