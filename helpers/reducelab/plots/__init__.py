@@ -254,21 +254,22 @@ def _subfigures(fig) -> list:
     return out
 
 
-def _layout_of(fig: Figure) -> tuple:
-    subs = _subfigures(fig)
+def _layout_of(fig: Figure, subs: list) -> tuple:
+    """Each subfigure's box in ``subs`` (:func:`_subfigures`), each suptitle's place and
+    each axes' position, as :func:`_reuse_layout` applies them."""
     return ([sub.bbox_relative.frozen() for sub in subs[1:]],
             [sub._suptitle.get_position() if sub._suptitle is not None else None for sub in subs],
             [ax.get_position(original=False).frozen() for ax in fig.axes])
 
 
 def _ticks(ticker) -> tuple:
-    """The places (floats) and labels (str) of ``ticker``'s ticks (``axis.major`` or
-    ``axis.minor``) as its locator and formatter give them now, at the axes' present size
-    and view limits."""
+    """The places (as the locator returns them, an array or a list) and labels (a tuple
+    of str) of ``ticker``'s ticks (``axis.major`` or ``axis.minor``) as its locator and
+    formatter give them now, at the axes' present size and view limits."""
     locs = ticker.locator()
     if not len(locs):
         return (), ()
-    return tuple(np.asarray(locs, dtype=float).tolist()), tuple(ticker.formatter.format_ticks(locs))
+    return locs, tuple(ticker.formatter.format_ticks(locs))
 
 
 def _margins(fig: Figure, subs: list) -> tuple:
@@ -292,22 +293,24 @@ def _margins(fig: Figure, subs: list) -> tuple:
     return tuple(sig)
 
 
-def _layout_key(fig: Figure, key=None):
+def _layout_key(fig: Figure, subs: list, key=None):
+    """The :data:`_LAYOUTS` key of ``fig`` (its subfigures ``subs``, :func:`_subfigures`):
+    ``key``, or the figure's own, with its size and :func:`_margins`; None without a key."""
     key = getattr(fig, "_reducelab_layout_key", None) if key is None else key
     if key is None:
         return None
-    return (key, tuple(fig.get_size_inches()), _margins(fig, _subfigures(fig)))
+    return (key, tuple(fig.get_size_inches()), _margins(fig, subs))
 
 
-def _reuse_layout(fig: Figure, key) -> bool:
-    """Apply the cached layout of ``key`` to ``fig`` if there is one; True if it did."""
+def _reuse_layout(fig: Figure, subs: list, key) -> bool:
+    """Apply the cached layout of ``key`` to ``fig`` (its subfigures ``subs``) if there is
+    one; True if it did."""
     if key is None:
         return False
     cached = _LAYOUTS.get(key)
     if cached is None:
         return False
     boxes, titles, positions = cached
-    subs = _subfigures(fig)
     if len(boxes) != len(subs) - 1 or len(positions) != len(fig.axes) or \
             [t is None for t in titles] != [sub._suptitle is None for sub in subs]:
         return False
@@ -518,7 +521,7 @@ def _axis_key(axis) -> tuple:
     for ticker, ticks in ((axis.major, axis.majorTicks), (axis.minor, axis.minorTicks)):
         # after the layout: the locator's tick count follows the axes' size
         locs, labels = _ticks(ticker)
-        row.extend((locs, labels))
+        row.extend((tuple(np.asarray(locs, dtype=float).tolist()), labels))
         row.append(ticker.formatter.get_offset() if hasattr(ticker.formatter, "get_offset") else "")
         for tick in ticks[:len(locs)]:
             row.append((tick.get_visible(), tick.tick1line.get_visible(), tick.tick2line.get_visible(),
@@ -566,16 +569,16 @@ def _draw_axis_static(axis, renderer) -> list:
     return grid
 
 
-def _draw_layers(fig: Figure) -> None:
-    """Draw ``fig`` on its canvas's renderer, as ``canvas.draw()`` would: the static layer
-    (drawn, or restored when :func:`_static_key` is unchanged), then everything else."""
+def _draw_layers(fig: Figure, subs: list) -> None:
+    """Draw ``fig`` (its subfigures ``subs``, :func:`_subfigures`) on its canvas's
+    renderer, as ``canvas.draw()`` would: the static layer (drawn, or restored when
+    :func:`_static_key` is unchanged), then everything else."""
     canvas = fig.canvas
     renderer = canvas.get_renderer()
     for ax in fig.axes:                     # what Figure.draw does first: aspect, autoscale
         locator = ax.get_axes_locator()
         ax.apply_aspect(locator(ax, renderer) if locator else None)
         ax._unstale_viewLim()
-    subs = _subfigures(fig)
     static = _static_axes(fig, subs)
     if not static:
         fig.__dict__.pop("_reducelab_background", None)
@@ -643,8 +646,9 @@ def png(fig: Figure) -> bytes:
     on every control change.
     """
     from PIL import Image
-    key = _layout_key(fig)
-    reused = _reuse_layout(fig, key)
+    subs = _subfigures(fig)
+    key = _layout_key(fig, subs)
+    reused = _reuse_layout(fig, subs, key)
     if not reused and getattr(fig, "_reducelab_layout_reused", False):
         fig.set_layout_engine("constrained")   # a persistent figure whose margins changed
     fig._reducelab_layout_reused = reused
@@ -652,9 +656,9 @@ def png(fig: Figure) -> bytes:
     for audit in AUDITS:
         audit(fig)
     canvas = fig.canvas
-    _draw_layers(fig)
+    _draw_layers(fig, subs)
     if key is not None and not reused:
-        _LAYOUTS[key] = _layout_of(fig)
+        _LAYOUTS[key] = _layout_of(fig, subs)
     rgba = canvas.buffer_rgba()             # memory of shape (height, width, 4)
     # Pillow drops the alpha channel in C: about 1.7 of 11 ms per figure less than
     # numpy's strided copy, the same PNG bytes
@@ -675,11 +679,12 @@ def freeze_layout(fig: Figure, key=None) -> None:
     the second and later get the positions the first found, without the engine (about
     90 ms of a 9.6 x 4.5 in figure of five axes). Anything else that changes the layout
     belongs in the key."""
-    full = _layout_key(fig, key) if key is not None else None
-    if not _reuse_layout(fig, full):
+    subs = _subfigures(fig)
+    full = _layout_key(fig, subs, key) if key is not None else None
+    if not _reuse_layout(fig, subs, full):
         fig.get_layout_engine().execute(fig)
         if full is not None:
-            _LAYOUTS[full] = _layout_of(fig)
+            _LAYOUTS[full] = _layout_of(fig, subs)
     fig.set_layout_engine("none")
 
 
