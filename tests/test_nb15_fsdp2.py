@@ -510,7 +510,7 @@ def test_what_skipping_the_sync_costs_as_the_text_says(group):
         assert [o["seen"][0][0][2] for o in out] == [2476] * 4   # sharded at the step, padded alike
     text = cell_with("### What skipping the sync costs")
     for words in ("9,640 bytes (2,410 float32)", "2,476 bytes", "6 reduce-scatters per step instead of 2",
-                  "4 times per micro-batch, 12 in a step of 3", "within 1e-7 of it",
+                  "4 times per micro-batch, 12 in a step of 3", "(the cell below runs this case on 4 ranks)",
                   "`FSDPParam._unsharded_param`"):
         assert words in text
 
@@ -562,8 +562,39 @@ def test_a_sync_turned_on_later_sends_the_sum_of_both_steps(group):
     start = initial_flat()
     both = flat_gradient(start, X[first], y[first]) + flat_gradient(start, X[second], y[second])
     assert (got - both).abs().max() < 1e-7                           # step 1 changed nothing
-    assert "that step uses the sum of both steps' gradients (within 1e-7 of it" in \
+    assert "that step uses the sum of both steps' gradients (the cell below runs this case" in \
         cell_with("### What skipping the sync costs")
+
+
+def test_the_notebook_shows_a_late_sync_summing_both_steps_from_a_run(group):
+    """The claim is shown by a run in the notebook, not left to this module: the stored
+    output of its cell is what sync_on_late says now, and says the sum, within ATOL."""
+    from reducelab.checks.fsdp import sync_on_late
+    stored = stored_text("print(sync_on_late(group))")
+    assert stored.strip() == sync_on_late(group)
+    for words in ("at step 1, every parameter's p.grad was None when Adam stepped, FSDP2 "
+                  "reduce-scattered 0 times and the parameters did not change",
+                  "at step 2, every parameter had a p.grad when Adam stepped, FSDP2 "
+                  "reduce-scattered 2 times", "At step 2 Adam stepped with the sum of both steps' "
+                  "gradients (within ATOL = 1e-6 of one process's sum", "not step 2's own: that "
+                  "differs from it by more than 1e-3"):
+        assert words in stored, stored
+
+
+def test_sync_on_late_says_so_when_the_step_is_not_the_sum(group, monkeypatch):
+    """Its sentence is measured: with step 1's gradient left out of the sum it compares
+    with, it says 'not within'."""
+    import reducelab.checks.fsdp as fsdp
+    real = fsdp.flat_gradient
+    calls = []
+
+    def first_batch_zero(flat, Xs, ys):
+        calls.append(len(ys))
+        g = real(flat, Xs, ys)
+        return torch.zeros_like(g) if len(calls) == 1 else g
+    monkeypatch.setattr(fsdp, "flat_gradient", first_batch_zero)
+    text = fsdp.sync_on_late(group)
+    assert "a gradient other than the sum of both steps' gradients (not within ATOL" in text, text
 
 
 def test_the_exercise_is_a_case_the_notebooks_did_not_run():

@@ -423,6 +423,77 @@ def check_accumulate_step(group: LocalGroup, accumulate_step) -> Verdict:
                   f"{sharded:,} bytes, its shard, at the step.")
 
 
+def _sync_on_late(model, micro_batches, optimizer) -> None:
+    """A step function for :func:`sync_on_late`: at its first call every micro-batch runs
+    with gradient sync off; at its second, sync is on for the last micro-batch only. Each
+    micro-batch's mean loss is weighed by its share of the rank's digits."""
+    import torch.nn.functional as F
+    first = not hasattr(model, "_reducelab_calls")
+    model._reducelab_calls = True
+    digits = sum(len(labels) for _, labels in micro_batches)
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(not first and i == len(micro_batches) - 1)
+        (F.cross_entropy(model(x), labels) * (len(labels) / digits)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def sync_on_late(group: LocalGroup) -> str:
+    """What a sync turned on one step late does, measured: runs :func:`accumulate_run` on
+    :data:`WORLD_SIZE` real ranks with a step function that keeps gradient sync off for
+    the whole first step and turns it on for the last micro-batch of the second, then
+    compares the gradient Adam stepped with at step 2 against one process's gradients of
+    the two global batches, at the initial parameters (step 1 moved none).
+
+    Returns one paragraph (str) of what the run did: at each step, the parameters without
+    a ``grad``, the reduce-scatters and whether the parameters moved; at step 2, whether the
+    gradient is the sum of both steps' (within :data:`~reducelab.checks.sharded.ATOL`, on
+    every rank's rows) and how far it is from step 2's own. Numbers of rounding size are
+    given against ``ATOL`` only, so the text is the same on any CPU.
+
+    Raises:
+        reducelab.RankError: the run failed on the ranks (the group is resized to
+            :data:`WORLD_SIZE` and restored; every wait is bounded by its timeout).
+
+    Source: ``FSDPModule.set_requires_gradient_sync`` and ``FSDPParamGroup.post_backward``
+    (``torch/distributed/fsdp/_fully_shard/``); ``torch/optim/adam.py`` skips a parameter
+    whose ``grad`` is ``None``.
+    """
+    X, y = load_digits_tensors()
+    with restoring_world_size(group):
+        group.resize(WORLD_SIZE)
+        out = group.run(accumulate_run, _sync_on_late, X, y)
+    first, second = global_batches(2)
+    start = initial_flat()
+    one = flat_gradient(start, X[first], y[first])
+    two = flat_gradient(start, X[second], y[second])
+    steps = []
+    for s in range(STEPS):
+        missing = max(o["seen"][s][0][0] for o in out)
+        sent = max(o["sent"][s].count("reduce_scatter") for o in out)
+        moved = max(o["after"][s]["moved"] for o in out)
+        grads = ("every parameter's p.grad was None" if missing == 4 else
+                 "every parameter had a p.grad" if missing == 0 else
+                 f"{missing} of the 4 parameters had no p.grad")
+        steps.append(f"at step {s + 1}, {grads} when Adam stepped, FSDP2 reduce-scattered "
+                     f"{sent} time{'s' if sent != 1 else ''} and the parameters "
+                     f"{'did not change' if moved == 0 else 'changed'}")
+    got = out[0]["seen"][1][0][1]
+    if got is None:
+        return "; ".join(steps) + "."
+    got = torch.stack([o["seen"][1][0][1] for o in out]).nanmean(0)   # each row from its holder
+    both = _close(got, one + two)
+    alone = (got.double() - two.double()).abs().max().item()
+    tol = f"{ATOL:.0e}".replace("e-0", "e-")                      # 1e-6, as the notebook writes it
+    return (f"On {WORLD_SIZE} ranks, sync off for all of step 1 and on for the last micro-batch "
+            f"of step 2: " + "; ".join(steps) + ". At step 2 Adam stepped with "
+            + ("the sum of both steps' gradients" if both else "a gradient other than the sum "
+               "of both steps' gradients")
+            + f" ({'within' if both else 'not within'} ATOL = {tol} of one process's sum, "
+            f"on every rank's shard), not step 2's own: that differs from it by "
+            f"{'more' if alone > 1e-3 else 'less'} than 1e-3.")
+
+
 __all__ = ["WORLD_SIZE", "SIZES", "MICRO_BATCHES", "STEPS", "UNITS", "RecordingAdam",
            "gradient_bytes", "pending_gradient", "micro_batch_indices", "accumulate_run",
-           "check_accumulate_step"]
+           "check_accumulate_step", "sync_on_late"]
