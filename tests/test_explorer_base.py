@@ -746,6 +746,29 @@ def test_a_change_to_the_static_layer_draws_it_again(monkeypatch, change):
     assert png(fig) == png(_bars_figure(change=change))
 
 
+def test_an_axis_without_ticks_keeps_the_static_layer_at_new_limits(monkeypatch):
+    """A bar chart's value axis without ticks, its limits set anew on each draw (notebook
+    12's metric bars): the limits place no tick, so the static layer is restored, not
+    drawn again, and the pixels are those of a new figure with those limits. Where the
+    axis has ticks, new limits move them (the "ylim" case above)."""
+    from matplotlib.axis import Axis
+    from reducelab import plots
+    monkeypatch.setattr(plots, "CHECK_LAYERS", [])
+
+    def bars(right: float):
+        fig = _bars_figure()
+        fig.axes[0].set_xticks([])
+        fig.axes[0].set_xlim(-0.5, right)
+        return fig
+    fig = bars(2.5)
+    png(fig)
+    calls = record_calls(monkeypatch, Axis, "_update_ticks")
+    fig.axes[0].set_xlim(-0.5, 3.5)
+    again = png(fig)
+    assert [c for c in calls if c.axes is fig.axes[0]] == []
+    assert again == png(bars(3.5))
+
+
 def test_axes_whose_ticks_point_in_are_drawn_the_usual_way():
     """Ticks inside the axes would lie under the data if drawn first: such an axes stays
     out of the static layer (the conftest compares every draw's pixels with matplotlib's)."""

@@ -507,14 +507,15 @@ def _text_style(text) -> tuple:
 
 def _axis_key(axis) -> tuple:
     """What ``axis``'s ticks, tick labels, label and offset text look like, for
-    :func:`_static_key`: its view interval and scale, each tick's place, label and
-    visibility, its tick settings (``tick_params``), label and offset text."""
+    :func:`_static_key`: its view interval (where it has a tick) and scale, each tick's
+    place, label and visibility, its tick settings (``tick_params``), label and offset
+    text."""
     if not axis.get_visible():
         return (False,)
     # the label's place is the draw's own work unless set by hand (``set_label_coords``)
     label = (_text_style(axis.label), axis.label.get_text(),
              () if axis._autolabelpos else axis.label.get_position())
-    row = [axis.get_view_interval().tolist(), axis.get_scale(), repr(axis._major_tick_kw),
+    row = [None, axis.get_scale(), repr(axis._major_tick_kw),
            repr(axis._minor_tick_kw), label, axis.label_position,
            axis.offsetText.get_visible(), axis.offsetText.get_color(),
            axis.offsetText.get_fontsize()]
@@ -528,6 +529,11 @@ def _axis_key(axis) -> tuple:
                         tick.tick1line.get_color(), tick.tick1line.get_markersize(),
                         tick.tick1line.get_markeredgewidth(),
                         _text_style(tick.label1), _text_style(tick.label2)))
+        if len(locs):
+            # the view limits place the ticks (and drop those outside them); an axis with
+            # no tick draws the same at any limits (a bar chart's value axis, rescaled on
+            # every draw, keeps its static layer)
+            row[0] = axis.get_view_interval().tolist()
     return tuple(row)
 
 
