@@ -605,6 +605,34 @@ def test_digits_loader():
         load_digits_tensors(2.5)
 
 
+def test_the_digits_read_from_scikit_learns_file_equal_its_loader(monkeypatch):
+    """reducelab reads sklearn/datasets/data/digits.csv.gz itself (no SciPy import in the
+    setup cell): the same pixels and labels as load_digits(), in the same order; where the
+    file is not found it calls load_digits(). A fresh process shows that the read imports
+    no part of scikit-learn."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from reducelab import data
+    want = load_digits()
+    data._digits.cache_clear()
+    assert data._digits_file() is not None
+    pixels, labels = data._digits()
+    assert pixels.dtype == want.data.dtype and np.array_equal(pixels, want.data)
+    assert labels.dtype == np.int64 and np.array_equal(labels, want.target)
+    data._digits.cache_clear()
+    monkeypatch.setattr(data, "_digits_file", lambda: None)
+    pixels, labels = data._digits()
+    assert np.array_equal(pixels, want.data) and np.array_equal(labels, want.target)
+    data._digits.cache_clear()
+    code = ("import sys; from reducelab.data import _digits; _digits(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr + out.stdout
+
+
 def test_split_sizes_and_local_slice():
     assert split_sizes(840, 4, "equal") == [210] * 4
     assert split_sizes(840, 4, "uneven") == [84, 168, 252, 336]

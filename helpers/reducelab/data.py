@@ -2,7 +2,8 @@
 
 Introduced in notebook 04 (DDP gradients and loss reductions). The data set is
 scikit-learn's *digits* (1,797 images of 8x8 pixels, 10 classes), which ships inside
-scikit-learn: nothing is downloaded. See
+scikit-learn: nothing is downloaded. It is read from scikit-learn's own file, without
+importing ``sklearn.datasets`` (see :func:`_digits`). See
 https://scikit-learn.org/stable/modules/generated/sklearn.datasets.load_digits.html
 
 The split helpers run on the ranks as well as in the kernel: they only need ``torch``.
@@ -20,12 +21,47 @@ NUM_FEATURES = 64
 NUM_CLASSES = 10
 
 
+def _digits_file():
+    """The path of the file scikit-learn's ``load_digits`` reads
+    (``sklearn/datasets/data/digits.csv.gz``: one row per image, 64 pixel values and the
+    label), found without importing scikit-learn; ``None`` where it is not there."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.find_spec("sklearn")      # a top-level package: not imported
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = pathlib.Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _digits():
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    X = torch.tensor(d.data, dtype=torch.float32) / 16.0   # pixel values 0..16 -> 0..1
-    y = torch.tensor(d.target, dtype=torch.int64)
+    """``(pixels, labels)``: float64 ``(1797, 64)`` and int64 ``(1797,)``, as
+    ``sklearn.datasets.load_digits()`` gives ``data`` and ``target``. Read from its file
+    the way that function reads it (``np.loadtxt`` of the gzipped CSV,
+    ``sklearn/datasets/_base.py``): ``import sklearn.datasets`` imports SciPy, about 1 s
+    of a notebook's setup cell on a 2-core machine, for 21 ms of reading. Falls back to
+    ``load_digits`` where the file is not where scikit-learn keeps it;
+    ``tests/test_nb04_ddp.py`` holds the two equal."""
+    import gzip
+
+    import numpy as np
+    path = _digits_file()
+    if path is None:
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        return d.data, d.target.astype(np.int64)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(np.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_tensors():
+    pixels, labels = _digits()
+    X = torch.tensor(pixels, dtype=torch.float32) / 16.0   # pixel values 0..16 -> 0..1
+    y = torch.tensor(labels, dtype=torch.int64)
     return X, y
 
 
@@ -43,7 +79,7 @@ def load_digits_tensors(n: int | None = None) -> tuple[torch.Tensor, torch.Tenso
     Raises:
         TypeError, ValueError: ``n`` is not an ``int`` from 1 to 1797.
     """
-    X, y = _digits()
+    X, y = _digits_tensors()
     if n is None:
         return X.clone(), y.clone()
     if isinstance(n, bool) or not isinstance(n, int):
