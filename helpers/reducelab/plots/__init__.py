@@ -40,6 +40,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hi
 from matplotlib.figure import Figure, SubFigure  # noqa: E402
 from matplotlib.layout_engine import PlaceHolderLayoutEngine  # noqa: E402
 from matplotlib.mathtext import MathTextParser  # noqa: E402
+from matplotlib.spines import Spine  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
 from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: E402,F401
@@ -554,25 +555,128 @@ def _static_key(fig: Figure, subs: list, static: list) -> tuple:
     return tuple(key)
 
 
-def _draw_axis_static(axis, renderer) -> list:
+def _draw_axis_static(axis, renderer) -> tuple:
     """Draw ``axis`` as ``Axis.draw`` does, but without its grid lines; return the grid
-    lines it would have drawn (:func:`_draw_layers` draws them with the data)."""
+    lines it would have drawn (:func:`_draw_layers` draws them with the data) and the
+    boxes (``Bbox``, display pixels) of what it drew: tick marks, tick labels, its label
+    and offset text."""
     if not axis.get_visible():
-        return []
+        return [], []
     ticks = axis._update_ticks()
     tlb1, tlb2 = axis._get_ticklabel_bboxes(ticks, renderer)
-    grid = []
+    grid, drawn = [], [*tlb1, *tlb2]
     for tick in ticks:
         if tick.get_visible():
             grid.append(tick.gridline)
             for artist in (tick.tick1line, tick.tick2line, tick.label1, tick.label2):
                 artist.draw(renderer)
+            drawn += [line.get_window_extent(renderer) for line in (tick.tick1line, tick.tick2line)
+                      if line.get_visible()]
     axis._update_label_position(renderer)
     axis.label.draw(renderer)
     axis._update_offset_text_position(tlb1, tlb2)
     axis.offsetText.set_text(axis.major.formatter.get_offset())
     axis.offsetText.draw(renderer)
-    return grid
+    drawn += [text.get_window_extent(renderer) for text in (axis.label, axis.offsetText)
+              if text.get_visible() and text.get_text()]
+    return grid, drawn
+
+
+def _meets(boxes: np.ndarray, x0: float, y0: float, x1: float, y1: float) -> bool:
+    """Whether the box ``(x0, y0, x1, y1)`` overlaps one of ``boxes`` (an array of shape
+    ``(n, 4)``, the same extents)."""
+    return bool(((x0 < boxes[:, 2]) & (boxes[:, 0] < x1) & (y0 < boxes[:, 3])
+                 & (boxes[:, 1] < y1)).any())
+
+
+def _texts_meet(texts: list, boxes: np.ndarray, renderer) -> bool:
+    """Whether one of the unclipped ``texts`` (with its ``bbox`` patch, if any) may draw
+    over one of ``boxes``: first against a square around its anchor that holds any text
+    of its lines at its size (1.5 em per character, rotated any way), all texts at once;
+    then, for a text near a box, against its own extent."""
+    em = np.array([t.get_fontsize() for t in texts]) * renderer.points_to_pixels(1.0)
+    pads = em * (1.0 + np.array([t.get_bbox_patch().get_boxstyle().pad
+                                 if t.get_bbox_patch() is not None else 0.0 for t in texts]))
+    reach = em * 1.5 * np.array([max(max(map(len, t.get_text().split("\n"))),
+                                     (t.get_text().count("\n") + 1) * t._linespacing)
+                                 for t in texts]) + pads
+    anchors = np.empty((len(texts), 2))
+    by_transform: dict = {}
+    for k, t in enumerate(texts):
+        by_transform.setdefault(id(t.get_transform()), (t.get_transform(), []))[1].append(k)
+    for transform, ks in by_transform.values():
+        anchors[ks] = transform.transform(np.array([texts[k].get_unitless_position() for k in ks],
+                                                   dtype=float))
+    lo, hi = anchors - reach[:, None], anchors + reach[:, None]
+    near = ((lo[:, None, 0] < boxes[None, :, 2]) & (boxes[None, :, 0] < hi[:, None, 0])
+            & (lo[:, None, 1] < boxes[None, :, 3]) & (boxes[None, :, 1] < hi[:, None, 1])).any(axis=1)
+    for k in np.flatnonzero(near):
+        box, pad = texts[k].get_window_extent(renderer), pads[k]
+        if _meets(boxes, box.x0 - pad, box.y0 - pad, box.x1 + pad, box.y1 + pad):
+            return True
+    return False
+
+
+_PLAIN_SPINE = (None, ("outward", 0), ("outward", 0.0))
+"""Spine positions on the axes' box edge (matplotlib's default)."""
+
+
+def _draws_over(ax, static: bool, boxes: np.ndarray, renderer) -> bool:
+    """Whether ``ax`` draws anything over ``boxes`` (shape ``(n, 4)``, display pixels),
+    apart from its static layer when ``static``: its box (with what is clipped to it and
+    the spines on its edges, widened by their half width and a pixel of antialiasing),
+    spines placed elsewhere, and each artist it draws unclipped (a text, a title, a
+    legend; its x and y axes unless ``static``)."""
+    b = ax.bbox
+    spines = [sp for sp in ax.spines.values() if sp.get_visible()]
+    w = max((renderer.points_to_pixels(sp.get_linewidth()) for sp in spines), default=0) / 2 + 1
+    if _meets(boxes, b.x0 - w, b.y0 - w, b.x1 + w, b.y1 + w):
+        return True
+    texts = []
+    for child in ax.get_children():
+        if child is ax.patch or not child.get_visible():
+            continue
+        if child in (ax.xaxis, ax.yaxis) or isinstance(child, Axes):   # or a secondary axis
+            e = None if child in (ax.xaxis, ax.yaxis) and static else child.get_tightbbox(renderer)
+            if e is not None and _meets(boxes, e.x0 - 1, e.y0 - 1, e.x1 + 1, e.y1 + 1):
+                return True
+            continue
+        if isinstance(child, Spine):
+            if child._position in _PLAIN_SPINE and child.spine_type in ("left", "right", "top", "bottom"):
+                continue                    # on the box's edge: in the widened box
+            e = child.get_path().get_extents(child.get_transform())
+            if _meets(boxes, e.x0 - w, e.y0 - w, e.x1 + w, e.y1 + w):
+                return True
+            continue
+        if child.get_clip_on() and (child.get_clip_box() is ax.bbox or child.get_clip_path() is not None):
+            continue                        # inside the box
+        if isinstance(child, Text):
+            if child.get_text():
+                texts.append(child)
+            continue
+        e = child.get_window_extent(renderer)
+        if e is not None and _meets(boxes, e.x0 - 1, e.y0 - 1, e.x1 + 1, e.y1 + 1):
+            return True
+    return bool(texts) and _texts_meet(texts, boxes, renderer)
+
+
+def _layers_keep_order(fig: Figure, static: list, drawn: dict, renderer) -> bool:
+    """Whether drawing ``static``'s layer first leaves the pixels of matplotlib's order:
+    nothing that an axes drawn before a static axes draws may meet what that static axes
+    puts in the layer (``drawn``: its boxes per axes, from :func:`_draw_axis_static`, and
+    its own box). Notebook 16's bucket explorer, with long tick labels on its right
+    axes, put that axes' y label over the left axes' spine: drawn first, it came out a
+    shade lighter there than under matplotlib's order."""
+    order = sorted(fig.axes, key=lambda a: a.zorder)   # Figure.draw's order (a stable sort)
+    later: list = []                        # the static boxes of the axes after each one
+    after = []
+    for ax in reversed(order):
+        after.append(np.array(later, dtype=float).reshape(-1, 4))
+        later += [b.extents for b in drawn.get(ax, [])]
+    for ax, boxes in zip(order, reversed(after)):
+        if len(boxes) and _draws_over(ax, ax in drawn, boxes, renderer):
+            return False
+    return True
 
 
 def _draw_layers(fig: Figure, subs: list) -> None:
@@ -597,18 +701,26 @@ def _draw_layers(fig: Figure, subs: list) -> None:
     except ValueError:                      # a colour given as an array: compare no further
         same = False
     if same:
+        grids, drawn = kept[3], kept[4]
+        if not _layers_keep_order(fig, static, drawn, renderer):
+            canvas.draw()
+            return
         renderer.restore_region(kept[2])
-        grids = kept[3]
     else:
         renderer.clear()
         for sub in subs:                    # the figure's background, then its subfigures'
             sub.patch.draw(renderer)
-        grids = {}
+        grids, drawn = {}, {}
         for ax in sorted(static, key=lambda a: a.zorder):
             ax.patch.draw(renderer)
+            drawn[ax] = [ax.bbox]
             for axis in (ax.xaxis, ax.yaxis):
-                grids[axis] = _draw_axis_static(axis, renderer)
-        fig._reducelab_background = (key, renderer, renderer.copy_from_bbox(fig.bbox), grids)
+                grids[axis], boxes = _draw_axis_static(axis, renderer)
+                drawn[ax] += boxes
+        fig._reducelab_background = (key, renderer, renderer.copy_from_bbox(fig.bbox), grids, drawn)
+        if not _layers_keep_order(fig, static, drawn, renderer):
+            canvas.draw()
+            return
     overridden = [*(sub.patch for sub in subs), *(ax.patch for ax in static)]
     for artist in overridden:
         artist.draw = _draw_nothing
