@@ -58,7 +58,8 @@ LR = 0.01
 ATOL = 1e-6
 """Largest absolute difference accepted between a sharded run and the single-process
 reference (float32; the runs measured in the notebook differ by 5e-8 or less). The one
-tolerance notebook 08 states: its text, its question 5 and this check all use it."""
+tolerance notebook 08 states: its text, its comparison of every stage with one process and
+this check all use it."""
 EXERCISE_WORLD_SIZES = (2, 5)
 """World sizes the exercise check runs. ``ZeroRedundancyOptimizer`` gives each of the four
 parameter tensors whole to one rank: at 2, rank 0 owns ``0.weight`` (2,048 elements) and
