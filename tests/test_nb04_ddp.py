@@ -617,16 +617,13 @@ def test_the_digits_read_from_scikit_learns_file_equal_its_loader(monkeypatch):
     from sklearn.datasets import load_digits
     from reducelab import data
     want = load_digits()
-    data._digits.cache_clear()
     assert data._digits_file() is not None
     pixels, labels = data._digits()
     assert pixels.dtype == want.data.dtype and np.array_equal(pixels, want.data)
     assert labels.dtype == np.int64 and np.array_equal(labels, want.target)
-    data._digits.cache_clear()
     monkeypatch.setattr(data, "_digits_file", lambda: None)
     pixels, labels = data._digits()
     assert np.array_equal(pixels, want.data) and np.array_equal(labels, want.target)
-    data._digits.cache_clear()
     code = ("import sys; from reducelab.data import _digits; _digits(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -543,19 +543,10 @@ def test_a_sync_never_turned_on_stops_training_as_the_verdict_says(group):
     assert "as that rank's own sum, never averaged over the ranks" in text
 
 
-def turned_on_only_at_the_second_step(model, micro_batches, optimizer):
-    first = not hasattr(model, "_calls")
-    model._calls = True
-    for i, (x, labels) in enumerate(micro_batches):
-        model.set_requires_gradient_sync(not first and i == len(micro_batches) - 1)
-        (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def test_a_sync_turned_on_later_sends_the_sum_of_both_steps(group):
     from reducelab.checks.sharded import flat_gradient, global_batches
-    out = group.run(accumulate_run, turned_on_only_at_the_second_step, X, y)
+    from reducelab.checks.fsdp import sync_on_late_step     # sync off at step 1, on at step 2's end
+    out = group.run(accumulate_run, sync_on_late_step, X, y)
     assert all(o["seen"][0][0][0] == 4 for o in out)                 # no p.grad at step 1
     got = torch.stack([o["seen"][1][0][1] for o in out]).nanmean(0)
     first, second = global_batches(2)

@@ -35,7 +35,6 @@ def _digits_file():
     return None
 
 
-@functools.lru_cache(maxsize=1)
 def _digits():
     """``(pixels, labels)``: float64 ``(1797, 64)`` and int64 ``(1797,)``, as
     ``sklearn.datasets.load_digits()`` gives ``data`` and ``target``. Read from its file
@@ -43,7 +42,8 @@ def _digits():
     ``sklearn/datasets/_base.py``): ``import sklearn.datasets`` imports SciPy, about 1 s
     of a notebook's setup cell on a 2-core machine, for 21 ms of reading. Falls back to
     ``load_digits`` where the file is not where scikit-learn keeps it;
-    ``tests/test_nb04_ddp.py`` holds the two equal."""
+    ``tests/test_nb04_ddp.py`` holds the two equal. Read once per process, by
+    :func:`_digits_tensors`, which keeps the tensors."""
     import gzip
 
     import numpy as np

@@ -423,8 +423,8 @@ def check_accumulate_step(group: LocalGroup, accumulate_step) -> Verdict:
                   f"{sharded:,} bytes, its shard, at the step.")
 
 
-def _sync_on_late(model, micro_batches, optimizer) -> None:
-    """A step function for :func:`sync_on_late`: at its first call every micro-batch runs
+def sync_on_late_step(model, micro_batches, optimizer) -> None:
+    """The step function :func:`sync_on_late` runs (``tests/test_nb15_fsdp2.py`` too): at its first call every micro-batch runs
     with gradient sync off; at its second, sync is on for the last micro-batch only. Each
     micro-batch's mean loss is weighed by its share of the rank's digits."""
     import torch.nn.functional as F
@@ -462,7 +462,7 @@ def sync_on_late(group: LocalGroup) -> str:
     X, y = load_digits_tensors()
     with restoring_world_size(group):
         group.resize(WORLD_SIZE)
-        out = group.run(accumulate_run, _sync_on_late, X, y)
+        out = group.run(accumulate_run, sync_on_late_step, X, y)
     first, second = global_batches(2)
     start = initial_flat()
     one = flat_gradient(start, X[first], y[first])
@@ -478,8 +478,7 @@ def sync_on_late(group: LocalGroup) -> str:
         steps.append(f"at step {s + 1}, {grads} when Adam stepped, FSDP2 reduce-scattered "
                      f"{sent} time{'s' if sent != 1 else ''} and the parameters "
                      f"{'did not change' if moved == 0 else 'changed'}")
-    got = out[0]["seen"][1][0][1]
-    if got is None:
+    if any(o["seen"][1][0][1] is None for o in out):
         return "; ".join(steps) + "."
     got = torch.stack([o["seen"][1][0][1] for o in out]).nanmean(0)   # each row from its holder
     both = _close(got, one + two)
@@ -496,4 +495,4 @@ def sync_on_late(group: LocalGroup) -> str:
 
 __all__ = ["WORLD_SIZE", "SIZES", "MICRO_BATCHES", "STEPS", "UNITS", "RecordingAdam",
            "gradient_bytes", "pending_gradient", "micro_batch_indices", "accumulate_run",
-           "check_accumulate_step", "sync_on_late"]
+           "check_accumulate_step", "sync_on_late", "sync_on_late_step"]

@@ -480,13 +480,18 @@ def _static_axes(fig: Figure, subs: list) -> list:
     return static
 
 
+def _overlaps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """For each box in ``a`` (shape ``(m, 4)``: x0, y0, x1, y1 in display pixels), whether
+    it overlaps one of ``b`` (shape ``(n, 4)``): a bool array of shape ``(m,)``."""
+    a, b = np.asarray(a, dtype=float).reshape(-1, 4), np.asarray(b, dtype=float).reshape(-1, 4)
+    return ((a[:, None, 0] < b[None, :, 2]) & (b[None, :, 0] < a[:, None, 2])
+            & (a[:, None, 1] < b[None, :, 3]) & (b[None, :, 1] < a[:, None, 3])).any(axis=1)
+
+
 def _overlapping(boxes: list) -> bool:
     """Whether any two of ``boxes`` (``Bbox``) overlap."""
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1:
-                return True
-    return False
+    extents = np.array([b.extents for b in boxes], dtype=float).reshape(-1, 4)
+    return any(_overlaps(extents[i], extents[i + 1:])[0] for i in range(len(extents) - 1))
 
 
 def _tick_direction(axis) -> str:
@@ -583,10 +588,8 @@ def _draw_axis_static(axis, renderer) -> tuple:
 
 
 def _meets(boxes: np.ndarray, x0: float, y0: float, x1: float, y1: float) -> bool:
-    """Whether the box ``(x0, y0, x1, y1)`` overlaps one of ``boxes`` (an array of shape
-    ``(n, 4)``, the same extents)."""
-    return bool(((x0 < boxes[:, 2]) & (boxes[:, 0] < x1) & (y0 < boxes[:, 3])
-                 & (boxes[:, 1] < y1)).any())
+    """Whether the box ``(x0, y0, x1, y1)`` overlaps one of ``boxes`` (:func:`_overlaps`)."""
+    return bool(_overlaps((x0, y0, x1, y1), boxes)[0])
 
 
 def _texts_meet(texts: list, boxes: np.ndarray, renderer) -> bool:
@@ -607,9 +610,7 @@ def _texts_meet(texts: list, boxes: np.ndarray, renderer) -> bool:
     for transform, ks in by_transform.values():
         anchors[ks] = transform.transform(np.array([texts[k].get_unitless_position() for k in ks],
                                                    dtype=float))
-    lo, hi = anchors - reach[:, None], anchors + reach[:, None]
-    near = ((lo[:, None, 0] < boxes[None, :, 2]) & (boxes[None, :, 0] < hi[:, None, 0])
-            & (lo[:, None, 1] < boxes[None, :, 3]) & (boxes[None, :, 1] < hi[:, None, 1])).any(axis=1)
+    near = _overlaps(np.hstack([anchors - reach[:, None], anchors + reach[:, None]]), boxes)
     for k in np.flatnonzero(near):
         box, pad = texts[k].get_window_extent(renderer), pads[k]
         if _meets(boxes, box.x0 - pad, box.y0 - pad, box.x1 + pad, box.y1 + pad):
