@@ -22,6 +22,8 @@ def test_rounding_noise_prints_the_same_text_whatever_its_digits(value):
 def test_a_value_above_the_tolerance_is_shown_with_the_bound_it_passes():
     assert within(3.2e-3, 1e-6) == "0.003 (above 1e-06)"
     assert within(1.5e-6, 1e-6) == "2e-06 (above 1e-06)"
+    assert within(31.2, 1e-6) == "30 (above 1e-06)" and within(12.0, 1e-5) == "10 (above 1e-05)"
+    assert within(math.inf, 1e-6) == "inf (above 1e-06)"
 
 
 def test_a_nan_difference_is_never_within_a_tolerance():

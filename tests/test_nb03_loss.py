@@ -769,7 +769,7 @@ def test_question_2_is_not_answered_before_it_is_asked():
     cells = [src for src, _ in notebook_cells()]
     q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
     before = "\n".join(cells[:q2 + 2])
-    assert '"sum / global batch"' in cells[q2 - 1] and "How many times" in cells[q2 - 1]
+    assert '"sum / global batch"' in cells[q2 - 1] and "What multiple" in cells[q2 - 1]
     for spoiler in ("quarter", "0.25", "1/4", "divides by `world_size`", "divides each by"):
         assert spoiler not in before.replace(cells[q2 + 1], ""), spoiler
     assert "reveal(answer_2" in cells[q2 + 1] and '"sum / global batch")' in cells[q2 + 1]

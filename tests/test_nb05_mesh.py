@@ -785,10 +785,11 @@ def _timing_output() -> str:
 
 def test_the_bucket_claims_hold_in_the_stored_run():
     """The prose claims what the timing cell's stored output shows in every round, not
-    only at the median: at 256 tensors one call per tensor (blocking and async) takes at
-    least twice as long as one bucket (the lowest round-by-round ratio), and at 1 tensor
-    the bucket's copies take under a third of its time (the highest). A re-run that
-    contradicts the prose fails."""
+    only at the median: at 256 tensors one call per tensor (blocking and async) takes
+    longer than one bucket in every round (the lowest round-by-round ratio) and at least 3
+    times as long at the median ("several times"), and at 1 tensor the bucket's copies
+    take under a third of its time in the median round (single rounds vary more: one
+    stored run's highest was 0.52). A re-run that contradicts the prose fails."""
     printed = _timing_output()
     assert "7 rounds after 2 warm-up rounds" in printed
     for name in ("one all_reduce per tensor", "per tensor, async_op=True"):
@@ -796,15 +797,20 @@ def test_the_bucket_claims_hold_in_the_stored_run():
                       rf"\(lowest ([\d.]+)x, highest ([\d.]+)x\)", printed)
         assert m, printed
         assert float(m[2]) <= float(m[1]) <= float(m[3])
-        assert float(m[2]) >= 2, \
-            f"{name}: the prose says at least twice in every round; the lowest is {m[2]}"
+        assert float(m[2]) > 1 and float(m[1]) >= 3, \
+            f"{name}: the prose says longer in every round and several times at the median; " \
+            f"the lowest is {m[2]}, the median {m[1]}"
     m = re.search(r"At 1 tensor, the copies alone / one bucket: median ([\d.]+) "
                   r"\(lowest ([\d.]+), highest ([\d.]+)\)", printed)
-    assert m and float(m[3]) < 1 / 3, printed
+    assert m and float(m[1]) < 1 / 3, printed
     prose = "\n".join(_src(c) for c in _cells() if c["cell_type"] == "markdown")
-    assert ("at 256 tensors, one call per tensor takes at least twice as long as one bucket**, "
-            "blocking or async, in every round") in prose
-    assert "at 1 tensor, the bucket's two copies take under a third of its time**, in every round" in prose
+    assert ("at 256 tensors, one call per tensor takes longer than one bucket**, blocking or "
+            "async, in every round (the lowest of the round-by-round ratios), and several times "
+            "as long at the median") in prose
+    assert "at least twice" not in prose
+    assert ("at 1 tensor, the bucket's two copies take under a third of its time** in the median "
+            "round") in prose
+    assert "under a third of its time**, in every round" not in prose
     assert "at least 3 times" not in prose
     assert "fastest of" not in prose and "4x slower" not in prose   # no single-sample claims
 
@@ -886,6 +892,8 @@ def test_the_fixes_are_run_in_a_cell_and_the_prose_follows_the_runs():
     lines = {line.split("  ")[0]: line for line in printed.splitlines()}
     assert "reference: 1 to 1" in lines["rebuild with shape= and stride="]
     assert "reference: 2 to 2" in lines["no rebuild"]
+    assert "reference|: ≤ 1e-06" in lines["rebuild with shape= and stride="]     # rounding, against
+    assert "reference|: 30 (above 1e-06)" in lines["no rebuild"]                 # a stated bound
     assert "reference: 1 to 1" in lines["no rebuild, SUM then .div_()"]
     prose = "\n".join(_src(c) for c in cells if c["cell_type"] == "markdown")
     assert "the rebuild is not needed at all" not in prose

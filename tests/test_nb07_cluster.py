@@ -167,6 +167,23 @@ def test_nbval_sees_the_same_train_py_lines_whatever_the_machine_s_name():
     assert [re.sub(pattern, repl, line) for line in local] == local
 
 
+def test_nbval_sees_the_same_listening_scopes_with_or_without_ipv6():
+    """A TCPStore binds :: and falls back to 0.0.0.0 where the host has no IPv6
+    (TCPStoreLibUvBackend.cpp): the stored lines hold the first, and nbval's sanitizer maps
+    both wildcards to one token, loopback addresses kept."""
+    pattern, repl = conftest.nbval_sanitizer("a wildcard listening address")
+    stored = printed(notebook_code_cell("from datetime import timedelta"))
+    assert "listening on: ['::']" in stored
+    without = stored.replace("['::']", "['0.0.0.0']")
+    assert re.sub(pattern, repl, stored) == re.sub(pattern, repl, without) != stored
+    agent = printed(notebook_code_cell('print("TORCHELASTIC_USE_AGENT_STORE on each rank:"'))
+    assert "['all interfaces (::)']" in agent
+    assert re.sub(pattern, repl, agent) == \
+        re.sub(pattern, repl, agent.replace("(::)", "(0.0.0.0)")) != agent
+    for kept in ("['loopback (::1)']", "['loopback (127.0.0.1)']", "['::1']"):
+        assert re.sub(pattern, repl, kept) == kept
+
+
 def test_nbval_sees_the_same_env_table_whatever_the_kernel_s_omp_num_threads():
     """A LocalGroup's ranks inherit the kernel's OMP_NUM_THREADS (unset where the notebook
     ran; a hub may set it): the env table's LocalGroup column shows it, and nbval's

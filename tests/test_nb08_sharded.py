@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import conftest
 from reducelab import RankError
+from reducelab.checks.answers import WHY
 import reducelab.checks.sharded as helper
 from reducelab.checks.sharded import (ATOL, EXERCISE_WORLD_SIZES, GLOBAL_BATCH, LAYOUT, NUMEL,
                                       PARAM_NAMES, check_zero1_step, exercise_run, flat_gradient,
@@ -126,7 +127,7 @@ def test_gloo_reduce_scatter_is_one_all_reduce_of_the_whole_input(group):
         assert rank_calls == [("c10d::_reduce_scatter_base_", [[300], [1200]]), ("aten::clone", [[1200]]),
                               ("gloo:all_reduce", [[1200]]), ("aten::chunk", [[1200]]),
                               ("aten::copy_", [[300], [300]])]
-    why = cell_with("def composed_and_all_reduce(")
+    why = WHY["08"][2]
     assert "ProcessGroupGloo::_reduce_scatter_base" in why and "reduce_scatter_tensor_coalesced" in why
     assert "chunk(world_size)[rank]" in why and "#149869" not in why
     assert "#149869" not in markdown()
@@ -331,7 +332,7 @@ def test_gloo_has_a_reduce_scatter_that_processgroupgloo_does_not_use():
     profiler trace (test above) shows ProcessGroupGloo running one all_reduce instead."""
     text = "\n".join("".join(c["source"]) for c in CELLS)
     assert "has no reduce_scatter algorithm" not in text and "no reduce-scatter algorithm" not in text
-    why = cell_with("def composed_and_all_reduce(")
+    why = WHY["08"][2]
     assert "ReduceScatterHalvingDoubling" in why and "does not use it" in why
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from conftest import record_calls
 from reducelab import LocalGroup
+from reducelab.checks.answers import WHY
 from reducelab.checks.tensor_parallel import (DIM, IDS_SHAPE, VOCAB, check_vocab_parallel_embedding,
                                               layer_tensors, reference)
 from reducelab.plots.tensor_parallel import (COLOUR_BAR_LABEL, MAX_HEIGHT, MIN_CELL, VALUE_GID,
@@ -684,7 +685,7 @@ def test_nothing_before_question_1_answers_it():
     assert "needed no collective" not in before and "need no collective" not in before
     question = all_cells[q + 1][0]
     assert 'o[1]["x"]' not in question and "summed_x_grad" not in question
-    assert "the weight gradients need no collective at all" in question   # in the why
+    assert "the weight gradients need no collective at all" in WHY["09"][1]   # in the why
     follow_up = next(src for src, c in all_cells[q + 2:] if c["cell_type"] == "code")
     assert follow_up.startswith("summed_x_grad = sum(")
 
@@ -693,7 +694,7 @@ def test_nothing_before_question_3_names_the_parameters_that_go_wrong():
     all_cells = cells()
     q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_3 = None"))
     before = "\n".join(src for src, _ in all_cells[:q])
-    assert "SEQUENCE_PARALLEL" not in before and "_allreduce_layernorm_grads" not in before
+    assert "SEQUENCE_PARALLEL" not in before and "_allreduce_non_tensor_model_parallel_grads" not in before and "_allreduce_layernorm_grads" not in before
     assert "Partial(sum)" not in "\n".join(src for src, c in all_cells[:q] if c["cell_type"] == "markdown")
 
 

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import conftest
 from conftest import SOLUTIONS, load_solution
 from reducelab import LocalGroup
+from reducelab.checks.answers import WHY
 from reducelab import RankError
 from reducelab.checks.cost import (COLLECTIVES, _mistakes, algbw, bus_factor, busbw,
                                    check_recursive_doubling, crossover_bytes, gloo_factor,
@@ -153,8 +154,8 @@ def test_the_fit_and_the_explorer_use_the_bytes_gloo_sends():
     assert "gloo_factor(*key)" in fit_cell and "bus_factor" not in fit_cell
     text = "\n".join(s for s, t in cells if t == "markdown")
     code = "\n".join(s for s, t in cells if t == "code")
-    assert "reduce_scatter_tensor_coalesced" in code and "Notebook 08" in code   # question 2's answer
-    assert "ReduceScatterHalvingDoubling" in code and "does not use it" in code
+    assert "reduce_scatter_tensor_coalesced" in WHY["10"][2] and "Notebook 08" in WHY["10"][2]   # question 2's answer
+    assert "ReduceScatterHalvingDoubling" in WHY["10"][2] and "does not use it" in WHY["10"][2]
     assert "link's bandwidth" in text and "1/β is not the link's bandwidth" in text
     assert "busbw approaches 1/β" not in text and "(here 1/β)" not in text
 

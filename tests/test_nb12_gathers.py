@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import conftest
 from reducelab import LocalGroup, RankError
+from reducelab.checks.answers import WHY
 from reducelab.checks.gathers import (EXERCISE_CASES, TRAIN_SIZE, check_exact_mean_loss,
                                       exercise_inputs, exercise_losses, exercise_run,
                                       sampler_layout, stderr_to)
@@ -138,7 +139,7 @@ def test_slots_sized_like_the_own_tensor_abort_rank_0(group, tmp_path, world_siz
     assert f"op.preamble.length <= op.nbytes. {received} vs 2. Received data size doesn't match " \
            f"expected size. Is there a distributed collective mismatch in your code?" in said
     if world_size == 3:
-        why = source("def all_gather_own_size(log_dir):")
+        why = WHY["12"][1]
         assert "half of its own 4 bytes, 2, and rank 2 sent half of its 12 bytes, 6" in why
         assert "6 vs 2" in stored_text("def all_gather_own_size(log_dir):")
 
@@ -208,10 +209,11 @@ def test_bytes_received_at_300000_numbers(group):
         assert 0 < pickled["tensor"] - 4 * n < 600            # the raw bytes, and a pickle around them
         assert 9 * n < pickled["list"] < 9.01 * n              # 9 bytes per float, and pickle's framing
     text = stored_text("held = [numel for _, _, numel in out]")
-    for line in ("the numbers themselves, unpadded                2.40",
-                 "pad, all_gather, trim (tensor)                  3.60",
-                 "all_gather_object (tensor)                      3.60",
-                 "all_gather_object (list of floats)              8.10"):
+    assert "bytes in the all_gathers' outputs, on each rank       MB" in text
+    for line in ("the numbers themselves, unpadded                    2.40",
+                 "pad, all_gather, trim (tensor)                      3.60",
+                 "all_gather_object (tensor)                          3.60",
+                 "all_gather_object (list of floats)                  8.10"):
         assert line in text
     prose = markdown()
     assert "here each rank's outputs hold 3.6 MB for 2.4 MB of numbers" in prose
@@ -515,6 +517,7 @@ def test_the_notebook_stub_fails_and_says_what_is_missing(group):
     verdict = check_exact_mean_loss(group, NB.exact_mean_loss)
     assert not verdict and "Each rank returned the mean of its own share only" in verdict.message
     assert "(your function called none)" in verdict.message
+    assert "(epoch 3, 1 padding index)" in verdict.message        # one index, in the singular
     assert verdict.message in stored_text("check_exact_mean_loss(group, exact_mean_loss)").replace("&#x27;", "'")
 
 

@@ -20,6 +20,7 @@ import torch
 
 import conftest
 from reducelab import LocalGroup, RankError
+from reducelab.checks.answers import WHY
 from reducelab.checks.ddp_model import (BASE_SEEDS, MESHES, check_dropout_seeds, first_elements,
                                         mask, stderr_during)
 from reducelab.plots import MAX_WIDTH, MIN_FONT
@@ -132,6 +133,26 @@ def test_ddp_broadcasts_parameters_and_buffers_not_plain_attributes(group):
     assert shifts == [out[0][2][0]] * 4                                    # rank 0's buffer
     assert all(b == a for b, a in scales) and len({a for _, a in scales}) == 4
     assert "The real run gives (True, True, False)." in stored_text(cell_with("actual_1 = ("))
+
+
+def non_persistent_buffer_after_ddp():
+    torch.manual_seed(torch.distributed.get_rank())
+    model = torch.nn.Linear(2, 1)
+    model.register_buffer("kept_out_of_state_dict", torch.rand(3), persistent=False)
+    assert "kept_out_of_state_dict" not in model.state_dict()
+    torch.nn.parallel.DistributedDataParallel(model)
+    return model.kept_out_of_state_dict
+
+
+def test_a_buffer_left_out_of_state_dict_is_broadcast_too(group):
+    """Question 1's reveal: DDP broadcasts named_buffers(), persistent=False ones included."""
+    out = group.run(non_persistent_buffer_after_ddp)
+    assert all(torch.equal(b, out[0]) for b in out)
+    torch.manual_seed(0)
+    torch.nn.Linear(2, 1)
+    assert torch.equal(out[0], torch.rand(3))                              # rank 0's draw
+    assert "named_buffers(), a buffer registered with persistent=False" in WHY["13"][1]
+    assert "state_dict" not in WHY["13"][1]
 
 
 def test_the_source_shown_is_the_construction_broadcast():
@@ -271,6 +292,7 @@ def test_the_timing_claim_holds_in_the_stored_output():
     cell = cell_with("def step_cpu_times(")
     assert cell["metadata"].get("tags") == ["nbval-ignore-output"]
     text = stored_text(cell)
+    assert "Warning" not in text                   # the warning of step 4 is not shown again
     m = re.search(r"find_unused_parameters=True\s+median ([\d.]+) ms; minus the default's, step by "
                   r"step: median \+?(-?[\d.]+) ms \(quartiles \+?(-?[\d.]+) to \+?(-?[\d.]+)\), more CPU "
                   r"in (\d+) of (\d+) steps", text)

@@ -159,8 +159,29 @@ def test_an_unreduced_gradient_is_partial_and_redistributes_to_fsdp2s_rows(group
 def test_premul_sum_is_said_as_the_docstring_says():
     doc = " ".join(dist.ReduceOp.__doc__.split())
     assert "``PREMUL_SUM`` is available with the ``NCCL`` backend" in doc and "``XCCL`` backend" in doc
-    text = cell_with("`CPUOffloadPolicy` fails on a machine without an accelerator.")
+    text = cell_with("`CPUOffloadPolicy()` fails on a machine without an accelerator:")
     assert "only NCCL" not in text and "NCCL and XCCL" in text
+
+
+def cpu_offload_step(pin_memory):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    model = torch.nn.Linear(4, 2)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+                offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    model(torch.ones(3, 4)).sum().backward()
+    return True
+
+
+def test_cpu_offload_fails_for_its_pinned_memory_only(group):
+    """The text: CPUOffloadPolicy() fails without an accelerator because its default
+    pin_memory=True pins host memory; with pin_memory=False it runs."""
+    group.resize(2)
+    assert group.run(cpu_offload_step, False) == [True, True]
+    with pytest.raises(RankError, match="Cannot access accelerator device when none is available"):
+        group.run(cpu_offload_step, True)
+    text = cell_with("`CPUOffloadPolicy()` fails on a machine without an accelerator:")
+    assert "default `pin_memory=True` pins host memory" in text and "With `pin_memory=False` it runs" in text
 
 
 def test_fsdp2_memory_is_a_quarter_of_ddps_plus_padding(group):

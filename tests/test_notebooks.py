@@ -15,6 +15,7 @@ built"). These read the tracked notebooks only, as they are committed:
 """
 from __future__ import annotations
 
+import ast
 import base64
 import html
 import json
@@ -26,6 +27,7 @@ import subprocess
 import pytest
 
 from reducelab.checks import PROMPT
+from reducelab.checks.answers import WHY, why
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -238,6 +240,66 @@ def test_a_question_sets_the_world_size_it_needs(path):
             resize = src.find("group.resize(")
             assert 0 <= resize < run.start(), f"question cell without group.resize first: " \
                                               f"{src.splitlines()[0][:80]}"
+
+
+QUOTED = {"held": 1.7881393432617188e-07}
+"""A value for each keyword a question cell passes to ``why`` (notebook 16, question 2:
+what fp16 holds for 2e-7)."""
+
+
+def reveal_calls(path) -> list[tuple[str, ast.Call]]:
+    """Every ``reveal(...)`` call of a notebook's code cells, with its cell's source."""
+    calls = []
+    for c in code_cells(load(path)):
+        src = source(c)
+        if "reveal(" in src:
+            calls += [(src, node) for node in ast.walk(ast.parse(src))
+                      if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "reveal"]
+    return calls
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_a_question_cells_source_does_not_state_its_answer(path):
+    """A question cell sits right below the learner's answer cell, so its source is read
+    before the learner answers: it passes why("NN", q) from reducelab.checks.answers,
+    never the explanation itself."""
+    number, asked = path.name[:2], []
+    for src, call in reveal_calls(path):
+        question = int(call.args[0].id.removeprefix("answer_"))
+        explained = call.args[2]
+        assert isinstance(explained, ast.Call) and explained.func.id == "why" and \
+            [a.value for a in explained.args] == [number, question], \
+            f"question {question}: reveal's why must be why({number!r}, {question})"
+        text = why(number, question, **{k.arg: QUOTED[k.arg] for k in explained.keywords})
+        literals = [n.value for n in ast.walk(ast.parse(src))
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        assert not [t for t in literals if len(t) > 24 and t in text], \
+            f"question {question}'s cell quotes its explanation"
+        asked.append(question)
+    assert sorted(asked) == sorted(WHY[number]), "every explanation belongs to one question"
+
+
+def test_every_notebooks_questions_are_explained_in_their_stored_outputs():
+    """The moved text is the text the committed notebooks show in their folded answers."""
+    for path in NOTEBOOKS:
+        shown = html.unescape("".join(t for c in code_cells(load(path)) for o in c.get("outputs", [])
+                                      for t in texts(o)))
+        for src, call in reveal_calls(path):
+            number, question = path.name[:2], int(call.args[0].id.removeprefix("answer_"))
+            text = why(number, question, **{k.arg: QUOTED[k.arg] for k in call.args[2].keywords})
+            assert text in shown, f"{path.name}, question {question}"
+
+
+def test_why_names_the_valid_choices_on_bad_input():
+    with pytest.raises(ValueError, match="notebook must be one of 01, 02"):
+        why("1", 1)
+    with pytest.raises(ValueError, match="notebook 06 has questions 1, 2; got 3"):
+        why("06", 3)
+    with pytest.raises(ValueError, match="takes no values; got held"):
+        why("06", 1, held=1.0)
+    with pytest.raises(ValueError, match="question 2 of notebook 16"):
+        why("16", 2)
+    assert "48 times 2^-24" in why("16", 2, held=1.7881393432617188e-07)
 
 
 HEADER = re.compile(r"^\*About (\d+) min to study · about (\d+) s to run top to bottom[ ,·]",

@@ -46,7 +46,8 @@ def within(value: float, tol: float) -> str:
     none), the thread count and the order gloo adds in, so a notebook shows it against a
     stated tolerance, not as raw digits: ``"≤ 1e-06"`` when ``value <= tol``. A value
     above the tolerance is a result, not noise, and is shown with the bound it passes:
-    ``"0.003 (above 1e-06)"``. PyTorch's reproducibility note ("results may not be
+    ``"0.003 (above 1e-06)"``, ``"30 (above 1e-06)"`` (one significant digit, never in
+    exponent notation above 1). PyTorch's reproducibility note ("results may not be
     reproducible between CPU and GPU executions, even when using identical seeds") and
     ``torch.testing.assert_close``'s per-dtype tolerances are the sources.
 
@@ -58,4 +59,4 @@ def within(value: float, tol: float) -> str:
         raise ValueError(f"tol must be a number >= 0, got {tol!r}")
     if value <= tol:
         return f"≤ {tol:g}"
-    return f"{value:.1g} (above {tol:g})"
+    return f"{float(f'{value:.1g}'):g} (above {tol:g})"

@@ -12,6 +12,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ..palette import NEUTRAL, RIGHT, WRONG
+from .answers import why  # noqa: F401  (the notebooks import it from here, beside reveal)
 
 
 _observer = None
@@ -186,7 +187,9 @@ def reveal(prediction, actual, why: str, same=None, evidence: str = "") -> Verdi
             that spells a value (``"False"``) is read as that value when ``actual`` is
             not text.
         actual: what really happened, as computed by the real collective.
-        why: one or two sentences explaining the actual result.
+        why: one or two sentences explaining the actual result. The notebooks pass
+            :func:`why` (``reducelab.checks.answers``), so that a question cell's
+            source does not state the answer.
         same: optional ``(prediction, actual) -> bool``; defaults to ``==`` (with a
             float tolerance of 1e-6 for numbers and lists of numbers).
         evidence: optional text shown with the result, such as each rank's values.

@@ -186,9 +186,9 @@ def check_exact_mean_loss(group, fn, cases=EXERCISE_CASES) -> Verdict:
     with restoring_world_size(group):
         for world_size, dataset_size, epoch in cases:
             group.resize(world_size)
+            padding = sampler_layout(dataset_size, world_size, True, epoch)['padding']
             context = (f"With {dataset_size} samples on {world_size} ranks (epoch {epoch}, "
-                       f"{sampler_layout(dataset_size, world_size, True, epoch)['padding']} "
-                       f"padding indices)")
+                       f"{padding} padding {'index' if padding == 1 else 'indices'})")
             try:
                 out = group.run(exercise_run, fn, dataset_size, epoch)
             except RankError as err:

@@ -169,7 +169,8 @@ class LossExplorer(Explorer):
                  f"reference {result.reference:.4f}, "
                  f"weighted {result.weighted:.4f}{' (differs!)' if off else ' (matches)'}, "
                  f"mean of means {result.mean_of_means:.4f} "
-                 + ("(equal)" if abs(gap) < 5e-5 else f"(off by {gap:+.4f})")]
+                 + ("(equal)" if abs(gap) < 5e-5 else  # the gap of the numbers shown
+                    f"(off by {round(result.mean_of_means, 4) - round(result.reference, 4):+.4f})")]
         if not result.agree:
             parts.append("; the ranks did not all compute the same numbers")
         return "".join(parts)

@@ -1,0 +1,360 @@
+"""What each predict-then-run question reveals: the sentences that explain the real result.
+
+They live here, not in the notebooks' question cells, so that a cell's source gives no answer
+away: a learner reads the cell that runs a question right below the cell where they write
+their prediction (the brief's "predictions stay unspoiled"). :func:`reducelab.checks.reveal`
+shows the text only inside the folded ``<details>`` of its verdict.
+
+Keyed by notebook (``"01"`` to ``"16"``) and question number (``answer_1`` is question 1).
+An entry is a ``str``, or a function of values the question cell computed (keyword
+arguments) that returns one.
+"""
+from __future__ import annotations
+
+
+def _first_bucket() -> str:
+    import torch.distributed as dist
+
+    from .cost import size_label
+    return size_label(dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+WHY = {
+    "01": {
+        1: "SUM adds 1 + 2 + ... + 8 = 8 * 9 / 2 = 36, and every rank receives it.",
+        2: "SUM adds signed values: 1 - 1 + 2 - 2 = 0. The inputs cancelled, and nothing "
+            "grew.",
+        3: "MIN writes the smallest value, 1, into every rank's tensor. Rank 3 already holds "
+            "1, and so does rank 1: a tie changes nothing, so both keep what they had, while "
+            "ranks 0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not "
+            "already hold the result.",
+    },
+    "02": {
+        1: "dst=0 holds the full sum, 1111, as promised. Ranks 1 and 2 hold partial sums: "
+            "gloo used their tensors as work buffers on the way to dst. Rank 3's x is "
+            "untouched: at 2 elements gloo sends from it, but never into it.",
+        2: "x[:2] and x.view(2, 2) are views: they share x's storage, so each shows what "
+            "reduce wrote into the elements it covers. On rank 3 gloo wrote elements 2 and 3 "
+            "only (x after the reduce, above): x.view(2, 2) covers them, x[:2] does not. y = "
+            "x + 1 was computed before the reduce into storage of its own, and nothing writes "
+            "to it later.",
+        3: "dist.reduce returned before rank 1 had even joined, so dst's x still held its "
+            "input. Only once work.wait() has returned is the result sure to be in x.",
+    },
+    "03": {
+        1: "(2.0 + 0.0) / 2 = 1.0: each rank's mean counts once, whatever its batch size. "
+            "The global mean is 2.0 / 4 = 0.5. The one sample on rank 0 weighs as much as the "
+            "three samples on rank 1.",
+        2: "Added up over the four ranks, the gradients of sum / 32 would make the "
+            "full-batch mean. But DDP averages the ranks' gradients instead of adding them: "
+            "it divides each by world_size = 4 during backward() (notebook 04 shows where in "
+            "torch), so a quarter of the reference is left. Multiplying each loss by "
+            "world_size undoes that division.",
+        3: "all_reduce changed the loss's value, but autograd has no formula for it and "
+            "passes the gradient through unchanged, as if it were the identity: what flows "
+            "back is each rank's own local gradient, scaled by 1 / world_size. Nothing was "
+            "exchanged in backward(). torch's warning above says only that c10d::allreduce_ "
+            "has no autograd kernel, and that this may be silently incorrect.",
+    },
+    "04": {
+        1: "DDP does not look at how your loss reduces and has nothing to warn about: the "
+            "reduce_op warning comes only from reading torch.distributed.reduce_op.",
+        2: "With reduction='sum' the local sums add up to the full-batch sum whatever the "
+            "split, and DDP divides each rank's gradient by world_size = 8 before it sums "
+            "them: k = 1/8.",
+        3: "Under DDP every forward and backward all_reduces its gradient buckets, unless "
+            "the forward ran inside model.no_sync(): then DDP skips the all_reduce and .grad "
+            "only accumulates locally (no_sync's docstring: the forward pass must be inside "
+            "the context manager). The next forward and backward outside no_sync, here the "
+            "last micro-batch's, all_reduce the accumulated gradient once: 1 all_reduce "
+            "instead of 4 per optimizer step.",
+    },
+    "05": {
+        1: "With cp=1 each row of the mesh holds one rank, so rank 1's cp group is rank 1 "
+            "alone, and an all_reduce over it changes nothing; all four ranks share one dp "
+            "group. When a wrapper averages over dp, as the page's does with dp > 1 (its "
+            "use_ddp flag), the page reduces over the cp mesh alone, and its guard `if "
+            "sync_mesh.size() > 1` skips exactly this case.",
+        2: "On gloo, AVG is a SUM followed by a division by the group size (that is how "
+            "pytorch/pytorch#149781 added it, in torch 2.8), so the two give the same bits, "
+            "in every dtype here. Neither is the exact mean: both round the result to the "
+            "tensor's dtype, so a check against one process needs a tolerance.",
+        3: "DTensor.from_local without shape= assumes even shards, so each rank infers the "
+            "global shape from its own shard: 3 x 2 = 6 rows on the tp ranks that hold 3 rows "
+            "(ranks 0 and 2), 2 x 2 = 4 on those that hold 2 (ranks 1 and 3), and assigning "
+            "that to param.grad fails because the weight has 5 rows. Pass shape=g.shape and "
+            "stride=g.stride(), or reduce in place with AVG (or SUM then .div_()) and skip "
+            "the rebuild. Skipping the rebuild alone is not enough: the page divides out of "
+            "place, so param.grad would keep the SUM (the cells below show it).",
+    },
+    "06": {
+        1: "Rank r finishes chunk (r + 1) % N: chunk c starts at rank c, picks up one rank "
+            "per step, and after N - 1 steps it has reached rank c - 1 = rank r, holding all "
+            "N inputs. Each rank now owns one complete chunk: a reduce_scatter.",
+        2: "6 steps (3 reduce-scatter + 3 all-gather), each sending one chunk of 4,000,000 / "
+            "4 = 1,000,000 bytes: 6,000,000 bytes, 1.5 times the tensor. In general, for a "
+            "tensor of S bytes on N ranks: 2 (N - 1) steps of S / N bytes, 2 (N - 1) / N x S "
+            "per rank, less than 2 S for any N. A naive all_reduce that sends the whole "
+            "tensor to every other rank would send (N - 1) x S = 12 MB per rank.",
+    },
+    "07": {
+        1: "gloo listens on 127.0.0.1 because GLOO_SOCKET_IFNAME names the loopback "
+            "interface, but the TCPStores that the torchrun agent hosts (the rendezvous's and "
+            "the ranks') listen on the wildcard address (::, or 0.0.0.0 on a host without "
+            "IPv6), every interface, although the rendezvous endpoint is localhost. It was "
+            "measured after every rank had joined, so the stores outlive the rendezvous, and "
+            "again at the end, after the ranks' all_reduce: still open.",
+        2: "With the static rendezvous, RANK = node_rank * nproc_per_node + LOCAL_RANK = 1 * "
+            "2 + 1 = 3. LOCAL_RANK counts within the node, and WORLD_SIZE = nnodes * "
+            "nproc_per_node = 4.",
+    },
+    "08": {
+        1: "Element i summed over the 4 ranks is i + (i + 10) + (i + 20) + (i + 30) = 4i + "
+            "60. The sum is cut into 4 pieces of 2 elements, and rank 2 keeps piece 2: "
+            "elements 4 and 5, that is 76 and 80.",
+        2: "They are equal, in float32 and in bfloat16. The gloo library has a "
+            "reduce_scatter algorithm of its own (ReduceScatterHalvingDoubling, in "
+            "gloo/reduce_scatter.h), but ProcessGroupGloo, torch's gloo backend, does not use "
+            "it: reduce_scatter_single reaches ProcessGroupGloo::_reduce_scatter_base (in "
+            "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), which calls "
+            "reduce_scatter_tensor_coalesced. That clones the input, all-reduces the whole "
+            "clone once, with the same ReduceOp, and copies its piece, "
+            "chunk(world_size)[rank], into the output: the calls the profiler recorded below. "
+            "So each element of a shard is the very element that all_reduce computes, from "
+            "the same additions in the same order, and all_gather only copies bits. Neither "
+            "is the exact sum: both round. The pull request that wrote it this way "
+            "(pytorch/pytorch#118911) notes that it sends twice what a real reduce_scatter "
+            "sends; the next cell measures that. Another backend (NCCL's ring reduce_scatter) "
+            "adds in its own order, so compare there with a tolerance of a few units in the "
+            "last place, not with ==.",
+        3: "Adam keeps exp_avg and exp_avg_sq, 4 bytes each, for every element a rank steps. "
+            "ZeRO-1 gives each rank k = ceil(2410 / 4) = 603 of them (2 of rank 3's are "
+            "padding): 2 x 603 x 4 = 4,824 bytes, plus 4 bytes for Adam's step counter, a "
+            "float32 scalar tensor. The paper's 8Ψ/N_d gives 4,820.",
+    },
+    "09": {
+        1: "Without f, forward is unchanged, and so is every parameter's gradient: a rank's "
+            "gradient for its own shard depends only on its own hidden units and the full "
+            "output gradient, which it has, so the weight gradients need no collective at "
+            "all. Only x's gradient is wrong: each rank holds the part of it that flows "
+            "through its own hidden units, and the sum over ranks, which f's backward "
+            "all_reduce would have made, is the right gradient (the cell after this one adds "
+            "them up). The bug shows up nowhere in this block; it corrupts everything before "
+            "it.",
+        2: "One: g's all_reduce after W_o. A head's softmax needs every key of its own head, "
+            "and tensor parallelism splits the heads, not the tokens: each rank holds every "
+            "token's q, k and v for its heads. The heads meet only in W_o, whose partial sums "
+            "g adds up, as in the MLP. Backward runs one collective too, f's.",
+        3: "The parameters used where a rank holds only its own tokens: both LayerNorms' "
+            "weight and bias, and the two biases added after the reduce_scatter (o.bias, "
+            "2.bias). A rank's gradient of each is a sum over its own tokens only: a partial "
+            "sum, and the 4 ranks' partial sums add up to the right gradient. The column- and "
+            "row-parallel weights see every token (after the all_gather), so theirs are "
+            "right. Megatron-LM marks these parameters sequence_parallel and all-reduces "
+            "their gradients over tp after backward "
+            "(_allreduce_non_tensor_model_parallel_grads, formerly "
+            "_allreduce_layernorm_grads, in "
+            "megatron/core/distributed/finalize_model_grads.py).",
+        4: "It runs without a word, because both tp shards have the same shape. But "
+            "averaging over tp mixes the gradients of different parameters: rank (0, 0)'s "
+            "rows 0-7 of W1 get the mean of rows 0-7 and rows 8-15. Only the replicated b2 "
+            "survives, because its gradient is the same on both tp ranks.",
+        5: "Two: g's all_reduce after the first layer, which ends in partial sums, and the "
+            "all_gather that joins the output's columns. Column → row needs one, and keeps "
+            "the hidden activation sharded, a quarter of it per rank; row → column holds all "
+            "of it on every rank.",
+    },
+    "10": {
+        1: "A 4-byte all_reduce costs what any message costs: system calls, waking the other "
+            "rank, a round trip through the loopback. That fixed cost is far larger than the "
+            "time of 4 bytes. A 64 MiB all_reduce is dominated by its bytes. So the time "
+            "grows much less than the bytes: a small collective is latency-bound, a large one "
+            "bandwidth-bound.",
+        2: "ProcessGroupGloo's reduce_scatter all-reduces the whole input and keeps this "
+            "rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced in "
+            "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), so each rank sends what an "
+            "all_reduce sends, 2(n - 1)/n S = 1.5 S on 4 ranks: twice what the best algorithm "
+            "must. The gloo library has a reduce-scatter algorithm of its own "
+            "(ReduceScatterHalvingDoubling, gloo/reduce_scatter.h); ProcessGroupGloo does not "
+            "use it. Notebook 08 counted the same bytes.",
+        3: "torch's sum of a bf16 tensor on the CPU accumulates in float32 and rounds to "
+            "bf16 once, at the end. gloo's all_reduce rounds to bf16 after every addition of "
+            "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
+    },
+    "11": {
+        1: "monitored_barrier is run by rank 0: the other ranks report to rank 0 and wait "
+            "for its answer, and only rank 0 counts the time and names the ranks that are "
+            "missing. Here rank 0 is the rank stuck in all_reduce, so it never reaches the "
+            "barrier. Ranks 1 to 3 wait for its answer for as long as the process group's own "
+            "timeout (30 minutes by default on gloo; 7 s on these ranks, which LocalGroup "
+            "stops after 2 s), not the barrier's 1 second, and no error names anyone. Only "
+            "the timeout's report says where each rank is. Put a monitored_barrier where rank "
+            "0 is sure to arrive, such as the top of each training step.",
+        2: "The fingerprint holds the collective, the sequence number and each tensor's "
+            "shape, dtype and device, not the ReduceOp (CollectiveFingerPrint in torch's "
+            "ProcessGroupWrapper.cpp). Every rank ran an all_reduce of 4 float32 numbers, so "
+            "the fingerprints agree and the numbers come back silently wrong, as on plain "
+            "gloo. Only a check of your own catches this one: all_gather the op, or the "
+            "result.",
+        3: "At the end, DDP's join hook broadcasts the final model from the highest-numbered "
+            "rank of those that ran out of inputs last, here rank 1 "
+            "(DistributedDataParallel._sync_final_model and _find_common_rank), so ranks 2 "
+            "and 3 receive the update of the third step they never took. Optimizer state "
+            "(momentum, Adam's moments) is not broadcast: with such optimizers a joined "
+            "rank's state falls behind.",
+    },
+    "12": {
+        1: "Rank 0 was killed by SIGABRT: no Python exception, nothing to catch. gloo's "
+            "all_gather (gloo/allgather.cc) passes each rank's piece around a ring in two "
+            "halves, and rank 0 receives first from rank 2. It had room for half of its own 4 "
+            "bytes, 2, and rank 2 sent half of its 12 bytes, 6: the receiving side's check "
+            "(transport/tcp/pair.cc) fails, and a failed check in gloo's C++ code aborts the "
+            "process. The other ranks raise once rank 0's connection closes, or return before "
+            "they notice; which one depends on timing. Check the sizes before the collective, "
+            "on every rank: step 2.",
+        2: "3 ranks need a multiple of 3: 10 samples become 12 positions, and the sampler "
+            "fills positions 10 and 11 with the first two samples of its list, 0 and 1. Rank "
+            "r takes every third position from r: rank 2 takes positions 2, 5, 8 and 11, that "
+            "is samples 2, 5, 8 and, at position 11, sample 1 a second time.",
+        3: "297 = 3 x 99: on 3 ranks nothing is padded and the metric is exact. On 4 ranks "
+            "the sampler pads to 300 and evaluates samples 0, 1 and 2 twice, so the accuracy "
+            "and the loss move. A padded metric depends on the world size: the same model on "
+            "the same data reports different numbers on 3 and on 4 ranks (here a small "
+            "difference, below the bound p / (N + p) = 1 %), which is enough to break a "
+            "comparison across runs.",
+        4: "Rank 0 shuffles with seed + 1, ranks 1 and 2 with seed + 0: they take their "
+            "positions from two different orders, so their shares no longer fit together: "
+            "some samples reach two ranks, and some none (here sample 0). Nothing raises, and "
+            "every rank still gets 4 indices. Call set_epoch(epoch) on every rank, with the "
+            "same epoch; the sampler's seed must be the same on every rank too (its docstring "
+            "says so).",
+    },
+    "13": {
+        1: "DDP's constructor broadcasts rank 0's parameters and buffers to every rank "
+            "(_sync_module_states in torch/distributed/utils.py, called from "
+            "DistributedDataParallel.__init__ in torch/nn/parallel/distributed.py): every "
+            "tensor of named_parameters() and named_buffers(), a buffer registered with "
+            "persistent=False too. A plain tensor attribute is neither a parameter nor a "
+            "buffer, so DDP does not see it, and each rank keeps the value it drew.",
+        2: "At the beginning of every forward in training DDP broadcasts rank 0's buffers, "
+            "overwriting what the other ranks added; then each rank adds its own batch. What "
+            "survives from one step to the next is rank 0's history: rank 0 holds 1.0, the "
+            "mean of its own batches only, and rank r holds rank 0's history plus its own "
+            "last batch, (4 x 1 + (r + 1)) / 5. No rank holds 2.5, the mean of the data.",
+        3: "aux.weight and aux.bias got no gradient on any rank, and in this small model "
+            "every parameter shares one gradient bucket. That bucket never became ready, so "
+            "DDP never all-reduced it: backward() returned with each rank's own, local "
+            "gradient, and the optimizer stepped on it. Nothing raised. From here the four "
+            "replicas differ. The error comes one step later, at the next forward.",
+        4: "A row is zero when its unit was dropped for all 4 samples. With one seed the 4 "
+            "ranks drop the same units, so that happens with probability 1/2: about 32 of 64 "
+            "rows. With a seed per rank a unit must be dropped on 4 ranks independently, "
+            "(1/2)^4: about 4 of 64, what one process with 4 samples and a mask per sample "
+            "gives. With one seed every step trains about half of the units on the whole "
+            "global batch; with a seed per rank each sample gets a mask of its own, as in one "
+            "process.",
+        5: "Without buffers there is nothing to broadcast, and under torch.no_grad() DDP's "
+            "forward runs no collective at all. With gradients enabled it does hang: the "
+            "first forward after the first backward rebuilds the gradient buckets, and "
+            "_rebuild_buckets broadcasts rank 0's new bucket order (the two broadcasts step 4 "
+            "counted). So whether a rank-0-only forward through the wrapper hangs depends on "
+            "the model and the step; model.module never runs a collective.",
+    },
+    "14": {
+        1: "The squared 2-norm is a sum over elements, ‖g‖² = Σ g_i², and the two ranks hold "
+            "different elements, so ‖g‖² = a² + b²: norms of disjoint pieces add as squares. "
+            "A sum of norms is too large, a mean or a maximum too small. With n ranks holding "
+            "equal shares, each local norm is about ‖g‖ / √n.",
+        2: "In torch 2.13 every rank holds the whole norm. The norm of a Shard(0) DTensor is "
+            "a scalar DTensor with the placement _NormPartial(2): each rank holds the norm of "
+            "its own rows, and the value is their reduction, (Σ local²)^½, not yet computed "
+            "(the class _NormPartial, in torch/distributed/tensor/_ops/_math_ops.py). The "
+            "norm of those norms needs their values, so DTensor first carries out the pending "
+            "reduction: local², an all_reduce, √, step 1's collective. CommDebugMode counted "
+            "it: one all_reduce in the whole call. total_norm comes out Replicate(), the same "
+            "on every rank, and so does the clip factor. The returned norm was not always "
+            "Replicate: pytorch/pytorch#126457 (May 2024) prints one with the placement "
+            "_NormPartial, whose local value was 482.09 where full_tensor() gave 1052.59. A "
+            "rank that read that local value saw the norm of its own shard, as #170862 and "
+            "torchtitan#766 report. total_norm.full_tensor() is the whole norm in every "
+            "version.",
+        3: "Two: ranks 0 and 1, the two tp ranks of dp index 0. FSDP2 gave dp index 0 the "
+            "rows 0 to 4 of 2.weight, and Replicate() over tp means that both tp ranks hold "
+            "those rows, whole: copies, where 0.weight's tp ranks hold different columns. The "
+            "two copies are equal, since both tp ranks computed the same gradient from the "
+            "same samples.",
+        4: "Rank 0's 8 rows: its shard of each DTensor. torch.save pickles a DTensor as its "
+            "local tensor, its placements and its mesh, and no rank sends rank 0 its rows. "
+            "Loaded elsewhere, it is a DTensor of global shape (32, 64) holding (8, 64), "
+            "whose process group does not exist there.",
+    },
+    "15": {
+        1: "Shard(0) cuts the 10 rows the way torch.chunk does: c = ceil(10 / 4) = 3 rows "
+            "per rank while rows last, so ranks 0, 1 and 2 hold 3 rows and rank 3 holds the 1 "
+            "row left. FSDP2 pads every rank's storage to 3 rows, so that the all_gather and "
+            "reduce_scatter get equal pieces.",
+        2: "One. With fully_shard on the root only, every parameter is in the root's one "
+            "group, and for the root the default None means False: it keeps the gathered "
+            "parameters after forward, because backward starts with them. So one all_gather "
+            "before forward serves backward too, and one reduce_scatter averages every "
+            "gradient. It is the fewest bytes and the largest peak: every parameter stays "
+            "gathered from the start of forward to the end of backward, as in notebook 08's "
+            "ZeRO-3.",
+        3: "After FSDP2's reduce-scatter, rank 0's local gradient holds the first rows of "
+            "each weight and rank 1's the last rows, both already averaged. all_reduce(AVG) "
+            "of to_local() over the same ranks averages rank 0's rows with rank 1's rows: "
+            "numbers of different parameters. Nothing fails, and the gradient is wrong. At 4 "
+            "ranks the local shards of 2.weight even differ in size (3, 3, 3 and 1 rows, "
+            "question 1), so that all_reduce would pair tensors of different lengths: a "
+            "mismatched collective. With FSDP over dp, never reduce over dp again; sync only "
+            "the dimensions FSDP does not cover (cp, in the page's example), where the ranks "
+            "hold the same shard.",
+    },
+    "16": {
+        1: lambda: (
+            "With the default bucket_cap_mb (None), DDP caps the first bucket at "
+            f"dist._DEFAULT_FIRST_BUCKET_BYTES = {_first_bucket()} and the others at "
+            "25 MiB (_BucketCapacityConfig in torch/nn/parallel/distributed.py): the first bucket "
+            "holds the last layers, whose gradients are ready first, so that communication starts "
+            "early. A bucket closes once it reaches its cap, so it may exceed it by one tensor (a "
+            "maintainer explains both in pytorch/pytorch#48880, \"bucket_cap_mb not honored by "
+            "AllReduce ops\")."),
+        2: lambda held: (
+            f"2e-7 is stored in fp16 as {held:.4g}, already a subnormal number. Divided by 16 it "
+            f"is {held / 16:.2g}, less than half of fp16's smallest subnormal number (2^-24, about "
+            "5.96e-8), so every rank's share rounds to 0 before it is sent. The sum of 16 zeros "
+            "is 0: the gradient vanishes. Summing first keeps it: "
+            f"16 x {held:.4g} is {round(16 * held / 2**-24)} times 2^-24, a subnormal number fp16 "
+            "holds exactly (the table below)."),
+    },
+}
+
+
+def why(notebook: str, question: int, **values) -> str:
+    """The explanation question ``question`` of notebook ``notebook`` reveals, as ``str``.
+
+    Args:
+        notebook: two digits, ``"01"`` to ``"16"``.
+        question: the question's number (``answer_2`` is question 2).
+        **values: what the question cell computed, for the entries that quote it
+            (notebook 16, question 2: ``held``, the ``float`` fp16 holds for 2e-7).
+
+    Raises:
+        ValueError: no such notebook or question (the message names the valid ones), or
+            values missing or given where the entry takes none.
+    """
+    if notebook not in WHY:
+        raise ValueError(f"notebook must be one of {', '.join(WHY)}; got {notebook!r}")
+    if question not in WHY[notebook]:
+        raise ValueError(f"notebook {notebook} has questions "
+                         f"{', '.join(map(str, WHY[notebook]))}; got {question!r}")
+    entry = WHY[notebook][question]
+    if isinstance(entry, str):
+        if values:
+            raise ValueError(f"question {question} of notebook {notebook} takes no values; "
+                             f"got {', '.join(values)}")
+        return entry
+    try:
+        return entry(**values)
+    except TypeError as err:
+        raise ValueError(f"question {question} of notebook {notebook}: {err}") from None
