@@ -112,6 +112,8 @@ def test_explorer_matches_a_single_process_reference(group):
     assert ex.image.value[:8] == b"\x89PNG\r\n\x1a\n"
     assert "(matches)" in ex.message.value and "off by +" in ex.message.value
     assert ex.text().startswith("LossExplorer(local_batch_sizes=3,5,8,2)\n")
+    m = re.search(r"reference ([\d.]+),.* mean of means ([\d.]+) \(off by \+([\d.]+)\)", ex.text())
+    assert m and f"{float(m[2]) - float(m[1]):.4f}" == m[3]     # the gap of the numbers printed
 
 
 def test_explorer_resizes_the_group_and_redraws(group):

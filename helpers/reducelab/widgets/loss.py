@@ -163,14 +163,13 @@ class LossExplorer(Explorer):
         return self.plot.draw(result.losses, result.mean_of_means, result.weighted, result.reference)
 
     def describe(self, result: LossResult) -> str:
-        gap = result.mean_of_means - result.reference
+        shown = round(result.mean_of_means, 4), round(result.reference, 4)   # as printed
         off = abs(result.weighted - result.reference) > 1e-5 * max(1.0, abs(result.reference))
         parts = [f"world_size={result.world_size}, global batch={sum(result.local_batch_sizes)}: "
                  f"reference {result.reference:.4f}, "
                  f"weighted {result.weighted:.4f}{' (differs!)' if off else ' (matches)'}, "
                  f"mean of means {result.mean_of_means:.4f} "
-                 + ("(equal)" if abs(gap) < 5e-5 else  # the gap of the numbers shown
-                    f"(off by {round(result.mean_of_means, 4) - round(result.reference, 4):+.4f})")]
+                 + ("(equal)" if shown[0] == shown[1] else f"(off by {shown[0] - shown[1]:+.4f})")]
         if not result.agree:
             parts.append("; the ranks did not all compute the same numbers")
         return "".join(parts)
