@@ -247,13 +247,16 @@ QUOTED = {"held": 1.7881393432617188e-07}
 what fp16 holds for 2e-7)."""
 
 
-def reveal_calls(path) -> list[tuple[str, ast.Call]]:
-    """Every ``reveal(...)`` call of a notebook's code cells, with its cell's source."""
+def reveal_calls(path) -> list[tuple[list[str], ast.Call]]:
+    """Every ``reveal(...)`` call of a notebook's code cells, with the string literals of
+    its cell (each cell is parsed once)."""
     calls = []
     for c in code_cells(load(path)):
         src = source(c)
         if "reveal(" in src:
-            calls += [(src, node) for node in ast.walk(ast.parse(src))
+            nodes = list(ast.walk(ast.parse(src)))
+            literals = [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            calls += [(literals, node) for node in nodes
                       if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "reveal"]
     return calls
 
@@ -264,15 +267,13 @@ def test_a_question_cells_source_does_not_state_its_answer(path):
     before the learner answers: it passes why("NN", q) from reducelab.checks.answers,
     never the explanation itself."""
     number, asked = path.name[:2], []
-    for src, call in reveal_calls(path):
+    for literals, call in reveal_calls(path):
         question = int(call.args[0].id.removeprefix("answer_"))
         explained = call.args[2]
         assert isinstance(explained, ast.Call) and explained.func.id == "why" and \
             [a.value for a in explained.args] == [number, question], \
             f"question {question}: reveal's why must be why({number!r}, {question})"
         text = why(number, question, **{k.arg: QUOTED[k.arg] for k in explained.keywords})
-        literals = [n.value for n in ast.walk(ast.parse(src))
-                    if isinstance(n, ast.Constant) and isinstance(n.value, str)]
         assert not [t for t in literals if len(t) > 24 and t in text], \
             f"question {question}'s cell quotes its explanation"
         asked.append(question)
@@ -284,7 +285,7 @@ def test_every_notebooks_questions_are_explained_in_their_stored_outputs():
     for path in NOTEBOOKS:
         shown = html.unescape("".join(t for c in code_cells(load(path)) for o in c.get("outputs", [])
                                       for t in texts(o)))
-        for src, call in reveal_calls(path):
+        for _, call in reveal_calls(path):
             number, question = path.name[:2], int(call.args[0].id.removeprefix("answer_"))
             text = why(number, question, **{k.arg: QUOTED[k.arg] for k in call.args[2].keywords})
             assert text in shown, f"{path.name}, question {question}"

@@ -60,6 +60,22 @@ def launcher_env() -> dict:
     return env
 
 
+def socket_scope(ip: str) -> str:
+    """Who can reach a TCP socket bound to ``ip``, in words that are the same on any host.
+
+    ``"all interfaces (:: or 0.0.0.0)"`` for the wildcard address: a ``TCPStore`` binds
+    ``::`` and falls back to ``0.0.0.0`` where the host has no IPv6
+    (``TCPStoreLibUvBackend.cpp``), and both mean every interface. ``"loopback (127.0.0.1)"``
+    or ``"loopback (::1)"`` for the loopback addresses, ``"one interface address"`` for any
+    other.
+    """
+    if ip in ("::", "0.0.0.0"):
+        return "all interfaces (:: or 0.0.0.0)"
+    if ip.startswith("127.") or ip == "::1":
+        return f"loopback ({ip})"
+    return "one interface address"
+
+
 def listening_sockets() -> dict:
     """Where this rank, and the process that started it, listen for TCP connections.
 
@@ -70,19 +86,9 @@ def listening_sockets() -> dict:
 
     Returns ``{"after every rank joined": {"rank": [...], "launcher": [...]},
     "at the end, after an all_reduce": {...}}``: for each measurement, the sorted,
-    de-duplicated scopes of the listening sockets, each ``"all interfaces (::)"``,
-    ``"all interfaces (0.0.0.0)"``, ``"loopback (127.0.0.1)"``, ``"loopback (::1)"``
-    or ``"one interface address"`` (addresses and ports are left out, so the result is
-    deterministic).
+    de-duplicated ``socket_scope`` of each listening socket (addresses and ports are left
+    out, so the result is the same on any host).
     """
-    def scope(ip: str) -> str:
-        """Who can reach a socket bound to ``ip``."""
-        if ip in ("::", "0.0.0.0"):
-            return f"all interfaces ({ip})"
-        if ip.startswith("127.") or ip == "::1":
-            return f"loopback ({ip})"
-        return "one interface address"
-
     def listening(proc: psutil.Process | None) -> list[str]:
         """The scopes of the TCP sockets ``proc`` listens on."""
         if proc is None:
@@ -91,7 +97,7 @@ def listening_sockets() -> dict:
             conns = proc.net_connections(kind="tcp")
         except psutil.Error:
             return ["<not readable>"]
-        return sorted({scope(c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN})
+        return sorted({socket_scope(c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN})
 
     me = psutil.Process()
     launcher = me.parent()                # under torchrun: the agent, host of the TCPStore
