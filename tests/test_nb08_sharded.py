@@ -280,8 +280,8 @@ def test_bytes_sent_per_step_by_stage(group):
     assert total["ZeRO-2"] == total["DDP"]
     text = markdown()
     assert "Up to stage 2 it costs no extra bytes" not in text
-    assert "stage 2 costs no extra bytes, and nor does stage 1 when it reduce-scatters as the paper does; " \
-           "an all_reduce-based ZeRO-1 (ours) sends 1.5 times DDP's bytes per rank" in text
+    assert "- ZeRO-2 sends what DDP sends.\n- So does a ZeRO-1 that reduce-scatters the gradient. " \
+           "An all_reduce-based ZeRO-1 (ours) sends 1.5 times DDP's bytes per rank" in text
     assert "21,708 against 14,472" in text
     # ZeroRedundancyOptimizer's broadcasts at 2 ranks, uneven: what each owner sends (torch's partition)
     sizes = [p.numel() for p in helper.make_model().parameters()]
