@@ -154,8 +154,9 @@ def test_the_fit_and_the_explorer_use_the_bytes_gloo_sends():
     assert "gloo_factor(*key)" in fit_cell and "bus_factor" not in fit_cell
     text = "\n".join(s for s, t in cells if t == "markdown")
     code = "\n".join(s for s, t in cells if t == "code")
-    assert "reduce_scatter_tensor_coalesced" in WHY["10"][2] and "Notebook 08" in WHY["10"][2]   # question 2's answer
-    assert "ReduceScatterHalvingDoubling" in WHY["10"][2] and "does not use it" in WHY["10"][2]
+    assert "gloo/broadcast.cc" in WHY["10"][2] and "2 S on 4 ranks" in WHY["10"][2]   # question 2's answer
+    assert "reduce_scatter_tensor_coalesced" in text and "notebook 08 counted" in text
+    assert "ReduceScatterHalvingDoubling" in text and "has a reduce-scatter of its own" in text
     assert "link's bandwidth" in text and "1/β is not the link's bandwidth" in text
     assert "busbw approaches 1/β" not in text and "(here 1/β)" not in text
 

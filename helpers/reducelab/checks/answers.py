@@ -170,13 +170,11 @@ WHY = {
             "time of 4 bytes. A 64 MiB all_reduce is dominated by its bytes. So the time "
             "grows much less than the bytes: a small collective is latency-bound, a large one "
             "bandwidth-bound.",
-        2: "ProcessGroupGloo's reduce_scatter all-reduces the whole input and keeps this "
-            "rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced in "
-            "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), so each rank sends what an "
-            "all_reduce sends, 2(n - 1)/n S = 1.5 S on 4 ranks: twice what the best algorithm "
-            "must. The gloo library has a reduce-scatter algorithm of its own "
-            "(ReduceScatterHalvingDoubling, gloo/reduce_scatter.h); ProcessGroupGloo does not "
-            "use it. Notebook 08 counted the same bytes.",
+        2: "gloo's broadcast is a tree (gloo/broadcast.cc): in each round every rank that "
+            "already holds the tensor sends all of it to one that does not, so the root sends "
+            "the whole tensor in each of ceil(log2 n) rounds: 2 S on 4 ranks, twice what a "
+            "pipelined chain must send from any rank. Few rounds suit small messages; for large "
+            "ones the root's link carries the whole tensor again in every round.",
         3: "torch's sum of a bf16 tensor on the CPU accumulates in float32 and rounds to "
             "bf16 once, at the end. gloo's all_reduce rounds to bf16 after every addition of "
             "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
