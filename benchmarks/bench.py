@@ -266,7 +266,10 @@ def bench_notebook_explorers(notebooks: list[str] | None = None, think: float = 
     seconds the kernel and every process it started spent in the sweep, per move
     (``explorer_moves.CpuMeter``: the ranks' runs, resizes, figures, spares). Then the
     drag test: one slider dragged across its range at 60 changes a second. By notebook:
-    the median and worst wait, the worst move, the CPU per move and the drag's result."""
+    the median and worst wait, the worst move, the CPU per move and the drag's result;
+    and the median wait of the moves that kept the group's world size (the goal of issue
+    23 is stated at world size 4: a move of any other control, while a move of the
+    world-size slider has the worst-move goal), with that world size."""
     from explorer_moves import NOTEBOOKS, Learner
     out = {}
     names = notebooks or sorted(p.stem[:2] for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -285,6 +288,7 @@ def bench_notebook_explorers(notebooks: list[str] | None = None, think: float = 
         finally:
             learner.close()
         waits = [m[2] for m in moves]
+        kept = [m for m in moves if m[4] == m[5]]
         worst = max(moves, key=lambda m: m[2])
         worst_complete = max(moves, key=lambda m: m[3])
         out[path.stem] = {"moves": len(moves), "median_s": statistics.median(waits),
@@ -293,6 +297,9 @@ def bench_notebook_explorers(notebooks: list[str] | None = None, think: float = 
                           "complete_worst_s": worst_complete[3],
                           "complete_worst_move": f"{worst_complete[0]}={worst_complete[1]}",
                           "cpu_per_move_s": cpu.seconds / len(moves),
+                          "kept_moves": len(kept),
+                          "kept_median_s": statistics.median(m[2] for m in kept) if kept else None,
+                          "kept_world_sizes": sorted({m[4] for m in kept}),
                           "waits": [list(m) for m in moves], "drag": drag}
     return out
 
@@ -477,12 +484,15 @@ def report(r: dict) -> str:
                       f"a long measurement shows an interim figure, that one), and to the "
                       f"complete figure where it came later. CPU per move: the seconds of "
                       f"CPU the kernel and every process it started (ranks, forkserver, "
-                      f"spares) spent in the sweep, divided by its moves. Drag test: one "
-                      f"slider dragged across its range at 60 changes per second.", "",
-                  "| notebook explorer | moves | median wait | worst wait (move) | complete "
+                      f"spares) spent in the sweep, divided by its moves. Same world size: "
+                      f"the median wait of the moves that kept the group's world size (every "
+                      f"control but the one that resizes it), at that world size. Drag test: "
+                      f"one slider dragged across its range at 60 changes per second.", "",
+                  "| notebook explorer | moves | median wait | same world size: median wait "
+                  "(moves, world size) | worst wait (move) | complete "
                   "figure, where later: median, worst (move) | CPU per move | drag test: "
                   "slider, steps sent, refreshes run, last figure for, settled after |",
-                  "|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|"]
         for k, v in sorted(r["explorers"].items()):
             if "median_s" not in v:
                 continue
@@ -496,7 +506,10 @@ def report(r: dict) -> str:
             complete = (f"{ms(v['complete_median_s'])}, {ms(v['complete_worst_s'])} "
                         f"({v['complete_worst_move']})" if later else "same")
             cpu = f"{v['cpu_per_move_s']:.2f} s" if "cpu_per_move_s" in v else "n/a"
-            lines.append(f"| {k} | {v['moves']} | {ms(v['median_s'])} | {ms(v['worst_s'])} "
+            kept = ("n/a" if "kept_moves" not in v else "none" if not v["kept_moves"] else
+                    f"{ms(v['kept_median_s'])} ({v['kept_moves']}, "
+                    f"{', '.join(map(str, v['kept_world_sizes']))})")
+            lines.append(f"| {k} | {v['moves']} | {ms(v['median_s'])} | {kept} | {ms(v['worst_s'])} "
                          f"({v['worst_move']}) | {complete} | {cpu} | {drag} |")
     if "failures" in r:
         lines += ["", "| case | outcome |", "|---|---|"]

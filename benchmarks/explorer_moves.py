@@ -34,10 +34,14 @@ _bench = _create_comm(target_name="reducelab-bench")
 def _jsonable(v):
     return v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)
 
+def _world_size():
+    return getattr(explorer.group, "world_size", None)
+
 _refresh = explorer.refresh
 def _reported_refresh():
     _refresh()
     _bench.send({"refreshes": getattr(explorer, "refreshes", None), "seconds": explorer.seconds,
+                 "world_size": _world_size(),
                  "values": {k: _jsonable(v) for k, v in explorer.values.items()}})
 explorer.refresh = _reported_refresh
 
@@ -63,7 +67,7 @@ def _moves(w):
     return []
 
 print("CONTROLS " + _json.dumps({
-    "bench_comm": _bench.comm_id,
+    "bench_comm": _bench.comm_id, "world_size": _world_size(),
     "controls": {name: {"model_id": w.model_id, "value": _jsonable(w.value),
                         "slider": isinstance(w, (_W.IntSlider, _W.FloatSlider, _W.SelectionSlider)),
                         "moves": _moves(w)}
@@ -145,6 +149,7 @@ class Learner:
         out = self.execute(f"TEXT_VALUES = {TEXT_VALUES!r}\n" + PROBE)
         spec = json.loads(out.split("CONTROLS ", 1)[1])
         self.controls, self.bench_comm = spec["controls"], spec["bench_comm"]
+        self.world_size = spec["world_size"]   # the group's, as the last figure found it
         self.values = {k: c["value"] for k, c in self.controls.items()}
         return time.perf_counter() - t0
 
@@ -186,7 +191,8 @@ class Learner:
         """Set ``control`` as a browser does; return ``(first, complete)``: the seconds
         until the first figure for ``value`` is drawn (an interim figure of a long
         measurement, :meth:`reducelab.widgets.Explorer.show_interim`, counts) and until
-        the refresh's complete figure is."""
+        the refresh's complete figure is. :attr:`world_size` becomes the group's world
+        size after the move."""
         t0 = time.perf_counter()
         self.send(control, state)
         first = None
@@ -195,12 +201,15 @@ class Learner:
                 first = t - t0 if first is None else first
                 if not data.get("interim"):
                     self.values = data["values"]
+                    self.world_size = data.get("world_size")
                     return first, t - t0
         raise TimeoutError(f"{self.name}: no figure for {control}={value!r} within {timeout} s")
 
     def sweep(self, think: float = 0.0):
         """Every control through each of its options, then back to where it was: yields
-        ``(control, value, first, complete)`` per move (seconds, see :meth:`move`)."""
+        ``(control, value, first, complete, world_size_before, world_size_after)`` per
+        move (seconds, see :meth:`move`; the group's world size before and after the
+        move, equal where the move did not resize it)."""
         for name, spec in self.controls.items():
             start = self.values[name]
             moves = [m for m in spec["moves"]]
@@ -208,7 +217,8 @@ class Learner:
             for state, value in moves + ([back] if back else []):
                 if value == self.values.get(name):
                     continue
-                yield (name, value, *self.move(name, state, value))
+                before = self.world_size
+                yield (name, value, *self.move(name, state, value), before, self.world_size)
                 if think:
                     time.sleep(think)
 

@@ -188,7 +188,7 @@ def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
                                        "wait_median_s": statistics.median(m[2] for m in moves),
                                        "wait_p95_s": p95([m[2] for m in moves]),
                                        "complete_p95_s": p95([m[3] for m in moves]),
-                                       "slowest": [f"{c}={v}: {t * 1e3:.0f} ms" for c, v, t, _ in
+                                       "slowest": [f"{c}={v}: {t * 1e3:.0f} ms" for c, v, t, *_ in
                                                    sorted(moves, key=lambda m: -m[2])[:3]]}
                                 for name, moves in by_notebook.items() if moves},
                 "errors": errors}

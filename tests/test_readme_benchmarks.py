@@ -50,6 +50,32 @@ def test_the_readme_names_the_explorers_that_meet_the_median_goal_in_the_stored_
     assert (count, total, sorted(names)) == (len(meet), len(run["explorers"]), meet)
 
 
+def test_the_same_world_size_medians_are_those_of_the_stored_moves_and_the_readme_names_who_meets_the_goal():
+    """Issue 23 states its median goal at world size 4: a move of a control that does not
+    resize the group. Each explorer's stored "same world size" median, its count and its
+    world sizes are re-derived from its stored moves (a move is ``[control, value, first,
+    complete, world size before, after]``), and the README's count and list of explorers
+    at or under 100 ms on that measure are the stored run's."""
+    run = json.loads((RESULTS / "latest.json").read_text())
+    meet = []
+    for name, e in run["explorers"].items():
+        kept = [m for m in e["waits"] if len(m) == 6 and m[4] == m[5]]
+        assert len(kept) == e["kept_moves"] and sorted({m[4] for m in kept}) == e["kept_world_sizes"], name
+        if kept:
+            waits = sorted(m[2] for m in kept)
+            mid = len(waits) // 2
+            median = waits[mid] if len(waits) % 2 else (waits[mid - 1] + waits[mid]) / 2
+            assert abs(median - e["kept_median_s"]) < 1e-12, name
+            if median <= 0.100:
+                meet.append(name[:2])
+    text = " ".join(README.split())
+    said = re.search(r"Counting only the moves that keep the group's world size, (\d+) of "
+                     r"the (\d+) explorers meet it \(([^)]*)\)", text)
+    assert said, "the README no longer says which explorers meet the goal at one world size"
+    count, total, names = int(said[1]), int(said[2]), re.findall(r"\d\d", said[3])
+    assert (count, total, sorted(names)) == (len(meet), len(run["explorers"]), sorted(meet))
+
+
 RESTARTS = {"04_ddp_gradients": (("world_size",), "a fraction of a second"),
             "08_sharded_data_parallel": (("world_size",), "under a second on an idle 2-core machine"),
             "13_what_ddp_expects_of_a_model": (("world_size",), "under a second on an idle 2-core machine"),
