@@ -469,17 +469,18 @@ def test_misconception_default_timeouts_thirty_minutes_on_gloo_ten_on_nccl():
 
 
 def test_misconception_detail_costs_more_than_twice_the_time_of_a_small_all_reduce():
-    """The claim the prose makes ("more than twice as long", the median of 7 paired
-    ratios), re-derived from the cell's stored output, and the output's own shape."""
+    """The claim the prose makes ("more than twice as long in each of the 7 paired
+    runs"), re-derived from the cell's stored output: the smallest of the 7 ratios, not
+    only their median; and the output's own shape."""
     shown = stored_output("def ms_per_all_reduce")
     pairs = re.findall(r"(\d+\.\d+) / (\d+\.\d+)", shown)
     assert len(pairs) == 7, shown
     ratios = sorted(float(d) / float(o) for o, d in pairs)
     printed = float(re.search(r"DETAIL / OFF: median (\d+\.\d)x", shown).group(1))
     assert abs(printed - statistics.median(ratios)) < 0.11
-    assert statistics.median(ratios) > 2.0, shown
+    assert ratios[0] > 2.0, shown
     text = next(t for t in markdown_cells() if t.startswith("Reality: with DETAIL"))
-    assert "more than twice as long" in text
+    assert "more than twice as long in each of the 7 paired runs" in text
 
 
 def test_misconception_the_debug_level_is_fixed_when_the_group_starts(short, detail):
