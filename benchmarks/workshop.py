@@ -146,11 +146,28 @@ def p95(times: list[float]) -> float:
     return times[min(len(times) - 1, int(0.95 * len(times)))]
 
 
+def _busy(times) -> float:
+    """CPU seconds of every core spent running something: user (guest time is part of
+    it on Linux), nice, system and interrupts; not idle, I/O wait or time another
+    virtual machine took (steal)."""
+    return sum(getattr(times, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq"))
+
+
 HEAVY = ("02", "08", "10")
 """The notebooks whose explorers the class moves: the heaviest figures and runs."""
 
 
 def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
+    """K learners at once, each on one of ``notebooks`` (in turn), each moving every
+    control through its options ``rounds`` times, ``think`` seconds after each new
+    figure. Returns the waits per move, PSS per learner, and how busy the machine's
+    cores were while the class moved: ``cores_busy``, the CPU seconds the whole machine
+    spent (``psutil.cpu_times()``, every core, all but idle and I/O wait) per second of
+    the moves, at most the machine's cores, where the class asked for more than the
+    machine has and moves queue. Meant for a machine that runs nothing else: this
+    process's own share (the learners' threads) counts too. Per-process meters
+    (``explorer_moves.CpuMeter``, one per learner) were tried first and cost the class
+    more than they measured: each scans every process of the machine 20 times a second."""
     from explorer_moves import Learner
     learners = []
     try:
@@ -168,12 +185,16 @@ def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
             except Exception as err:  # noqa: BLE001 - reported below
                 errors.append(f"{learners[i].name}: {err}")
         threads = [threading.Thread(target=learner_moves, args=(i,)) for i in range(k)]
+        before = psutil.cpu_times()
+        t0 = time.perf_counter()
         for t in threads:
             t.start()
         time.sleep(2.0)
         pss = [pss_of_tree(learner.km.provisioner.process.pid) for learner in learners]
         for t in threads:
             t.join()
+        wall = time.perf_counter() - t0
+        cpu = _busy(psutil.cpu_times()) - _busy(before)
         times = sorted(m[2] for r in results for m in r)
         complete = sorted(m[3] for r in results for m in r)
         by_notebook = {}
@@ -184,6 +205,7 @@ def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
                 "wait_median_s": statistics.median(times), "wait_p95_s": p95(times),
                 "complete_median_s": statistics.median(complete),
                 "complete_p95_s": p95(complete),
+                "cpu_s": cpu, "wall_s": wall, "cores_busy": cpu / wall,
                 "by_notebook": {name: {"moves": len(moves),
                                        "wait_median_s": statistics.median(m[2] for m in moves),
                                        "wait_p95_s": p95([m[2] for m in moves]),
@@ -252,13 +274,15 @@ def report(r: dict) -> str:
                   f"figure (load average before: "
                   f"{', '.join(f'{x:.1f}' for x in load) if load else 'n/a'}).", "",
               "| learners (kernels at once) | moves | PSS per learner | wait median | wait p95 | "
-              "complete figure: median, p95 |",
-              "|---|---|---|---|---|---|"]
+              "complete figure: median, p95 | machine's cores busy while moving (CPU per move) |",
+              "|---|---|---|---|---|---|---|"]
     for c in r["classroom"]:
         lines.append(f"| {c['learners']} | {c['moves']} | {c['pss_per_learner_gib']:.2f} GiB | "
                      f"{c['wait_median_s'] * 1e3:.0f} ms | {c['wait_p95_s'] * 1e3:.0f} ms | "
                      f"{c.get('complete_median_s', c['wait_median_s']) * 1e3:.0f} ms, "
-                     f"{c.get('complete_p95_s', c['wait_p95_s']) * 1e3:.0f} ms |"
+                     f"{c.get('complete_p95_s', c['wait_p95_s']) * 1e3:.0f} ms | "
+                     + (f"{c['cores_busy']:.2f} of {psutil.cpu_count()} ({c['cpu_s'] / c['moves']:.2f} s) |"
+                        if "cores_busy" in c else "n/a |")
                      + (f" errors: {'; '.join(c['errors'])}" if c.get("errors") else ""))
     largest = max(r["classroom"], key=lambda c: c["learners"], default=None)
     if largest and largest.get("by_notebook"):
