@@ -162,7 +162,7 @@ def classroom(k: int, think: float, rounds: int, notebooks=HEAVY) -> dict:
     control through its options ``rounds`` times, ``think`` seconds after each new
     figure. Returns the waits per move, PSS per learner, and how busy the machine's
     cores were while the class moved: ``cores_busy``, the CPU seconds the whole machine
-    spent (``psutil.cpu_times()``, every core, all but idle and I/O wait) per second of
+    spent running something (``psutil.cpu_times()``, every core: :func:`_busy`) per second of
     the moves, at most the machine's cores, where the class asked for more than the
     machine has and moves queue. Meant for a machine that runs nothing else: this
     process's own share (the learners' threads) counts too. Per-process meters

@@ -25,7 +25,7 @@ def test_the_readme_shows_the_stored_benchmark_tables_as_they_are():
 
 def test_the_readme_sizing_table_quotes_the_stored_class_figures():
     """The sizing table's waits per class size, median (95th percentile) in ms, and its
-    memory range are those of workshop.json."""
+    memory range are those of workshop.json; the class table's rows are workshop.md's."""
     run = json.loads((RESULTS / "workshop.json").read_text())
     parts = [f"{round(c['wait_median_s'] * 1e3)} ({round(c['wait_p95_s'] * 1e3)}) ms for {c['learners']}"
              for c in run["classroom"]]
@@ -36,6 +36,11 @@ def test_the_readme_sizing_table_quotes_the_stored_class_figures():
     low, high = map(float, re.search(r"\| ([\d.]+) to ([\d.]+) GiB", row).groups())
     assert (low, high) == (round(min(pss), 2), round(max(pss), 2))
     assert f"{run['alone']['pss_gib']:.2f} GiB for one learner on notebook 01" in row
+    rows = [line for line in (RESULTS / "workshop.md").read_text().splitlines()
+            if re.match(r"\| \d+ \| \d+ \| [\d.]+ GiB \|", line)]
+    assert len(rows) == len(run["classroom"])
+    missing = [r[:60] for r in rows if r not in README.splitlines()]
+    assert not missing, f"class rows not in the README as stored: {missing}"
 
 
 def test_the_readme_names_the_explorers_that_meet_the_median_goal_in_the_stored_run():
