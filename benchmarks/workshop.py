@@ -51,6 +51,35 @@ import torch.distributed as dist
 setup(0)
 group = LocalGroup(world_size=4)
 """
+FIRST_CALLS = {
+    "DDP": ("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "def first_call():\n"
+            "    model = DDP(torch.nn.Linear(8, 2))\n"
+            "    model(torch.ones(4, 8)).sum().backward()\n"),
+    "DTensor": ("from torch.distributed.device_mesh import init_device_mesh\n"
+                "from torch.distributed.tensor import Shard, distribute_tensor\n"
+                "def first_call():\n"
+                "    mesh = init_device_mesh('cpu', (dist.get_world_size(),))\n"
+                "    (distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)]) * 2).full_tensor()\n"),
+    "FSDP2": ("from torch.distributed.device_mesh import init_device_mesh\n"
+              "from torch.distributed.fsdp import fully_shard\n"
+              "def first_call():\n"
+              "    mesh = init_device_mesh('cpu', (dist.get_world_size(),))\n"
+              "    model = fully_shard(torch.nn.Linear(8, 2), mesh=mesh)\n"
+              "    model(torch.ones(4, 8)).sum().backward()\n"),
+}
+"""For each kind of call the issue names, a cell a learner would run after the setup
+cell: its imports and a rank function that makes its first such call."""
+TIME_FIRST_CALL = """
+import json as _json, time as _time
+_t0 = _time.perf_counter(); group.resize({n}); _t1 = _time.perf_counter()
+group.run(first_call); _t2 = _time.perf_counter()
+group.run(first_call); _t3 = _time.perf_counter()
+print("FIRST " + _json.dumps([_t1 - _t0, _t2 - _t1, _t3 - _t2]))
+"""
+"""Resize to ``n`` fresh ranks, then the first call on them and a second one: seconds."""
+
+
 def execute(kc, code: str, timeout: float = 600) -> tuple[float, str]:
     """Run ``code`` in the kernel; return (wall seconds from request to idle, stdout)."""
     t0 = time.perf_counter()
@@ -69,30 +98,46 @@ def execute(kc, code: str, timeout: float = 600) -> tuple[float, str]:
             return time.perf_counter() - t0, "".join(out)
 
 
-def in_fresh_kernel(*cells: str, cwd: str | None = None) -> list[float]:
+def in_fresh_kernel(*cells: str, cwd: str | None = None, outputs: bool = False) -> list:
     """Run ``cells`` one after another in a fresh kernel (started in ``cwd``), then shut
-    it down; return each cell's seconds from the request to the kernel's idle."""
+    it down; return each cell's seconds from the request to the kernel's idle (with
+    ``outputs``: ``(seconds, stdout)`` per cell)."""
     km, kc = start_new_kernel(kernel_name="python3", **({"cwd": cwd} if cwd else {}))
     try:
-        return [execute(kc, code)[0] for code in cells]
+        return [execute(kc, code) if outputs else execute(kc, code)[0] for code in cells]
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
 
 
 def first_start(repeat: int, preload: str = "full") -> dict:
+    """With ``REDUCELAB_PRELOAD=preload``, ``repeat`` times: a bare ``import torch`` in a
+    fresh kernel, then :data:`SETUP` in another, a warm start of another group of 4, and
+    for each of :data:`FIRST_CALLS` in turn, its cell and a resize to fresh ranks (3, 4,
+    3: each a new world size) with the first call on them and a second one (what a
+    preload that lightens the setup cell could move onto that first call). Medians."""
     import os
     os.environ["REDUCELAB_PRELOAD"] = preload  # the kernels inherit it
     bare, setup, warm = [], [], []
+    first: dict[str, list] = {kind: [] for kind in FIRST_CALLS}
     for _ in range(repeat):
         bare += in_fresh_kernel("import torch")
-        s, w = in_fresh_kernel(SETUP, "LocalGroup(world_size=4).close()")
-        setup.append(s)
-        warm.append(w)
+        cells = [SETUP, "LocalGroup(world_size=4).close()"]
+        for kind, n in zip(FIRST_CALLS, (3, 4, 3)):
+            cells += [FIRST_CALLS[kind], TIME_FIRST_CALL.format(n=n)]
+        out = in_fresh_kernel(*cells, outputs=True)
+        setup.append(out[0][0])
+        warm.append(out[1][0])
+        for kind, (_, printed) in zip(FIRST_CALLS, out[3::2]):
+            first[kind].append(json.loads(printed.split("FIRST ", 1)[1]))
     os.environ.pop("REDUCELAB_PRELOAD")
     b, s = statistics.median(bare), statistics.median(setup)
     return {"preload": preload, "bare_import_torch_s": b, "setup_cell_s": s, "ratio": s / b,
-            "warm_start_s": statistics.median(warm)}
+            "warm_start_s": statistics.median(warm),
+            "first_calls": {kind: {"resize_s": statistics.median(t[0] for t in ts),
+                                   "first_s": statistics.median(t[1] for t in ts),
+                                   "second_s": statistics.median(t[2] for t in ts)}
+                            for kind, ts in first.items()}}
 
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
@@ -240,12 +285,18 @@ def alone(notebook: str = "01") -> dict:
 def report(r: dict) -> str:
     lines = [f"Workshop benchmark of {r['when']} on {r['machine']}, torch {r['torch']}.", "",
              "| forkserver preload (`REDUCELAB_PRELOAD`) | bare `import torch` | setup cell: "
-             "imports and `LocalGroup(world_size=4)` | ratio | warm start of another group of 4 |",
-             "|---|---|---|---|---|"]
+             "imports and `LocalGroup(world_size=4)` | ratio | warm start of another group of 4 |"
+             + "".join(f" first {k} call after a resize: resize, first call (second) |"
+                       for k in FIRST_CALLS),
+             "|---|---|---|---|---|" + "---|" * len(FIRST_CALLS)]
     for f in r["first_start"]:
+        calls = f.get("first_calls", {})
         lines.append(f"| {f['preload']} | {f['bare_import_torch_s']:.2f} s | "
                      f"{f['setup_cell_s']:.2f} s | {f['ratio']:.2f}x | "
-                     f"{f['warm_start_s'] * 1e3:.0f} ms |")
+                     f"{f['warm_start_s'] * 1e3:.0f} ms |"
+                     + "".join(f" {calls[k]['resize_s']:.2f} s, {calls[k]['first_s']:.2f} s "
+                               f"({calls[k]['second_s'] * 1e3:.0f} ms) |" if k in calls else " n/a |"
+                               for k in FIRST_CALLS))
     n = r.get("notebooks_first_start")
     if n:
         lines += ["", f"Each notebook's own setup cell (its first code cell) in a fresh kernel, "

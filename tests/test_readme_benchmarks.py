@@ -152,6 +152,18 @@ def test_each_header_states_the_slowest_stored_browser_run_plus_room():
             and f"took {low} s ({low_nb}) to {high} s ({high_nb})" in prose)
 
 
+def test_the_readme_shows_the_stored_first_start_rows_with_the_first_calls_after_a_resize():
+    """The first-start table (setup cell by preload, then the first DDP, DTensor and FSDP2
+    call after a resize) is workshop.md's, row for row; the README marks the default."""
+    rows = [line for line in (RESULTS / "workshop.md").read_text().splitlines()
+            if re.match(r"\| (full|eager|torch) \| [\d.]+ s \|", line)]
+    run = json.loads((RESULTS / "workshop.json").read_text())
+    assert len(rows) == 3 and all(len(f["first_calls"]) == 3 for f in run["first_start"])
+    shown = [r.replace("| full |", "| full (default) |", 1) for r in rows]
+    missing = [r[:60] for r in shown if r not in README.splitlines()]
+    assert not missing, f"first-start rows not in the README as stored: {missing}"
+
+
 def test_the_readme_shows_each_notebooks_stored_setup_cell_time_and_who_meets_the_goal():
     """Every notebook's own setup-cell row of workshop.md is in the README as stored, one
     per notebook, and the README's range of ratios and the one notebook it says meets
