@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import statistics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 RESULTS = ROOT / "benchmarks" / "results"
+README_LINES = set(README.splitlines())
+
+
+def not_in_readme(rows: list[str], width: int = 60) -> list[str]:
+    """The start of each of ``rows`` that is not a line of the README as it is."""
+    return [row[:width] for row in rows if row not in README_LINES]
 
 
 def test_the_readme_shows_the_stored_benchmark_tables_as_they_are():
@@ -19,7 +26,7 @@ def test_the_readme_shows_the_stored_benchmark_tables_as_they_are():
     shown = [line for line in lines
              if line.startswith("|") or line.startswith(("Explorers, ", "Widget round trip"))]
     assert len(shown) >= 30            # 4 world sizes, 5 failure cases, 16 explorers, headers
-    missing = [line[:90] for line in shown if line not in README.splitlines()]
+    missing = not_in_readme(shown, 90)
     assert not missing, f"not in the README as stored: {missing}"
 
 
@@ -39,7 +46,7 @@ def test_the_readme_sizing_table_quotes_the_stored_class_figures():
     rows = [line for line in (RESULTS / "workshop.md").read_text().splitlines()
             if re.match(r"\| \d+ \| \d+ \| [\d.]+ GiB \|", line)]
     assert len(rows) == len(run["classroom"])
-    missing = [r[:60] for r in rows if r not in README.splitlines()]
+    missing = not_in_readme(rows)
     assert not missing, f"class rows not in the README as stored: {missing}"
 
 
@@ -67,9 +74,7 @@ def test_the_same_world_size_medians_are_those_of_the_stored_moves_and_the_readm
         kept = [m for m in e["waits"] if len(m) == 6 and m[4] == m[5]]
         assert len(kept) == e["kept_moves"] and sorted({m[4] for m in kept}) == e["kept_world_sizes"], name
         if kept:
-            waits = sorted(m[2] for m in kept)
-            mid = len(waits) // 2
-            median = waits[mid] if len(waits) % 2 else (waits[mid - 1] + waits[mid]) / 2
+            median = statistics.median(m[2] for m in kept)
             assert abs(median - e["kept_median_s"]) < 1e-12, name
             if median <= 0.100:
                 meet.append(name[:2])
@@ -160,7 +165,7 @@ def test_the_readme_shows_the_stored_first_start_rows_with_the_first_calls_after
     run = json.loads((RESULTS / "workshop.json").read_text())
     assert len(rows) == 3 and all(len(f["first_calls"]) == 3 for f in run["first_start"])
     shown = [r.replace("| full |", "| full (default) |", 1) for r in rows]
-    missing = [r[:60] for r in shown if r not in README.splitlines()]
+    missing = not_in_readme(shown)
     assert not missing, f"first-start rows not in the README as stored: {missing}"
 
 
@@ -172,7 +177,7 @@ def test_the_readme_shows_each_notebooks_stored_setup_cell_time_and_who_meets_th
             if re.match(r"\| \d\d_\S+ \| [\d.]+ s \(", line)]
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert [row.split(" | ")[0][2:] for row in rows] == notebooks
-    missing = [row[:60] for row in rows if row not in README.splitlines()]
+    missing = not_in_readme(rows)
     assert not missing, f"not in the README as stored: {missing}"
     ratios = {name[:2]: x["ratio"] for name, x in
               json.loads((RESULTS / "workshop.json").read_text())
