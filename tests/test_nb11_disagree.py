@@ -272,11 +272,15 @@ def test_detail_names_the_mismatch_on_every_rank_in_its_own_words(detail, fn, di
 
 def test_outcome_prints_torchs_words_beside_every_summary_of_a_raised_error():
     """Wherever the notebook's `outcome` prints a summary of an error that torch raised,
-    it also prints torch's own text, word for word (wrapped at spaces)."""
+    it also prints torch's own text, word for word (wrapped at spaces). DETAIL's three
+    mismatches print its whole message once, then, for the other two, the end of it, where
+    the messages differ."""
     shown = stored_output("for fn in (shapes_differ, dtypes_differ, collectives_differ):\n    outcome(detail_group")
-    assert shown.count("in torch's words:") == 3
-    assert "RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective:" \
-        in " ".join(shown.split())
+    assert shown.count("in torch's words") == 3 and shown.count("in torch's words (the end):") == 2
+    joined = " ".join(shown.split())
+    assert joined.count("RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective:") == 1
+    for aspect in ("Tensor Tensor shapes: 4vs 5", "Tensor Tensor dtypes: Floatvs Double", "Op type: ALLREDUCEvs BROADCAST"):
+        assert "Collectives differ in the following aspects: " + aspect in joined
     for needle in ("outcome(detail_group, pipeline_then_barrier)", "outcome(probe, alone_in_all_reduce)"):
         shown = stored_output(needle)
         assert "in torch's words:" in shown
