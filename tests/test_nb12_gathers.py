@@ -654,3 +654,13 @@ def test_cost_figure_and_its_errors(drawn):
         cost_figure({})
     with pytest.raises(ValueError, match="positive number of seconds"):
         cost_figure({"a": {3_000: [0.0]}})
+
+
+def test_question_2_stays_unspoiled():
+    """How DistributedSampler deals positions to ranks (r, r + world_size, ...) is said after
+    question 2, which asks for rank 2's samples; above it only the padding is."""
+    cells = ["".join(c["source"]) for c in CELLS]
+    upto = next(i for i, s in enumerate(cells) if s.startswith("answer_2 = None"))
+    above = "\n".join(s for s, c in zip(cells[:upto], CELLS) if c["cell_type"] == "markdown")
+    assert "r + world_size" not in above and "pads it to a multiple of `world_size`" in above
+    assert "r + world_size" in "\n".join(cells[upto:])

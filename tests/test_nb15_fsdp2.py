@@ -625,3 +625,21 @@ def test_the_exercise_is_a_case_the_notebooks_did_not_run():
     assert len(set(SIZES)) == len(SIZES) and sum(SIZES) == 210       # unequal, 210 on every rank
     exercise = cell_with("## Exercise: gradient accumulation with FSDP2")
     assert "100, 70 and 40 digits" in exercise and "/ micro_batches" not in exercise
+
+
+def _markdown_before(marker: str) -> str:
+    """The notebook's markdown above the code cell that starts with ``marker``."""
+    upto = next(i for i, c in enumerate(CELLS) if "".join(c["source"]).startswith(marker))
+    return "\n".join("".join(c["source"]) for c in CELLS[:upto] if c["cell_type"] == "markdown")
+
+
+def test_questions_1_and_2_stay_unspoiled():
+    """The rule behind each answer comes after its question: how Shard(0) cuts rows
+    (torch.chunk, ceil) for question 1, what the default reshard_after_forward does for the
+    root for question 2. A fact review found both stated just above their questions."""
+    before_1 = _markdown_before("answer_1 = None")
+    assert "torch.chunk" not in before_1 and "ceil(" not in before_1
+    before_2 = _markdown_before("answer_2 = None")
+    assert "for the root" not in before_2 and "but the root" not in before_2
+    assert "torch.chunk(param, n, dim=0)" in markdown()[len(before_1):]   # said once answered
+    assert "`False` for the root" in markdown()[len(before_2):]

@@ -501,3 +501,16 @@ def test_the_gpu_part_says_what_was_not_run():
         assert fact in part, fact
     futures = (pathlib.Path(torch.__file__).parent / "futures" / "__init__.py").read_text()
     assert "``wait()`` will return, even if those\n        kernels are still running" in futures
+
+
+def test_questions_1_and_2_stay_unspoiled_from_the_top():
+    """Nothing above question 1 names the smaller first bucket (its answer), and nothing
+    above question 2 says how fp16 treats numbers below its smallest normal one (the header
+    once said both)."""
+    srcs = sources()
+    first = srcs.index(next(s for s in srcs if s.startswith("answer_1 = None")))
+    second = srcs.index(next(s for s in srcs if s.startswith("answer_2 = None")))
+    above_1 = "\n".join(srcs[:first])
+    assert "first bucket" not in above_1 and "1 MiB" not in above_1
+    above_2 = "\n".join(c for c in srcs[:second] if not c.startswith(("def", "print")))
+    assert "subnormal" not in above_2 and "2⁻²⁴" not in above_2 and "price" not in above_2
