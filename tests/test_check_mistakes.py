@@ -33,11 +33,14 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
   error on the ranks; the right steps skipped but counted as taken (fix); no step skipped.
 - 12 check_exact_mean_loss: test_nb12_gathers "usual". Here: a rank's own mean; the
   repeats left out of the sum but not the count.
-- 13 check_dropout_seeds: test_nb13_ddp_model "usual".
+- 13 check_evaluate_together: test_nb13_ddp_model "usual" (its own share, a mean of
+  means, each rank's own BatchNorm statistics, training mode, left in eval mode, a step
+  while evaluating, not a number), and rank 0 alone through the wrapper, which hangs.
 - 14 check_global_grad_norm: test_nb14_shards "usual". Here: an all_gather of the local
   pieces (fix), and one sum per parameter, which passes; the copies never summed.
 - 15 check_accumulate_step: test_nb15_fsdp2 "usual".
 - 16 check_ddp_buckets: test_nb16_buckets "usual" (every entry of checks.buckets.MISTAKES).
+- 17 check_dropout_seeds (moved from 13 with its exercise): test_nb17_randomness "usual".
 
 (Notebooks 13 and 16 also name torch's own ``_check_sync_bufs_pre_fwd`` and
 ``_check_comm_hook``: DDP internals, not checks of ours.)

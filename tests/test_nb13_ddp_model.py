@@ -21,11 +21,11 @@ import torch
 import conftest
 from reducelab import LocalGroup, RankError
 from reducelab.checks.answers import WHY
-from reducelab.checks.ddp_model import (BASE_SEEDS, MESHES, check_dropout_seeds, first_elements,
-                                        mask, stderr_during)
+from reducelab.checks.ddp_model import (SHARD_SIZES, check_evaluate_together, first_elements,
+                                        stderr_during)
 from reducelab.plots import MAX_WIDTH, MIN_FONT
 from reducelab.plots.ddp_model import (StepFigure, buffers_figure, construction_figure,
-                                       mask_figure, same_as_rank0)
+                                       same_as_rank0)
 from reducelab.widgets.ddp_model import (AUX_USED_ON, GROUPS, OPTIONS, SEEDINGS,
                                          DDPStepExplorer, StepResult, describe_result)
 
@@ -38,7 +38,7 @@ CELLS = json.loads(NOTEBOOK.read_text())["cells"]
 HANG = 4.0
 """Timeout (s) of the groups that hang here: the notebook uses 3 s; a busy 2-core test
 machine needs a little more to start and restart four ranks."""
-KEEP = {"never", "rank_0_only", "every_other", "always", "SEEDINGS", "DDP_OPTIONS"}
+KEEP = {"never", "rank_0_only", "every_other", "always", "DDP_OPTIONS"}
 """Module-level names the notebook assigns (lambdas, tables) that its functions need."""
 
 
@@ -306,44 +306,7 @@ def test_the_timing_claim_holds_in_the_stored_output():
     assert "`static_graph=True` costs about what the default costs" in prose
 
 
-# --- step 5: randomness ------------------------------------------------------------------------------
-def test_dropout_masks_follow_the_seeds(group):
-    same_seed = torch.stack(group.run(NB.dropout_mask, NB.SEEDINGS["torch.manual_seed(0) on every rank"]))
-    per_rank = torch.stack(group.run(NB.dropout_mask, NB.SEEDINGS["torch.manual_seed(rank)"]))
-    assert all(torch.equal(m, same_seed[0]) for m in same_seed)
-    assert len({tuple(m.tolist()) for m in per_rank}) == 4
-
-
-def test_zero_gradient_rows(group):
-    one = group.run(NB.zero_rows, lambda rank: 0)
-    own = group.run(NB.zero_rows, lambda rank: 1000 + rank)
-    assert len(set(one)) == 1 and len(set(own)) == 1                  # DDP averaged: every rank agrees
-    assert abs(one[0] - 32) <= 10 and own[0] <= 10 and one[0] > 3 * own[0]
-    assert f"The real run gives ({one[0]}, {own[0]})." in stored_text(cell_with("counts = ("))
-
-
-def test_fresh_ranks_share_a_generator_and_dataloader_workers_follow_the_rank_seed(group):
-    with LocalGroup(world_size=2, timeout=60) as fresh:
-        assert len(set(fresh.run(torch.initial_seed))) == 1
-    same_seed = group.run(NB.worker_seeds, NB.SEEDINGS["torch.manual_seed(0) on every rank"])
-    own = group.run(NB.worker_seeds, NB.SEEDINGS["torch.manual_seed(rank)"])
-    assert all(s == same_seed[0] for s in same_seed) and len({tuple(s) for s in own}) == 4
-    assert all(len(set(s)) == 2 for s in own)                         # two workers, two seeds
-
-
-def test_replicated_masks_on_a_dp_tp_mesh(group):
-    out = group.run(NB.replicated_masks)
-    coords = [c for c, _ in out]
-    assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    m = {name: torch.stack([masks[name] for _, masks in out]) for name in out[0][1]}
-    by_dp = m["seed = dp rank"]
-    assert torch.equal(by_dp[0], by_dp[1]) and torch.equal(by_dp[2], by_dp[3])
-    assert not torch.equal(by_dp[0], by_dp[2])
-    assert not torch.equal(m["seed = rank"][0], m["seed = rank"][1])
-    assert all(torch.equal(x, m["seed 0 on every rank"][0]) for x in m["seed 0 on every rank"])
-
-
-# --- step 6: evaluation on rank 0 ------------------------------------------------------------------------
+# --- step 5: evaluation on rank 0 ------------------------------------------------------------------------
 def test_evaluating_through_the_wrapper_hangs_and_module_does_not(quick):
     with pytest.raises(RankError) as info:
         quick.run(NB.evaluate_on_rank_0, "model")
@@ -353,7 +316,7 @@ def test_evaluating_through_the_wrapper_hangs_and_module_does_not(quick):
     assert quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False) == ["returned"] * 4
     with pytest.raises(RankError):
         quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False, grad=True)
-    assert "The real run gives False." in stored_text(cell_with("actual_5 = "))
+    assert "The real run gives False." in stored_text(cell_with("actual_4 = "))
 
 
 # --- the explorer --------------------------------------------------------------------------------------
@@ -437,92 +400,139 @@ def test_describe_has_no_numbers_of_rounding_size():
 
 # --- the exercise --------------------------------------------------------------------------------------
 def solution_lines() -> list[str]:
-    path = ROOT / "notebooks" / "solutions" / "13_dropout_seeds.py"
+    path = ROOT / "notebooks" / "solutions" / "13_evaluate_together.py"
     return [line.strip() for line in path.read_text().splitlines()
             if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
 
 
 def test_solution_passes_and_the_world_size_is_restored(group):
     group.resize(2)
-    verdict = check_dropout_seeds(group, conftest.load_solution("13_dropout_seeds").dropout_seeds)
+    verdict = check_evaluate_together(group, conftest.load_solution("13_evaluate_together").evaluate)
     assert verdict, verdict.message
-    assert "(2, 2), (4, 1), (1, 4)" in verdict.message and group.world_size == 2
+    assert f"all {sum(SHARD_SIZES)} validation samples" in verdict.message and group.world_size == 2
 
 
 def test_the_notebook_stub_fails_without_the_solution(group):
-    verdict = check_dropout_seeds(group, NB.dropout_seeds)
-    assert not verdict and "the same replicated seed 0" in verdict.message
-    assert "check_dropout_seeds(group, dropout_seeds)" in source_with("from reducelab.checks.ddp_model import check_dropout_seeds")
+    verdict = check_evaluate_together(group, NB.evaluate)
+    assert not verdict and "the model ran in training mode" in verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]
+    assert "check_evaluate_together(group, evaluate)" in \
+        source_with("from reducelab.checks.ddp_model import check_evaluate_together")
 
 
-def rank_as_both(base, mesh):
+def _sum_and_count(loss_sum, n):
     import torch.distributed as dist
-    return base + mesh.get_local_rank("dp"), base + dist.get_rank()
+    t = torch.stack([loss_sum, torch.tensor(float(n))])
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
 
 
-def sum_of_coordinates(base, mesh):
-    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    return base + d, base + 100 + d + t
+def through_the_wrapper(model, x, y):        # right: the wrapper's forward broadcasts rank 0's buffers
+    import torch.nn.functional as F
+    model.eval()
+    with torch.no_grad():
+        value = _sum_and_count(F.mse_loss(model(x), y, reduction="sum"), len(x))
+    model.train()
+    return value
 
 
-def tp_only(base, mesh):
-    return base + mesh.get_local_rank("dp"), base + 100 + mesh.get_local_rank("tp")
+def own_share_only(model, x, y):
+    import torch.nn.functional as F
+    model.eval()
+    with torch.no_grad():
+        value = F.mse_loss(model.module(x), y).item()
+    model.train()
+    return value
 
 
-def global_rank_replicated(base, mesh):
+def mean_of_means(model, x, y):
     import torch.distributed as dist
-    return base + dist.get_rank(), base + 100 + dist.get_rank()
+    import torch.nn.functional as F
+    model.eval()
+    with torch.no_grad():
+        loss = F.mse_loss(model(x), y)
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    model.train()
+    return loss.item()
 
 
-def one_replicated_seed(base, mesh):
-    import torch.distributed as dist
-    return base, base + 100 + dist.get_rank()
+def own_batchnorm_statistics(model, x, y):   # model.module on every rank: four sets of statistics
+    import torch.nn.functional as F
+    model.eval()
+    with torch.no_grad():
+        value = _sum_and_count(F.mse_loss(model.module(x), y, reduction="sum"), len(x))
+    model.train()
+    return value
 
 
-def random_seeds(base, mesh):
-    import random
-    return random.randrange(2 ** 40), random.randrange(2 ** 40)
+def training_mode(model, x, y):              # no eval(): BatchNorm takes in the validation batch
+    import torch.nn.functional as F
+    with torch.no_grad():
+        return _sum_and_count(F.mse_loss(model(x), y, reduction="sum"), len(x))
 
 
-def ignores_base(base, mesh):
-    import torch.distributed as dist
-    return mesh.get_local_rank("dp"), 100 + dist.get_rank()
+def left_in_eval_mode(model, x, y):
+    import torch.nn.functional as F
+    model.eval()
+    with torch.no_grad():
+        return _sum_and_count(F.mse_loss(model(x), y, reduction="sum"), len(x))
 
 
-def not_a_pair(base, mesh):
-    return base
+def steps_the_optimizer(model, x, y):        # a backward and an update while evaluating
+    import torch.nn.functional as F
+    model.eval()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    model.train()
+    return _sum_and_count(loss.detach() * len(x), len(x))
+
+
+def returns_a_list(model, x, y):
+    return [0.0]
 
 
 @pytest.mark.parametrize("mistake, explanation", [
-    (rank_as_both, "is both the replicated and the sharded seed of rank (dp 0, tp 0)"),
-    (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101"),
-    (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100"),
-    (global_rank_replicated, "are in the same tensor-parallel group but get the replicated seeds 0 and 1"),
-    (one_replicated_seed, "the data-parallel groups dp 0 and dp 1 get the same replicated seed 0"),
-    (random_seeds, "Derive the seeds from base_seed and the mesh only"),
-    (ignores_base, "the seeds must change with base_seed"),
-    (not_a_pair, "return two ints from 0 to 2**63 - 1"),
+    (own_share_only, "Each rank returned the mean loss of its own share (7, 5, 3 and 2 samples)"),
+    (mean_of_means, "the mean of the 4 ranks' own means. It weights every rank alike"),
+    (own_batchnorm_statistics, "each rank evaluated its share with its own BatchNorm running statistics"),
+    (training_mode, "the model ran in training mode"),
+    (left_in_eval_mode, "the model is still in eval mode"),
+    (steps_the_optimizer, "The parameters changed during evaluate"),
+    (returns_a_list, "Return the mean loss as a Python float"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
-    verdict = check_dropout_seeds(group, mistake)
+    verdict = check_evaluate_together(group, mistake)
     assert not verdict and explanation in verdict.message, verdict.message
     assert not [line for line in solution_lines() if line in verdict.message]
     assert group.world_size == 4
 
 
-def test_a_raising_function_and_a_non_function(group):
-    def raises(base, mesh):
-        return mesh.get_local_rank("pp"), 0
-    verdict = check_dropout_seeds(group, raises)
-    assert not verdict and "raised on the ranks" in verdict.message and "KeyError" in verdict.message
-    assert not check_dropout_seeds(group, "dropout_seeds")
+def test_the_wrappers_own_buffer_broadcast_passes_too(group):
+    """Every rank calls the wrapper: its forward broadcasts rank 0's buffers first
+    (forward_sync_buffers, step 2), so the loss is rank 0's model's."""
+    verdict = check_evaluate_together(group, through_the_wrapper)
+    assert verdict, verdict.message
 
 
-def test_masks_from_distinct_seeds_differ():
-    seeds = range(10)
-    assert len({tuple(mask(s).tolist()) for s in seeds}) == 10
-    assert torch.equal(mask(3), mask(3)) and mask(3).dtype == torch.bool
-    assert MESHES == ((2, 2), (4, 1), (1, 4)) and len(set(BASE_SEEDS)) == 2
+def test_rank_0_alone_through_the_wrapper_hangs_and_is_told(quick):
+    def rank_0_alone(model, x, y):
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        if dist.get_rank() == 0:
+            model.eval()
+            value = F.mse_loss(model(x), y).item()
+            model.train()
+            return value
+        return 0.0
+    verdict = check_evaluate_together(quick, rank_0_alone)
+    assert not verdict and "did not finish" in verdict.message and verdict.mistake == "hung past the timeout"
+
+
+def test_a_non_function_is_refused(group):
+    assert not check_evaluate_together(group, "evaluate")
 
 
 # --- helpers on the ranks ----------------------------------------------------------------------------
@@ -572,12 +582,6 @@ def test_static_figures(drawn):
     assert buffers_figure([1, 1.2], [1, 2], 1.5).startswith(PNG)
     with pytest.raises(ValueError, match="one value per rank"):
         buffers_figure([1, 2], [1], 1.5)
-    masks = {"a": rng.random((4, 16)) < 0.5, "b": rng.random((4, 16)) < 0.5}
-    assert mask_figure(masks, title="t").startswith(PNG)
-    with pytest.raises(ValueError, match="one shape"):
-        mask_figure({"a": np.zeros((4, 16)), "b": np.zeros((4, 8))})
-    with pytest.raises(ValueError, match="row_labels"):
-        mask_figure(masks, row_labels=["x"])
     assert same_as_rank0(np.array([[1, np.nan], [1, np.nan], [1, 2]])) == [True, True, False]
 
 
@@ -658,10 +662,8 @@ def test_header_and_cited_questions():
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom", head)
     text = markdown()
     for cited in ("open-mmlab/mmdetection#2153", "open-mmlab/mmdetection#4742, 2021-03-10",
-                  "pytorch/pytorch#36613 (2020-04-14)", "huggingface/transformers#31412, 2024-06-14",
-                  "huggingface/transformers#37932, 2025-05-02", "modelscope/DiffSynth-Studio#1001, 2025-10-17",
-                  "Lightning-AI/pytorch-lightning#6013, 2021-02-16", "pytorch/examples#760, 2020-04-25",
-                  "arXiv:1909.08053"):
+                  "pytorch/pytorch#36613 (2020-04-14)", "modelscope/DiffSynth-Studio#1001, 2025-10-17",
+                  "Lightning-AI/pytorch-lightning#6013, 2021-02-16", "pytorch/examples#760, 2020-04-25"):
         assert cited in text, cited
 
 

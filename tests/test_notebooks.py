@@ -323,14 +323,17 @@ def test_the_header_gives_the_study_time_and_the_run_time_the_readme_gives(path)
         f"README.md gives another run time for {path.name} than its header ({run} s): {row[-40:]}"
 
 MOVED = {"08": ("15", re.compile(r"FSDP2|fully_shard|reshard_after_forward")),
-         "10": ("16", re.compile(r"bucket|overlap|hides?\b|\bhooks?\b|powerSGD"))}
+         "10": ("16", re.compile(r"bucket|overlap|hides?\b|\bhooks?\b|powerSGD")),
+         "13": ("17", re.compile(r"dropout|\bseeds?\b|random|dropout_seeds"))}
 """Material that left a notebook when it was split: notebook 08's FSDP2 is in 15, notebook
-10's buckets, overlap and communication hooks are in 16 (issue 21, 4)."""
+10's buckets, overlap and communication hooks are in 16 (issue 21, 4), notebook 13's
+randomness across ranks (dropout masks, seeds, the dropout-seeds exercise) is in 17."""
 
 
 def test_pointers_to_split_notebooks_name_where_the_material_went():
-    """A sentence that sends the learner to notebook 08 for FSDP2, or to notebook 10 for
-    DDP's buckets, overlap or hooks, names the notebook that now holds it (15, 16)."""
+    """A sentence that sends the learner to notebook 08 for FSDP2, to notebook 10 for
+    DDP's buckets, overlap or hooks, or to notebook 13 for dropout and seeds, names the
+    notebook that now holds it (15, 16, 17)."""
     wrong = []
     for path in NOTEBOOKS + [ROOT / "README.md"]:
         if path.suffix == ".ipynb":

@@ -93,6 +93,7 @@ PLANS = {
     "14_clipping_and_checkpoints_across_shards.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
     "15_fsdp2.ipynb": Plan(("answer_1 = None", "answer_1 = 2")),
     "16_ddp_buckets_and_hooks.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
+    "17_randomness_across_ranks.ipynb": Plan(("answer_1 = None", "answer_1 = (True, True)")),
 }
 """One entry per notebook; a notebook without an entry fails the test."""
 

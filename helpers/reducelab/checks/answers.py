@@ -244,14 +244,7 @@ WHY = {
             "DDP never all-reduced it: backward() returned with each rank's own, local "
             "gradient, and the optimizer stepped on it. Nothing raised. From here the four "
             "replicas differ. The error comes one step later, at the next forward.",
-        4: "A row is zero when its unit was dropped for all 4 samples. With one seed the 4 "
-            "ranks drop the same units, so that happens with probability 1/2: about 32 of 64 "
-            "rows. With a seed per rank a unit must be dropped on 4 ranks independently, "
-            "(1/2)^4: about 4 of 64, what one process with 4 samples and a mask per sample "
-            "gives. With one seed every step trains about half of the units on the whole "
-            "global batch; with a seed per rank each sample gets a mask of its own, as in one "
-            "process.",
-        5: "Without buffers there is nothing to broadcast, and under torch.no_grad() DDP's "
+        4: "Without buffers there is nothing to broadcast, and under torch.no_grad() DDP's "
             "forward runs no collective at all. With gradients enabled it does hang: the "
             "first forward after the first backward rebuilds the gradient buckets, and "
             "_rebuild_buckets broadcasts rank 0's new bucket order (the two broadcasts step 4 "
@@ -325,6 +318,26 @@ WHY = {
             f"16 x {held:.4g} is {round(16 * held / 2**-24)} times 2^-24, a subnormal number fp16 "
             "holds exactly (the table below)."),
     },
+    "17": {
+        1: "full_tensor() all-gathers every rank's shard, so every rank gets the same tensor. "
+            "But fully_shard broadcasts nothing: it cuts each parameter into world_size chunks "
+            "along dim 0 and keeps chunk number rank (_init_sharded_param in "
+            "torch/distributed/fsdp/_fully_shard/_fsdp_param.py). Each rank keeps its rows of "
+            "the weight IT drew, so the whole is a patchwork: rows 0-1 from rank 0's "
+            "initialisation, rows 2-3 from rank 1's, and so on. It is no rank's model, and "
+            "nothing raises.",
+        2: "A row is zero when its unit was dropped for all 4 samples. With one seed the 4 "
+            "ranks drop the same units, so that happens with probability 1/2: about 32 of 64 "
+            "rows. With a seed per rank a unit must be dropped on 4 ranks independently, "
+            "(1/2)^4: about 4 of 64, what one process with 4 samples and a mask per sample "
+            "gives. With one seed every step trains about half of the units on the whole "
+            "global batch; with a seed per rank each sample gets a mask of its own, as in one "
+            "process.",
+        3: "With p=0.0 dropout returns its input and draws nothing from the global "
+            "generator; with p=0.1 it draws a mask from it. Every draw after that, the "
+            "data order included, starts from another state of the generator, so the order "
+            "changes although the seed did not. Two purposes shared one stream.",
+    },
 }
 
 
@@ -332,7 +345,7 @@ def why(notebook: str, question: int, **values) -> str:
     """The explanation question ``question`` of notebook ``notebook`` reveals, as ``str``.
 
     Args:
-        notebook: two digits, ``"01"`` to ``"16"``.
+        notebook: two digits, ``"01"`` to ``"17"``.
         question: the question's number (``answer_2`` is question 2).
         **values: what the question cell computed, for the entries that quote it
             (notebook 16, question 2: ``held``, the ``float`` fp16 holds for 2e-7).

@@ -7,21 +7,20 @@ on the ranks:
   numbers the notebook's figures show;
 * :func:`stderr_during` keeps what torch's C++ code writes to a rank's standard error
   while a function runs (its warnings, such as the reducer's);
-* :func:`seeds_on_mesh` runs a learner's seeding function on a real ``(dp, tp)`` device
-  mesh;
-* :func:`check_dropout_seeds` checks the exercise: dropout seeds for data-parallel and
-  tensor-parallel ranks.
+* :func:`evaluate_on_every_rank` trains a small DDP model with BatchNorm and dropout for
+  two steps, then runs a learner's ``evaluate`` on every rank, each on its own share of a
+  validation set, and one more training step;
+* :func:`check_evaluate_together` checks the exercise: the mean validation loss over
+  every rank's share, on every rank, between two training steps.
 
-Sources: DDP's construction broadcast and its reducer
-(``torch/nn/parallel/distributed.py``, torch 2.13; https://pytorch.org/docs/stable/notes/ddp.html);
-two random-number streams for tensor parallelism, one the same on every rank of a
-tensor-parallel group and one different on each of them (Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter
-Language Models Using Model Parallelism", 2019, arXiv:1909.08053;
-``model_parallel_cuda_manual_seed`` in ``megatron/core/tensor_parallel/random.py``).
+Sources: DDP's construction broadcast, its buffer sync and its reducer
+(``torch/nn/parallel/distributed.py``, torch 2.13; https://pytorch.org/docs/stable/notes/ddp.html).
+Notebook 17's check (dropout seeds for a dp x tp mesh) lives in :mod:`.randomness`.
 """
 from __future__ import annotations
 
-import itertools
+import math
+import numbers
 import os
 import sys
 import tempfile
@@ -30,14 +29,6 @@ import torch
 
 from . import Verdict, failed, passed, raised_on_ranks, restoring_world_size
 from ..errors import RankError
-
-MESHES = ((2, 2), (4, 1), (1, 4))
-"""The ``(dp, tp)`` mesh shapes the exercise's check runs, all at world size 4."""
-BASE_SEEDS = (0, 1234)
-"""The base seeds the check passes."""
-MASK_UNITS = 64
-"""Units in the masks the check draws from each seed (dropout with p = 0.5)."""
-
 
 # --- on the ranks ---------------------------------------------------------------------
 
@@ -91,142 +82,191 @@ def stderr_during(fn, *args, **kwargs):
     return result, text
 
 
-def seeds_on_mesh(fn, dp: int, tp: int, base_seeds=BASE_SEEDS) -> dict:
-    """Run ``fn(base_seed, mesh)`` on this rank of a ``(dp, tp)`` device mesh with
-    dimension names ``("dp", "tp")``, twice for each base seed. Runs on the ranks (the
-    check of notebook 13's exercise), at world size ``dp * tp``.
+
+
+SHARD_SIZES = (7, 5, 3, 2)
+"""How many validation samples each of the 4 ranks holds in the check: uneven, as the
+last batch of a split often is (notebook 12)."""
+
+
+def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
+    """Runs on the ranks (the check of notebook 13's exercise). Every rank builds the same
+    model with a BatchNorm and a dropout layer, wraps it in DDP and trains it ``steps``
+    SGD steps on its own batch of 8 (so each rank's BatchNorm running statistics differ,
+    as in notebook 13's step 2); then it calls ``fn(model, x, y)`` with the DDP wrapper and
+    its share of a validation set of ``sum(sizes)`` samples (rank r holds ``sizes[r]``, as
+    float32 ``(n, 4)`` and ``(n, 1)``); then it trains one more step.
 
     Returns:
-        ``{"dp_rank", "tp_rank", "seeds": {base: first result}, "again": {base: second
-        result}}``: this rank's coordinates in the mesh and what ``fn`` returned.
+        ``{"value": what fn returned (a float, or its repr), "reference": the mean squared
+        error over the whole validation set of the model rank 0 holds (its parameters and
+        buffers), in eval mode, "share_rank0" and "share_own": the summed squared error of
+        this rank's share with rank 0's and with this rank's own buffers, "sizes",
+        "buffers_ok": the buffers after fn are this rank's own or rank 0's, untouched by
+        training, "parameters_changed", "training_after": every module in training mode
+        after fn, "next_step": "" or the error text the next training step raised}``.
+        Computed on copies before fn runs; one broadcast of rank 0's buffers.
     """
+    import copy
+
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if dist.get_world_size() != dp * tp:
-        raise ValueError(f"a ({dp}, {tp}) mesh needs world size {dp * tp}, "
+    rank = dist.get_rank()
+    if dist.get_world_size() != len(sizes):
+        raise ValueError(f"{len(sizes)} shard sizes need world size {len(sizes)}, "
                          f"not {dist.get_world_size()}")
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    seeds = {base: fn(base, mesh) for base in base_seeds}
-    again = {base: fn(base, mesh) for base in base_seeds}
-    return {"dp_rank": mesh.get_local_rank("dp"), "tp_rank": mesh.get_local_rank("tp"),
-            "seeds": seeds, "again": again}
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.5),
+                              nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    torch.manual_seed(1000 + rank)                      # dropout: a stream per rank
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    v = torch.Generator().manual_seed(200)              # the validation set, the same everywhere
+    xv, yv = torch.randn(sum(sizes), 4, generator=v), torch.randn(sum(sizes), 1, generator=v)
+    start = sum(sizes[:rank])
+    mine = slice(start, start + sizes[rank])
+    own = copy.deepcopy(model.module).eval()
+    rank0 = copy.deepcopy(model.module).eval()
+    for buffer in rank0.buffers():
+        dist.broadcast(buffer, src=0)
+    with torch.no_grad():
+        reference = F.mse_loss(rank0(xv), yv).item()
+        share_rank0 = F.mse_loss(rank0(xv[mine]), yv[mine], reduction="sum").item()
+        share_own = F.mse_loss(own(xv[mine]), yv[mine], reduction="sum").item()
+    params = [p.detach().clone() for p in model.module.parameters()]
+    value = fn(model, xv[mine], yv[mine])
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    training_after = all(m.training for m in model.modules())
+    after = list(model.module.buffers())
+    buffers_ok = any(all(torch.equal(a, b) for a, b in zip(after, kept.buffers()))
+                     for kept in (own, rank0))
+    parameters_changed = not all(torch.equal(a, b.detach())
+                                 for a, b in zip(params, model.module.parameters()))
+    try:
+        model.train()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        next_step = ""
+    except RuntimeError as err:
+        next_step = str(err)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return {"value": float(value) if ok else repr(value)[:80], "reference": reference,
+            "share_rank0": share_rank0, "share_own": share_own, "sizes": tuple(sizes),
+            "buffers_ok": buffers_ok, "parameters_changed": parameters_changed,
+            "training_after": training_after, "next_step": next_step}
 
 
-def mask(seed: int, units: int = MASK_UNITS, p: float = 0.5) -> torch.Tensor:
-    """The dropout mask a generator seeded with ``seed`` draws: bool of shape
-    ``(units,)``, ``True`` for a dropped unit (probability ``p``)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(units, generator=g) < p
+def _close_to(a: float, b: float) -> bool:
+    return math.isfinite(a) and abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
-# --- the exercise's check -----------------------------------------------------------------
-
-def _is_seed(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
-
-
-def _where(dp: int, tp: int) -> str:
-    return f"(dp {dp}, tp {tp})"
-
-
-def _judge(dp: int, tp: int, rows: list[dict]) -> str | None:
-    """The first thing wrong with the seeds of one mesh, as a sentence, or ``None``."""
-    shape = f"On a ({dp}, {tp}) mesh"
-    for row in rows:
-        for base, got in row["seeds"].items():
-            if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(map(_is_seed, got))):
-                return (f"{shape}, rank {_where(row['dp_rank'], row['tp_rank'])} returned "
-                        f"{got!r} for base_seed={base}; return two ints from 0 to "
-                        f"2**63 - 1: (replicated_seed, sharded_seed).")
-            if row["again"][base] != got:
-                return (f"{shape}, rank {_where(row['dp_rank'], row['tp_rank'])} returned "
-                        f"{got} and then {row['again'][base]} for the same base_seed={base}. "
-                        f"Derive the seeds from base_seed and the mesh only, so that a "
-                        f"rerun draws the same masks.")
-    for base in BASE_SEEDS:
-        rep = {(r["dp_rank"], r["tp_rank"]): r["seeds"][base][0] for r in rows}
-        shd = {(r["dp_rank"], r["tp_rank"]): r["seeds"][base][1] for r in rows}
-        for d in range(dp):
-            seeds = {rep[d, t] for t in range(tp)}
-            if len(seeds) > 1:
-                a, b = next((t, u) for t, u in itertools.combinations(range(tp), 2)
-                            if rep[d, t] != rep[d, u])
-                return (f"{shape}, ranks {_where(d, a)} and {_where(d, b)} are in the same "
-                        f"tensor-parallel group but get the replicated seeds {rep[d, a]} and "
-                        f"{rep[d, b]}: they would drop different units of an activation they "
-                        f"both hold whole, and their copies of it would no longer agree. The "
-                        f"replicated seed must be the same within a tp group.")
-        for d, e in itertools.combinations(range(dp), 2):
-            if rep[d, 0] == rep[e, 0]:
-                return (f"{shape}, the data-parallel groups dp {d} and dp {e} get the same "
-                        f"replicated seed {rep[d, 0]}: both drop the same units of their "
-                        f"different samples, as if one mask served the whole global batch. "
-                        f"The replicated seed must differ between dp ranks.")
-        for a, b in itertools.combinations(sorted(shd), 2):
-            if shd[a] == shd[b]:
-                return (f"{shape}, ranks {_where(*a)} and {_where(*b)} get the same sharded "
-                        f"seed {shd[a]}: they would drop the same positions of their "
-                        f"different shards. Every rank of the mesh needs a sharded seed of "
-                        f"its own.")
-        both = set(rep.values()) & set(shd.values())
-        if both:
-            s = min(both)
-            owner = next(k for k, v in rep.items() if v == s)
-            other = next(k for k, v in shd.items() if v == s)
-            whose = (f"both the replicated and the sharded seed of rank {_where(*owner)}"
-                     if owner == other else f"the replicated seed of rank {_where(*owner)} and "
-                                            f"the sharded seed of rank {_where(*other)}")
-            return (f"{shape}, the seed {s} is {whose}: two random streams that should be "
-                    f"independent are one stream, and the masks repeat. Keep the sharded "
-                    f"seeds apart from every replicated seed (Megatron-LM adds an offset for "
-                    f"the same reason).")
-    first, second = BASE_SEEDS
-    for r in rows:
-        if r["seeds"][first] == r["seeds"][second]:
-            return (f"{shape}, rank {_where(r['dp_rank'], r['tp_rank'])} returns "
-                    f"{r['seeds'][first]} for base_seed={first} and for base_seed={second}: "
-                    f"the seeds must change with base_seed, or no run can draw other masks.")
-    return None
+def _judge_evaluation(rows: list[dict]) -> tuple[str, str] | None:
+    """The first thing wrong with one run of ``evaluate``, as ``(sentence, mistake)``,
+    or ``None``."""
+    sizes = rows[0]["sizes"]
+    n = sum(sizes)
+    shares = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
+    for r, row in enumerate(rows):
+        if not isinstance(row["value"], float):
+            return (f"Rank {r}'s evaluate returned {row['value']}. Return the mean loss as a "
+                    f"Python float, the same number on every rank.", "not a number")
+    if not all(row["buffers_ok"] for row in rows):
+        which = [r for r, row in enumerate(rows) if not row["buffers_ok"]]
+        return (f"BatchNorm's running statistics on rank(s) {', '.join(map(str, which))} were "
+                f"updated during evaluate: the model ran in training mode, so BatchNorm "
+                f"normalised each validation batch with that batch's own statistics and added "
+                f"them to its running ones, and dropout was on. Evaluate in eval mode.",
+                "evaluated in training mode")
+    if any(row["parameters_changed"] for row in rows):
+        return ("The parameters changed during evaluate: evaluating must not train. Leave "
+                "the optimizer and backward() out of it.", "trained while evaluating")
+    if not all(row["training_after"] for row in rows):
+        return ("After evaluate, the model is still in eval mode: the next training steps "
+                "would run without dropout and with BatchNorm's statistics frozen. Put the "
+                "model back in the mode it came in.", "left in eval mode")
+    broken = next((row["next_step"] for row in rows if row["next_step"]), "")
+    if broken:
+        return (f"The training step after evaluate raised: {broken.splitlines()[0][:200]}",
+                "broke the next step")
+    values = [row["value"] for row in rows]
+    reference = rows[0]["reference"]
+    if not all(_close_to(v, values[0]) for v in values):
+        mine = [(row["share_rank0"] / s, row["share_own"] / s) for row, s in zip(rows, sizes)]
+        if all(any(_close_to(row["value"], m) for m in pair) for row, pair in zip(rows, mine)):
+            return (f"Each rank returned the mean loss of its own share ({shares} samples): "
+                    f"{', '.join(f'{v:.4f}' for v in values)}. Every rank should return the "
+                    f"mean over all {n} samples, {reference:.4f}: combine the ranks' shares "
+                    f"with a collective that every rank calls.", "own share only")
+        return (f"The ranks returned different numbers: "
+                f"{', '.join(f'rank {r} {v:.4f}' for r, v in enumerate(values))}. Every rank "
+                f"should return the mean over all {n} samples, {reference:.4f}.",
+                "ranks disagree")
+    value = values[0]
+    if _close_to(value, reference):
+        return None
+    own_stats = sum(row["share_own"] for row in rows) / n
+    if _close_to(value, own_stats):
+        return (f"Every rank returned {value:.4f}: each rank evaluated its share with its own "
+                f"BatchNorm running statistics, which differ from rank to rank (step 2), so the "
+                f"{n} samples were scored by {len(rows)} different models. The model to evaluate "
+                f"is the one rank 0 holds, and saves: its parameters and its buffers. Its mean "
+                f"over all {n} samples is {reference:.4f}.", "own BatchNorm statistics")
+    for stats, shares_of in (("rank 0's", "share_rank0"), ("its own", "share_own")):
+        means = [row[shares_of] / s for row, s in zip(rows, sizes)]
+        if _close_to(value, sum(means) / len(means)):
+            return (f"Every rank returned {value:.4f}, the mean of the {len(rows)} ranks' own "
+                    f"means. It weights every rank alike, but the ranks hold {shares} samples, "
+                    f"so a sample of the rank with {sizes[-1]} counts more than one of the "
+                    f"rank with {sizes[0]}. The mean over all {n} samples is {reference:.4f}: "
+                    f"combine sums and counts, not means.", "mean of means")
+    return (f"Every rank returned {value:.4f}; the mean squared error over all {n} validation "
+            f"samples of the model rank 0 holds, in eval mode, is {reference:.4f}.",
+            "wrong value")
 
 
-def check_dropout_seeds(group, fn) -> Verdict:
-    """Notebook 13's exercise: ``fn(base_seed, mesh) -> (replicated_seed, sharded_seed)``
-    gives this rank two seeds (ints from 0 to 2**63 - 1), on a device mesh with
-    dimensions ``("dp", "tp")``:
+def check_evaluate_together(group, fn) -> Verdict:
+    """Notebook 13's exercise: ``fn(model, x, y) -> float`` is called on every rank in the
+    middle of training, with the DDP wrapper ``model`` (a model with BatchNorm and dropout)
+    and this rank's share ``x``, ``y`` of a validation set. It must return the mean squared
+    error over the whole validation set, the same float on every rank, without training the
+    model: BatchNorm's running statistics and the parameters as they were, the model back
+    in training mode, and the next training step working. "The model" is the one rank 0
+    holds, and a rank-0 checkpoint keeps: its parameters (the same on every rank) and its
+    buffers (BatchNorm's running statistics, which differ between ranks, notebook 13's
+    step 2).
 
-    * the *replicated* seed, for dropout on activations that every rank of a
-      tensor-parallel group holds whole: the same within a tp group, different
-      between dp ranks;
-    * the *sharded* seed, for dropout on activations each tp rank holds a shard of:
-      different on every rank of the mesh, and never equal to a replicated seed;
-    * both derived from ``base_seed`` and the mesh only (a second call gives the same
-      seeds; another ``base_seed`` gives other seeds).
-
-    Runs ``fn`` on real ranks at world size 4 on the meshes :data:`MESHES` (the group is
-    resized, then restored), with base seeds :data:`BASE_SEEDS`, and says what is wrong
-    with the first seeds that break a rule.
+    Runs ``fn`` on real ranks at world size 4 (the group is resized, then restored), with
+    the uneven shares :data:`SHARD_SIZES` (:func:`evaluate_on_every_rank`), and says what is
+    wrong with the first rule it breaks. A hang ends at the group's timeout.
 
     Returns:
         A :class:`~reducelab.checks.Verdict`.
     """
     if not callable(fn):
-        return failed(f"Pass your function itself, dropout_seeds, not {fn!r}.")
+        return failed(f"Pass your function itself, evaluate, not {fn!r}.")
     with restoring_world_size(group):
-        group.resize(4)
-        for dp, tp in MESHES:
-            try:
-                rows = group.run(seeds_on_mesh, fn, dp, tp)
-            except RankError as err:
-                return raised_on_ranks(f"On a ({dp}, {tp}) mesh", err)
-            problem = _judge(dp, tp, rows)
-            if problem:
-                return failed(problem)
-    meshes = ", ".join(f"({dp}, {tp})" for dp, tp in MESHES)
-    return passed(f"On the (dp, tp) meshes {meshes}, with base seeds "
-                  f"{' and '.join(map(str, BASE_SEEDS))}: every tp group shares one replicated "
-                  f"seed and the dp ranks' replicated seeds differ; every rank has a sharded "
-                  f"seed of its own, apart from every replicated seed; and the same base seed "
-                  f"gives the same seeds again. Dropout on a replicated activation now keeps "
-                  f"the tp ranks' copies equal, and no two ranks drop the same units of "
-                  f"different data.")
+        group.resize(len(SHARD_SIZES))
+        try:
+            rows = group.run(evaluate_on_every_rank, fn)
+        except RankError as err:
+            return raised_on_ranks("Evaluating on 4 ranks,", err)
+    problem = _judge_evaluation(rows)
+    if problem:
+        return failed(*problem)
+    return passed(f"Every rank returned {rows[0]['value']:.4f}, the mean squared error over all "
+                  f"{sum(SHARD_SIZES)} validation samples (shares of "
+                  f"{', '.join(map(str, SHARD_SIZES))}) of the model rank 0 holds, its parameters "
+                  f"and its BatchNorm statistics, in eval mode: what one process evaluating the "
+                  f"whole set with rank 0's checkpoint gives. No parameter moved, no running "
+                  f"statistic took in a validation batch, and the next training step ran on every "
+                  f"rank in training mode.")

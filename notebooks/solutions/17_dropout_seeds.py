@@ -1,4 +1,4 @@
-# Solution to notebook 13, exercise: the two dropout seeds of one rank of a (dp, tp) mesh.
+# Solution to notebook 17, exercise: the two dropout seeds of one rank of a (dp, tp) mesh.
 
 
 def dropout_seeds(base_seed, mesh):

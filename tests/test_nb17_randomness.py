@@ -1,0 +1,410 @@
+"""Tests of notebook 17 (which random numbers should match across ranks): every fact the
+notebook states, run with the notebook's own rank functions (read from its code cells) on
+real gloo ranks; each question's answer re-derived from a run; FSDP2's patchwork of
+initial weights; the explorer driven headlessly through its settings; the exercise's check
+on the solution, the stub and each usual mistake (moved from notebook 13's tests with the
+exercise); and the figures."""
+from __future__ import annotations
+
+import ast
+import base64
+import html
+import json
+import pathlib
+import re
+import sys
+import types
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+
+import conftest
+from reducelab import LocalGroup
+from reducelab.checks.answers import WHY
+from reducelab.checks.randomness import BASE_SEEDS, MESHES, check_dropout_seeds, mask
+from reducelab.plots import MIN_FONT
+from reducelab.plots.ddp_model import mask_figure
+from reducelab.plots.randomness import MaskAgreement, mask_names, patchwork_figure, source_rows
+from reducelab.widgets.randomness import (MESH_SHAPES, SCHEMES, MaskResult, RandomnessExplorer,
+                                          describe_masks)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "17_randomness_across_ranks.ipynb"
+CELLS = json.loads(NOTEBOOK.read_text())["cells"]
+KEEP = {"SEEDINGS", "SCHEMES"}
+"""Module-level names the notebook assigns (tables) that its functions need."""
+
+
+def notebook_functions() -> types.ModuleType:
+    """The notebook's imports, classes, ``def``s and the assignments in :data:`KEEP`
+    (nothing else of its cells runs), in a module of their own that the ranks cannot
+    import, so that its functions travel by value as a notebook cell's do."""
+    module = types.ModuleType("nb17_cells")
+    sys.modules.pop("nb17_cells", None)
+    exec("from reducelab import LocalGroup, RankError, setup", module.__dict__)
+    for cell in CELLS:
+        if cell["cell_type"] != "code":
+            continue
+        tree = ast.parse("".join(cell["source"]))
+        keep = [node for node in tree.body
+                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+                or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id in KEEP)]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb17", "exec"), module.__dict__)
+    return module
+
+
+NB = notebook_functions()
+
+
+def source_with(text: str, kind: str = "code") -> str:
+    hits = ["".join(c["source"]) for c in CELLS if c["cell_type"] == kind and text in "".join(c["source"])]
+    assert len(hits) == 1, f"{len(hits)} {kind} cells contain {text!r}"
+    return hits[0]
+
+
+def cell_with(text: str) -> dict:
+    hits = [c for c in CELLS if c["cell_type"] == "code" and text in "".join(c["source"])]
+    assert len(hits) == 1, f"{len(hits)} code cells contain {text!r}"
+    return hits[0]
+
+
+def stored_text(cell: dict) -> str:
+    """Everything a code cell shows as text: streams, and the folded verdicts' HTML."""
+    parts = []
+    for o in cell["outputs"]:
+        if o["output_type"] == "stream":
+            parts.append("".join(o["text"]))
+        elif "text/html" in o.get("data", {}):
+            page = "".join(o["data"]["text/html"]).replace("<br>", "\n")
+            parts.append(html.unescape(re.sub(r"<[^>]+>", "", page)))
+        elif "text/plain" in o.get("data", {}):
+            parts.append("".join(o["data"]["text/plain"]))
+    return "\n".join(parts)
+
+
+def markdown() -> str:
+    return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
+
+
+@pytest.fixture(autouse=True)
+def four_ranks(group):
+    group.resize(4)
+    yield
+
+
+# --- step 1: initial weights under DDP and FSDP2 ---------------------------------------------------
+def test_fully_shard_keeps_each_ranks_own_shard_a_patchwork(group):
+    """Question 1: full_tensor() is the same on every rank, and row block k is rank k's
+    own initialisation, so the whole is no rank's weight."""
+    out = group.run(NB.init_then_wrap, "fully_shard", lambda rank: rank)
+    inits = torch.stack([own for own, _ in out])
+    full = out[0][1]
+    assert all(torch.equal(w, full) for _, w in out)
+    assert all(torch.equal(full[2 * k:2 * k + 2], inits[k][2 * k:2 * k + 2]) for k in range(4))
+    assert not any(torch.equal(full, inits[k]) for k in range(4))
+    assert source_rows(full.numpy(), inits.numpy()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert "The real run gives (True, False)." in stored_text(cell_with("actual_1 = ("))
+
+
+def test_ddp_broadcasts_and_one_seed_makes_fsdp2_whole(group):
+    for how, seed_of, rank0s in (("DDP", lambda rank: rank, True), ("DDP", lambda rank: 0, True),
+                                 ("fully_shard", lambda rank: 0, True)):
+        out = group.run(NB.init_then_wrap, how, seed_of)
+        assert all(torch.equal(w, out[0][1]) for _, w in out)
+        assert torch.equal(out[0][1], out[0][0]) is rank0s
+    text = stored_text(cell_with('for how in ("DDP", "fully_shard"):'))
+    assert re.search(r"fully_shard\s+seed = rank\s+whole weight the same on every rank: True\s+"
+                     r"rank 0's initial weight: False", text)
+    assert text.count("rank 0's initial weight: True") == 3
+
+
+def test_the_source_shown_is_where_fully_shard_keeps_its_chunk():
+    text = stored_text(cell_with('"_chunk_with_empty(param_data" in line'))
+    assert "chunks = _chunk_with_empty(param_data, shard_world_size, dim=shard_dim)" in text
+    assert "sharded_param = chunks[shard_rank]" in text
+    import inspect
+    from torch.distributed.fsdp._fully_shard import _fully_shard, _fsdp_param
+    assert "broadcast" not in inspect.getsource(_fsdp_param) + inspect.getsource(_fully_shard)
+
+
+# --- step 2: dropout on data-parallel ranks (moved from notebook 13) ------------------------------
+def test_dropout_masks_follow_the_seeds(group):
+    same_seed = torch.stack(group.run(NB.dropout_mask, NB.SEEDINGS["torch.manual_seed(0) on every rank"]))
+    per_rank = torch.stack(group.run(NB.dropout_mask, NB.SEEDINGS["torch.manual_seed(rank)"]))
+    assert all(torch.equal(m, same_seed[0]) for m in same_seed)
+    assert len({tuple(m.tolist()) for m in per_rank}) == 4
+
+
+def test_zero_gradient_rows(group):
+    one = group.run(NB.zero_rows, lambda rank: 0)
+    own = group.run(NB.zero_rows, lambda rank: 1000 + rank)
+    assert len(set(one)) == 1 and len(set(own)) == 1                  # DDP averaged: every rank agrees
+    assert abs(one[0] - 32) <= 10 and own[0] <= 10 and one[0] > 3 * own[0]
+    assert f"The real run gives ({one[0]}, {own[0]})." in stored_text(cell_with("counts = ("))
+    assert "(1/2)^4: about 4 of 64" in WHY["17"][2]
+
+
+def test_fresh_ranks_share_a_generator_and_dataloader_workers_follow_the_rank_seed(group):
+    with LocalGroup(world_size=2, timeout=60) as fresh:
+        assert len(set(fresh.run(torch.initial_seed))) == 1
+    same_seed = group.run(NB.worker_seeds, NB.SEEDINGS["torch.manual_seed(0) on every rank"])
+    own = group.run(NB.worker_seeds, NB.SEEDINGS["torch.manual_seed(rank)"])
+    assert all(s == same_seed[0] for s in same_seed) and len({tuple(s) for s in own}) == 4
+    assert all(len(set(s)) == 2 for s in own)                         # two workers, two seeds
+
+
+# --- step 3: one stream, two purposes -----------------------------------------------------------------
+def test_turning_dropout_on_changes_the_data_order(group):
+    """Question 3: dropout with p=0 draws nothing; with p=0.1 it moves the global stream."""
+    before, after = group.run(NB.epoch_order, 0.0)[0], group.run(NB.epoch_order, 0.1)[0]
+    assert before != after and sorted(before) == sorted(after) == list(range(16))
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    torch.nn.functional.dropout(torch.ones(8), p=0.0)
+    assert torch.equal(state, torch.get_rng_state())
+    torch.nn.functional.dropout(torch.ones(8), p=0.1)
+    assert not torch.equal(state, torch.get_rng_state())
+    assert "The real run gives False." in stored_text(cell_with("actual_3 = "))
+
+
+def test_a_generator_per_purpose_and_fork_rng(group):
+    for fn in (NB.own_generator, NB.forked):
+        orders = [group.run(fn, p)[0] for p in (0.0, 0.1, 0.5)]
+        assert all(o == orders[0] for o in orders)
+    assert group.run(NB.forked_twice) == [True] * 4
+    text = stored_text(cell_with("def own_generator(p):"))
+    assert text.count("the same order for p = 0.0, 0.1 and 0.5: True") == 2
+    assert "the same mask in both: True" in text
+
+
+def test_distributed_sampler_needs_one_seed(group):
+    import collections
+    for seed_of, missing in ((lambda rank: 0, False), (lambda rank: rank, True)):
+        shares = group.run(NB.sampler_indices, seed_of)
+        seen = collections.Counter(i for share in shares for i in share)
+        assert sum(seen.values()) == 16 and (set(seen) != set(range(16))) is missing
+    text = stored_text(cell_with("def sampler_indices("))
+    assert "seed=0 on every rank  samples no rank sees: []; samples seen more than once: []" in text
+    assert "g.manual_seed(self.seed + self.epoch)" in stored_text(cell_with("DistributedSampler.__iter__"))
+
+
+# --- step 4: dp x tp (moved from notebook 13) --------------------------------------------------------
+def test_replicated_masks_on_a_dp_tp_mesh(group):
+    out = group.run(NB.replicated_masks)
+    coords = [c for c, _ in out]
+    assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    m = {name: torch.stack([masks[name] for _, masks in out]) for name in out[0][1]}
+    by_dp = m["seed = dp rank"]
+    assert torch.equal(by_dp[0], by_dp[1]) and torch.equal(by_dp[2], by_dp[3])
+    assert not torch.equal(by_dp[0], by_dp[2])
+    assert not torch.equal(m["seed = rank"][0], m["seed = rank"][1])
+    assert all(torch.equal(x, m["seed 0 on every rank"][0]) for x in m["seed 0 on every rank"])
+
+
+# --- the explorer ---------------------------------------------------------------------------------------
+@pytest.fixture()
+def explorer(group):
+    return RandomnessExplorer(group, NB.masks_on_mesh)
+
+
+def test_the_explorers_rank_function_runs_and_the_default_shows_four_masks(explorer, group):
+    r = explorer.result
+    assert explorer.error is None and r.coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert r.names == ["A", "B", "C", "D"] and not r.tp_groups_agree() and r.dp_groups_differ()
+    assert bytes(explorer.image.value[:8]) == PNG
+    assert explorer.text() in stored_text(cell_with("explorer = RandomnessExplorer("))
+    direct = group.run(NB.masks_on_mesh, "seed = dp rank", (2, 2), 0.5)   # the cell's function, by hand
+    assert [tuple(o["coord"]) for o in direct] == r.coords
+
+
+@pytest.mark.parametrize("scheme, shape, names, tp_rule, dp_rule", [
+    ("seed = dp rank", (2, 2), ["A", "A", "B", "B"], "yes", "yes"),
+    ("seed = tp rank", (2, 2), ["A", "B", "A", "B"], "NO", "NO"),
+    ("one seed", (4, 1), ["A"] * 4, "yes", "NO"),
+    ("seed = rank", (1, 4), ["A", "B", "C", "D"], "NO", "only one dp group"),
+])
+def test_controls_change_the_figure_and_the_message(explorer, scheme, shape, names, tp_rule, dp_rule):
+    first = bytes(explorer.image.value)
+    explorer.controls["scheme"].value = scheme
+    explorer.controls["shape"].value = shape
+    r = explorer.result
+    assert r.names == names and bytes(explorer.image.value) != first
+    message = html.unescape(explorer.message.value)
+    assert f"Every tp group shares one mask: {tp_rule}." in message
+    assert f"The dp groups' masks differ: {dp_rule}." in message
+
+
+def test_p_changes_the_masks_not_who_agrees(explorer):
+    explorer.controls["scheme"].value = "seed = dp rank"
+    low = explorer.result.dropped.mean()
+    explorer.controls["p"].value = 0.9
+    assert explorer.result.dropped.mean() > low and explorer.result.names == ["A", "A", "B", "B"]
+
+
+def test_explorer_rejects_bad_values_and_follows_a_new_group(group):
+    with pytest.raises(ValueError, match="one seed, seed = rank"):
+        RandomnessExplorer(group, NB.masks_on_mesh, scheme="seed = time")
+    with pytest.raises(ValueError, match="shape must be one of"):
+        RandomnessExplorer(group, NB.masks_on_mesh, shape=(2, 4))
+    with pytest.raises(ValueError, match="p must be from 0.1 to 0.9"):
+        RandomnessExplorer(group, NB.masks_on_mesh, p=1.0)
+    g = LocalGroup(world_size=4, timeout=60)
+    ex = RandomnessExplorer(g, NB.masks_on_mesh)
+    g.close()
+    ex.controls["scheme"].value = "one seed"
+    assert ex.group is not g and ex.error is None and ex.result.names == ["A"] * 4
+    assert SCHEMES == tuple(NB.SCHEMES) and MESH_SHAPES == ((4, 1), (2, 2), (1, 4))
+
+
+def test_the_stored_explorer_shows_a_static_png():
+    cell = cell_with("explorer = RandomnessExplorer(")
+    data = next(o["data"] for o in cell["outputs"] if "image/png" in o.get("data", {}))
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert base64.b64decode("".join(data["image/png"]))[:8] == PNG
+
+
+# --- the exercise (moved from notebook 13) ----------------------------------------------------------------
+def solution_lines() -> list[str]:
+    path = ROOT / "notebooks" / "solutions" / "17_dropout_seeds.py"
+    return [line.strip() for line in path.read_text().splitlines()
+            if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
+
+
+def test_solution_passes_and_the_world_size_is_restored(group):
+    group.resize(2)
+    verdict = check_dropout_seeds(group, conftest.load_solution("17_dropout_seeds").dropout_seeds)
+    assert verdict, verdict.message
+    assert "(2, 2), (4, 1), (1, 4)" in verdict.message and group.world_size == 2
+
+
+def test_the_notebook_stub_fails_without_the_solution(group):
+    verdict = check_dropout_seeds(group, NB.dropout_seeds)
+    assert not verdict and "the same replicated seed 0" in verdict.message
+    assert "check_dropout_seeds(group, dropout_seeds)" in \
+        source_with("from reducelab.checks.randomness import check_dropout_seeds")
+
+
+def rank_as_both(base, mesh):
+    import torch.distributed as dist
+    return base + mesh.get_local_rank("dp"), base + dist.get_rank()
+
+
+def sum_of_coordinates(base, mesh):
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    return base + d, base + 100 + d + t
+
+
+def tp_only(base, mesh):
+    return base + mesh.get_local_rank("dp"), base + 100 + mesh.get_local_rank("tp")
+
+
+def global_rank_replicated(base, mesh):
+    import torch.distributed as dist
+    return base + dist.get_rank(), base + 100 + dist.get_rank()
+
+
+def one_replicated_seed(base, mesh):
+    import torch.distributed as dist
+    return base, base + 100 + dist.get_rank()
+
+
+def random_seeds(base, mesh):
+    import random
+    return random.randrange(2 ** 40), random.randrange(2 ** 40)
+
+
+def ignores_base(base, mesh):
+    import torch.distributed as dist
+    return mesh.get_local_rank("dp"), 100 + dist.get_rank()
+
+
+def not_a_pair(base, mesh):
+    return base
+
+
+@pytest.mark.parametrize("mistake, explanation", [
+    (rank_as_both, "is both the replicated and the sharded seed of rank (dp 0, tp 0)"),
+    (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101"),
+    (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100"),
+    (global_rank_replicated, "are in the same tensor-parallel group but get the replicated seeds 0 and 1"),
+    (one_replicated_seed, "the data-parallel groups dp 0 and dp 1 get the same replicated seed 0"),
+    (random_seeds, "Derive the seeds from base_seed and the mesh only"),
+    (ignores_base, "the seeds must change with base_seed"),
+    (not_a_pair, "return two ints from 0 to 2**63 - 1"),
+])
+def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
+    verdict = check_dropout_seeds(group, mistake)
+    assert not verdict and explanation in verdict.message, verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]
+    assert group.world_size == 4
+
+
+def test_a_raising_function_and_a_non_function(group):
+    def raises(base, mesh):
+        return mesh.get_local_rank("pp"), 0
+    verdict = check_dropout_seeds(group, raises)
+    assert not verdict and "raised on the ranks" in verdict.message and "KeyError" in verdict.message
+    assert not check_dropout_seeds(group, "dropout_seeds")
+
+
+def test_masks_from_distinct_seeds_differ():
+    seeds = range(10)
+    assert len({tuple(mask(s).tolist()) for s in seeds}) == 10
+    assert torch.equal(mask(3), mask(3)) and mask(3).dtype == torch.bool
+    assert MESHES == ((2, 2), (4, 1), (1, 4)) and len(set(BASE_SEEDS)) == 2
+
+
+# --- the figures -----------------------------------------------------------------------------------------
+def test_static_figures(drawn):
+    rng = np.random.default_rng(0)
+    masks = {"a": rng.random((4, 16)) < 0.5, "b": rng.random((4, 16)) < 0.5}
+    assert mask_figure(masks, title="t").startswith(PNG)
+    with pytest.raises(ValueError, match="one shape"):
+        mask_figure({"a": np.zeros((4, 16)), "b": np.zeros((4, 8))})
+    with pytest.raises(ValueError, match="row_labels"):
+        mask_figure(masks, row_labels=["x"])
+    inits = rng.normal(0, 0.3, (4, 8, 4))
+    full = np.concatenate([inits[k][2 * k:2 * k + 2] for k in range(4)])
+    assert patchwork_figure(full, inits, "t").startswith(PNG)
+    labels = [t.get_text() for ax in drawn[-1].axes for child in ax.child_axes
+              for t in child.get_yticklabels()]
+    assert labels.count("rank 3's init") == 2 and labels.count("= left") == 2 and labels.count("differs") == 6
+    with pytest.raises(ValueError, match="inits must be"):
+        patchwork_figure(full, inits[:, :4])
+
+
+def test_mask_figure_names_each_mask_by_letter_not_colour_alone(drawn):
+    dropped = np.array([[1, 0, 1, 0], [1, 0, 1, 0], [0, 1, 1, 0], [0, 0, 0, 1]], bool)
+    assert mask_names(dropped) == ["A", "A", "B", "C"]
+    assert MaskAgreement().draw(dropped, [(0, 0), (0, 1), (1, 0), (1, 1)], "t").startswith(PNG)
+    fig = drawn[-1]
+    labels = [t.get_text() for ax in fig.axes for child in ax.child_axes for t in child.get_yticklabels()]
+    assert labels == ["mask A", "mask A", "mask B", "mask C"]
+    assert min(t.get_fontsize() for ax in fig.axes for t in ax.texts + ax.get_yticklabels()) >= MIN_FONT
+    hatches = {p.get_hatch() for p in fig.axes[0].patches if p.get_width() > 1}
+    assert len(hatches) == 3                                          # one hatch per mask, beside its colour
+    with pytest.raises(ValueError, match="one coordinate per rank"):
+        MaskAgreement().draw(dropped, [(0, 0)])
+    r = MaskResult("seed = rank", (2, 2), 0.5, [(0, 0), (0, 1), (1, 0), (1, 1)], dropped)
+    assert describe_masks(r) == ("seed = rank on dp=2 x tp=2, p=0.5: 3 different masks on 4 ranks. "
+                                 "Every tp group shares one mask: NO. The dp groups' masks differ: yes.")
+
+
+# --- the notebook's text --------------------------------------------------------------------------------
+def test_header_and_cited_questions():
+    head = source_with("# Which random numbers should match across ranks?", "markdown")
+    assert re.search(r"\*About (3\d|40) min to study · about \d+ s to run top to bottom · world size 4 · "
+                     r"CPU only \(gloo\) · follows notebooks 05, 09 and 13\*", head)
+    assert "## What you will learn" in head and "## Prerequisites" in head
+    text = markdown()
+    for cited in ("huggingface/transformers#31412, 2024-06-14", "huggingface/transformers#37932, 2025-05-02",
+                  "pytorch/examples#760, 2020-04-25", "Lightning-AI/pytorch-lightning#6013, 2021-02-16",
+                  "arXiv:1909.08053", "_fsdp_param.py"):
+        assert cited in text, cited
+    assert len(text.split()) < 3300
