@@ -585,3 +585,17 @@ def test_node_layout_explorer_refuses_bad_layouts():
         NodeLayoutExplorer(object(), node_view, nnodes=4, nproc_per_node=4)
     with pytest.raises(ValueError, match="from 1 to 4"):
         NodeLayoutExplorer(object(), node_view, nnodes=0)
+
+
+def test_question_1_stays_unspoiled_and_step_5_says_what_it_leaves_out():
+    """The source printed above question 1 says what the scopes mean, not where a TCPStore
+    binds (question 1's answer, given in its explanation); step 5's table is twelve of the
+    variables torchrun sets, and the text names the others (LocalElasticAgent._start_workers)."""
+    shown = printed(notebook_code_cell("for f in (socket_scope, listening_sockets):"))
+    assert "def socket_scope" in shown and "TCPStore`` binds" not in shown and "falls back" not in shown
+    text = markdown()
+    assert "everything `torchrun` sets" not in text and "## Step 5: what `torchrun` sets" in text
+    for name in ("ROLE_RANK", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        assert name in text
+    from reducelab.checks.answers import WHY
+    assert "TCPStoreLibUvBackend.cpp" in WHY["07"][1]

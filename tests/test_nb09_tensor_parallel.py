@@ -752,3 +752,14 @@ def test_torch_distributed_nn_all_reduce_sums_in_backward_too(group):
         assert torch.equal(grad, torch.full((3,), 4 * (rank + 1.0)))
         assert any("torch.distributed.nn.functional.all_reduce is deprecated" in c
                    for c in caught)
+
+
+def test_the_nccl_part_gives_the_local_groups_own_process_group_timeout():
+    """A LocalGroup of timeout T gives its ranks' process group T + 5 s (test_nb11 runs it:
+    test_localgroup_gives_its_ranks_a_process_group_timeout_5_s_longer); the text once said
+    30 s, the group's own timeout, for the process group's."""
+    text = "\n".join(src for src, c in cells() if c["cell_type"] == "markdown")
+    assert "30 s in a `LocalGroup`" not in text
+    assert "35 s in this notebook's `LocalGroup` (its 30 s plus 5" in text
+    setup = next(src for src, c in cells() if "group = LocalGroup(" in src)
+    assert "group = LocalGroup(world_size=4)" in setup      # the default timeout, 30 s

@@ -1029,3 +1029,14 @@ def test_the_dead_rank_sentence_says_whether_its_flight_record_was_written():
     said = lesson("dead rank", some)
     assert "no flight record" not in said
     assert said.startswith("The dead rank left no error, only the flight record it wrote")
+
+
+def test_question_2_stays_unspoiled():
+    """The text above question 2 (does DETAIL catch a ReduceOp mismatch?) does not list what a
+    fingerprint holds; the explanation after it does."""
+    cells = [("".join(c["source"]), c["cell_type"]) for c in notebook()["cells"]]
+    upto = next(i for i, (s, _) in enumerate(cells) if s.startswith("answer_2 = None"))
+    above = "\n".join(s for s, kind in cells[:upto] if kind == "markdown")
+    assert "shape, dtype and device" not in above and "**fingerprints**" in above
+    from reducelab.checks.answers import WHY
+    assert "not the ReduceOp" in WHY["11"][2]

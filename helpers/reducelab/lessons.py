@@ -63,11 +63,9 @@ def launcher_env() -> dict:
 def socket_scope(ip: str) -> str:
     """Who can reach a TCP socket bound to ``ip``, in words that are the same on any host.
 
-    ``"all interfaces (:: or 0.0.0.0)"`` for the wildcard address: a ``TCPStore`` binds
-    ``::`` and falls back to ``0.0.0.0`` where the host has no IPv6
-    (``TCPStoreLibUvBackend.cpp``), and both mean every interface. ``"loopback (127.0.0.1)"``
-    or ``"loopback (::1)"`` for the loopback addresses, ``"one interface address"`` for any
-    other.
+    ``"all interfaces (:: or 0.0.0.0)"`` for the IPv6 and IPv4 wildcard addresses, which
+    both mean every interface. ``"loopback (127.0.0.1)"`` or ``"loopback (::1)"`` for the
+    loopback addresses, ``"one interface address"`` for any other.
     """
     if ip in ("::", "0.0.0.0"):
         return "all interfaces (:: or 0.0.0.0)"

@@ -101,7 +101,8 @@ WHY = {
         1: "gloo listens on 127.0.0.1 because GLOO_SOCKET_IFNAME names the loopback "
             "interface, but the TCPStores that the torchrun agent hosts (the rendezvous's and "
             "the ranks') listen on the wildcard address (::, or 0.0.0.0 on a host without "
-            "IPv6), every interface, although the rendezvous endpoint is localhost. It was "
+            "IPv6; TCPStoreLibUvBackend.cpp), every interface, although the rendezvous "
+            "endpoint is localhost. It was "
             "measured after every rank had joined, so the stores outlive the rendezvous, and "
             "again at the end, after the ranks' all_reduce: still open.",
         2: "With the static rendezvous, RANK = node_rank * nproc_per_node + LOCAL_RANK = 1 * "
