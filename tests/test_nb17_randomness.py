@@ -408,3 +408,19 @@ def test_header_and_cited_questions():
                   "arXiv:1909.08053", "_fsdp_param.py"):
         assert cited in text, cited
     assert len(text.split()) < 3300
+
+
+def test_questions_1_and_3_stay_unspoiled():
+    """Nothing above question 1 says whether fully_shard broadcasts (its answer), and nothing
+    above question 3 says that turning dropout on moves the data order (its answer); both
+    are said after their reveals."""
+    sources = ["".join(c["source"]) for c in CELLS]
+    def above(marker):
+        upto = next(i for i, s in enumerate(sources) if s.startswith(marker))
+        return "\n".join(s for s, c in zip(sources[:upto], CELLS) if c["cell_type"] == "markdown")
+    before_1 = above("answer_1 = None")
+    assert "patchwork" not in before_1 and "no such broadcast" not in before_1
+    assert "keeps each rank's own" not in before_1
+    before_3 = above("answer_3 = None")
+    assert "changes the data order" not in before_3 and "turning dropout on" not in before_3.lower()
+    assert "patchwork" in markdown()[len(before_1):] and "changes the data order" in markdown()[len(before_3):]
