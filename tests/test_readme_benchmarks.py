@@ -136,15 +136,20 @@ def test_each_header_states_the_slowest_stored_browser_run_plus_room():
     browser_run_times.json, plus 20 %, rounded up to 5 s (the README's footnote; the README
     column equals the header, tests/test_notebooks.py). A stored run that outgrows a header,
     or a header with room to spare beyond that rule, fails here; so does a footnote whose
-    range no stored run gives."""
+    range no stored run gives. A run may hold some notebooks only (a notebook added after
+    the earlier runs); every notebook needs at least one run, and every stored name a
+    notebook."""
     runs = json.loads((RESULTS / "browser_run_times.json").read_text())["runs"]
     notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    assert runs and all(set(run["run_all_s"]) == {p.name for p in notebooks} for run in runs)
+    names = {p.name for p in notebooks}
+    assert runs and all(run["run_all_s"] and set(run["run_all_s"]) <= names for run in runs)
     wrong = []
     for path in notebooks:
         header = "".join(json.loads(path.read_text())["cells"][0]["source"])
         stated = int(re.search(r"about (\d+) s to run top to bottom", header).group(1))
-        slowest = max(run["run_all_s"][path.name] for run in runs)
+        mine = [run["run_all_s"][path.name] for run in runs if path.name in run["run_all_s"]]
+        assert mine, f"{path.name} has no stored browser run"
+        slowest = max(mine)
         if not (slowest * 1.2 <= stated < slowest * 1.2 + 5):
             wrong.append(f"{path.name}: 'about {stated} s', slowest stored run {slowest} s")
     assert not wrong, wrong
