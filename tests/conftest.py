@@ -1,6 +1,7 @@
 """Shared fixtures. Every group a test opens is closed, and no rank outlives the tests."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import pathlib
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import psutil
@@ -30,6 +32,26 @@ def load_solution(name: str):
     spec = importlib.util.spec_from_file_location(f"solution_{name}", SOLUTIONS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def notebook_module(cells: list, name: str, keep=(), preamble: str = "") -> types.ModuleType:
+    """A notebook's imports, classes, ``def``s and the module-level assignments named in
+    ``keep`` (nothing else of its code cells runs), in a module ``name`` of their own that the
+    ranks cannot import, so that its functions and classes travel by value as a notebook
+    cell's do. ``preamble`` runs first (the setup cell's imports guarded by ``try``)."""
+    module = types.ModuleType(name)
+    sys.modules.pop(name, None)
+    exec(preamble, module.__dict__)
+    for cell in cells:
+        if cell["cell_type"] != "code":
+            continue
+        tree = ast.parse("".join(cell["source"]))
+        kept = [node for node in tree.body
+                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+                or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id in keep)]
+        exec(compile(ast.Module(body=kept, type_ignores=[]), name, "exec"), module.__dict__)
     return module
 
 

@@ -5,7 +5,6 @@ explorer driven headlessly through its settings; the exercise's check on the sol
 the stub and each usual mistake; and the figures."""
 from __future__ import annotations
 
-import ast
 import html
 import json
 import pathlib
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import conftest
+from conftest import notebook_module
 from reducelab import LocalGroup, RankError
 from reducelab.checks.answers import WHY
 from reducelab.checks.ddp_model import (SHARD_SIZES, check_evaluate_together, first_elements,
@@ -43,22 +43,10 @@ KEEP = {"never", "rank_0_only", "every_other", "always", "DDP_OPTIONS"}
 
 
 def notebook_functions() -> types.ModuleType:
-    """The notebook's imports, classes, ``def``s and the assignments in :data:`KEEP`
-    (nothing else of its cells runs), in a module of their own that the ranks cannot
-    import, so that its functions and classes travel by value as a notebook cell's do."""
-    module = types.ModuleType("nb13_cells")
-    sys.modules.pop("nb13_cells", None)
-    exec("from reducelab import LocalGroup, RankError, setup", module.__dict__)
-    for cell in CELLS:
-        if cell["cell_type"] != "code":
-            continue
-        tree = ast.parse("".join(cell["source"]))
-        keep = [node for node in tree.body
-                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
-                or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-                    and node.targets[0].id in KEEP)]
-        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb13", "exec"), module.__dict__)
-    return module
+    """The notebook's imports, classes, ``def``s and the assignments in :data:`KEEP`, in a
+    module the ranks cannot import (:func:`conftest.notebook_module`)."""
+    return notebook_module(CELLS, "nb13_cells", KEEP,
+                           preamble="from reducelab import LocalGroup, RankError, setup")
 
 
 NB = notebook_functions()

@@ -6,7 +6,6 @@ on the solution, the stub and each usual mistake (moved from notebook 13's tests
 exercise); and the figures."""
 from __future__ import annotations
 
-import ast
 import base64
 import html
 import json
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import conftest
+from conftest import notebook_module
 from reducelab import LocalGroup
 from reducelab.checks.answers import WHY
 from reducelab.checks.randomness import BASE_SEEDS, MESHES, check_dropout_seeds, mask
@@ -41,22 +41,10 @@ KEEP = {"SEEDINGS", "SCHEMES"}
 
 
 def notebook_functions() -> types.ModuleType:
-    """The notebook's imports, classes, ``def``s and the assignments in :data:`KEEP`
-    (nothing else of its cells runs), in a module of their own that the ranks cannot
-    import, so that its functions travel by value as a notebook cell's do."""
-    module = types.ModuleType("nb17_cells")
-    sys.modules.pop("nb17_cells", None)
-    exec("from reducelab import LocalGroup, RankError, setup", module.__dict__)
-    for cell in CELLS:
-        if cell["cell_type"] != "code":
-            continue
-        tree = ast.parse("".join(cell["source"]))
-        keep = [node for node in tree.body
-                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
-                or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-                    and node.targets[0].id in KEEP)]
-        exec(compile(ast.Module(body=keep, type_ignores=[]), "nb17", "exec"), module.__dict__)
-    return module
+    """The notebook's imports, classes, ``def``s and the assignments in :data:`KEEP`, in a
+    module the ranks cannot import (:func:`conftest.notebook_module`)."""
+    return notebook_module(CELLS, "nb17_cells", KEEP,
+                           preamble="from reducelab import LocalGroup, RankError, setup")
 
 
 NB = notebook_functions()
