@@ -55,6 +55,46 @@ def notebook_module(cells: list, name: str, keep=(), preamble: str = "") -> type
     return module
 
 
+class NotebookCells:
+    """Lookups in one committed notebook's cells (``cells``: its JSON ``cells`` list)."""
+
+    def __init__(self, cells: list):
+        self.cells = cells
+
+    def source_with(self, text: str, kind: str = "code") -> str:
+        """The source of the one cell of ``kind`` that contains ``text``."""
+        hits = ["".join(c["source"]) for c in self.cells
+                if c["cell_type"] == kind and text in "".join(c["source"])]
+        assert len(hits) == 1, f"{len(hits)} {kind} cells contain {text!r}"
+        return hits[0]
+
+    def cell_with(self, text: str) -> dict:
+        """The one code cell that contains ``text``."""
+        hits = [c for c in self.cells if c["cell_type"] == "code" and text in "".join(c["source"])]
+        assert len(hits) == 1, f"{len(hits)} code cells contain {text!r}"
+        return hits[0]
+
+    def markdown(self) -> str:
+        """Every markdown cell's source, joined."""
+        return "\n".join("".join(c["source"]) for c in self.cells if c["cell_type"] == "markdown")
+
+
+def stored_text(cell: dict) -> str:
+    """Everything a code cell shows as text: streams, and the folded verdicts' HTML."""
+    import html
+    import re
+    parts = []
+    for o in cell["outputs"]:
+        if o["output_type"] == "stream":
+            parts.append("".join(o["text"]))
+        elif "text/html" in o.get("data", {}):
+            page = "".join(o["data"]["text/html"]).replace("<br>", "\n")
+            parts.append(html.unescape(re.sub(r"<[^>]+>", "", page)))
+        elif "text/plain" in o.get("data", {}):
+            parts.append("".join(o["data"]["text/plain"]))
+    return "\n".join(parts)
+
+
 @pytest.fixture(autouse=True)
 def audited_figures(request):
     """Every figure the package draws during a test is audited (``figure_audit``): the

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import conftest
-from conftest import notebook_module
+from conftest import NotebookCells, notebook_module, stored_text
 from reducelab import LocalGroup, RankError
 from reducelab.checks.answers import WHY
 from reducelab.checks.ddp_model import (SHARD_SIZES, check_evaluate_together, first_elements,
@@ -52,35 +52,8 @@ def notebook_functions() -> types.ModuleType:
 NB = notebook_functions()
 
 
-def source_with(text: str, kind: str = "code") -> str:
-    """The source of the one cell of ``kind`` that contains ``text``."""
-    hits = ["".join(c["source"]) for c in CELLS if c["cell_type"] == kind and text in "".join(c["source"])]
-    assert len(hits) == 1, f"{len(hits)} {kind} cells contain {text!r}"
-    return hits[0]
-
-
-def cell_with(text: str) -> dict:
-    hits = [c for c in CELLS if c["cell_type"] == "code" and text in "".join(c["source"])]
-    assert len(hits) == 1, f"{len(hits)} code cells contain {text!r}"
-    return hits[0]
-
-
-def stored_text(cell: dict) -> str:
-    """Everything a code cell shows as text: streams, and the folded verdicts' HTML."""
-    parts = []
-    for o in cell["outputs"]:
-        if o["output_type"] == "stream":
-            parts.append("".join(o["text"]))
-        elif "text/html" in o.get("data", {}):
-            page = "".join(o["data"]["text/html"]).replace("<br>", "\n")
-            parts.append(html.unescape(re.sub(r"<[^>]+>", "", page)))
-        elif "text/plain" in o.get("data", {}):
-            parts.append("".join(o["data"]["text/plain"]))
-    return "\n".join(parts)
-
-
-def markdown() -> str:
-    return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
+_CELLS = NotebookCells(CELLS)
+source_with, cell_with, markdown = _CELLS.source_with, _CELLS.cell_with, _CELLS.markdown
 
 
 def same(a, b) -> bool:
