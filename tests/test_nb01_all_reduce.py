@@ -247,6 +247,28 @@ def sample_std(n):
     return mean, (squares / (dist.get_world_size() - 1)).sqrt()
 
 
+def squares_never_reduced(n):                          # each rank's own |x - mean|
+    x = local_values(dist.get_rank(), n)
+    total = x.clone()
+    dist.all_reduce(total)
+    mean = total / dist.get_world_size()
+    return mean, ((x - mean) ** 2).sqrt()
+
+
+def never_divided(n):                                   # the summed squares' root
+    mean, squares = _mean_and_squares(n)
+    return mean, squares.sqrt()
+
+
+def distances_of_the_sum(n):                            # x is the sum after all_reduce
+    x = local_values(dist.get_rank(), n)
+    dist.all_reduce(x)
+    mean = x / dist.get_world_size()
+    squares = (x - mean) ** 2
+    dist.all_reduce(squares)
+    return mean, (squares / dist.get_world_size()).sqrt()
+
+
 def root_mean_square(n):
     x = local_values(dist.get_rank(), n)
     total, squares = x.clone(), x ** 2
@@ -320,6 +342,9 @@ def test_right_answers_pass(group, name):
     (never_reduced, "never called dist.all_reduce"),
     (variance, "That is the variance over ranks"),
     (sample_std, "divided by world_size - 1 = 1"),
+    (squares_never_reduced, "the squared distances were never added up over the ranks"),
+    (never_divided, "never divided at all: at world_size 2 the two are the same"),
+    (distances_of_the_sum, "the distances of the SUM from the mean"),
     (root_mean_square, "the mean itself was never taken off"),
     (squared_after_in_place, "after all_reduce had overwritten it with the sum"),
     (local_std, "the spread of this rank's own elements"),
@@ -332,6 +357,19 @@ def test_each_likely_mistake_is_named(group, fn, says):
     assert not verdict
     assert says in verdict.message, verdict.message
     assert group.world_size == 4
+
+
+def test_a_mistake_that_passes_at_world_size_2_is_named_for_what_it_is(group):
+    """Each rank's own |x - mean| is the std at world_size 2, and at world_size 3 rank 0's
+    equals the sample std: the check compares every rank before it names a mistake (an
+    expert review found it called this one the sample std)."""
+    group.resize(2)
+    got = [std for (_, std) in group.run(squares_never_reduced, 4)]
+    group.resize(4)
+    _, want = reference_spread(2, 4)
+    assert all(torch.allclose(std.double(), want) for std in got)
+    verdict = check_spread_over_ranks(group, squares_never_reduced)
+    assert "With world_size=3" in verdict.message and "sample" not in verdict.message
 
 
 def test_avg_is_refused_although_its_numbers_are_right(group):

@@ -35,8 +35,10 @@ def reference_spread(world_size: int, n: int = 4) -> tuple[torch.Tensor, torch.T
 
 
 def _likely_mistakes(world_size: int, n: int, rank: int) -> dict[str, tuple[str, torch.Tensor]]:
-    # What the common wrong recipes return for the std, computed in one process, with
-    # what to say about each: the check compares the learner's std with every one.
+    # What the common wrong recipes return for the std on rank ``rank``, computed in one
+    # process, with what to say about each: the check compares the learner's std with
+    # every one. Some coincide at a small world size (see _diagnose), so the order
+    # matters: the first that fits every rank is named.
     xs = torch.stack([local_values(r, n) for r in range(world_size)]).double()
     mean, total = xs.mean(0), xs.sum(0)
     var = xs.var(0, correction=0)
@@ -45,6 +47,14 @@ def _likely_mistakes(world_size: int, n: int, rank: int) -> dict[str, tuple[str,
         "variance": (
             "That is the variance over ranks, the square of the standard deviation: take "
             "its square root.", var),
+        "not reduced": (
+            "That is this rank's own distance from the mean, |x - mean|: the squared "
+            "distances were never added up over the ranks, so each rank returns its own "
+            "number. Every rank should return the same spread.", (mine - mean).abs()),
+        "undivided": (
+            f"That is the square root of the summed squared distances, never divided by "
+            f"world_size = {world_size}: a sum over ranks, not a mean over them.",
+            (var * world_size).sqrt()),
         "sample": (
             f"That is the sample standard deviation, divided by world_size - 1 = "
             f"{world_size - 1}: the exercise asks for the population one, divided by "
@@ -59,6 +69,10 @@ def _likely_mistakes(world_size: int, n: int, rank: int) -> dict[str, tuple[str,
             "all_reduce works in place, so x no longer holds this rank's own values. Keep "
             "them (reduce a clone, or square before you reduce).",
             (total ** 2 - (total / world_size) ** 2).clamp(min=0).sqrt()),
+        "in place, distances": (
+            "That comes from the distances of the SUM from the mean: all_reduce works in "
+            "place, so after it x holds the sum over ranks, not this rank's own values. "
+            "Keep them (reduce a clone).", (total - mean).abs()),
         "local": (
             "That is the spread of this rank's own elements (torch.std over the tensor), "
             "not the spread of element i across the ranks: each element needs the values "
@@ -70,6 +84,36 @@ def _likely_mistakes(world_size: int, n: int, rank: int) -> dict[str, tuple[str,
             "of every rank, which only a collective brings.",
             mine.std(correction=1).expand(n)),
     }
+
+
+def _std_of(reply):
+    # The std a rank returned, or None if its reply is not a (mean, std) pair of tensors.
+    got = reply[0]
+    if isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], torch.Tensor):
+        return got[1]
+    return None
+
+
+def _diagnose(out: list, world_size: int, n: int, rank: int) -> str:
+    """What to say about rank ``rank``'s wrong std: the first likely mistake that gives
+    every rank's std, else the first that gives this rank's. Two coincide at
+    world_size 2 (no division and the sample std's division by 1), and one rank's
+    |x - mean| can equal the sample std (rank 0 at world_size 3), which is why every
+    rank is compared."""
+    per_rank = [_likely_mistakes(world_size, n, r) for r in range(world_size)]
+    std = _std_of(out[rank])
+    mine = [name for name, (_, value) in per_rank[rank].items() if _close(std, value)]
+    everywhere = [name for name in mine
+                  if all(_std_of(reply) is not None and _close(_std_of(reply), per_rank[r][name][1])
+                         for r, reply in enumerate(out))]
+    if {"undivided", "sample"} <= set(everywhere):
+        return (f"That is the square root of the summed squared distances divided by "
+                f"world_size - 1 = {world_size - 1} (the sample standard deviation), or "
+                f"never divided at all: at world_size {world_size} the two are the same. The "
+                f"exercise asks for the population one, divided by world_size = "
+                f"{world_size}, as torch.std(..., correction=0) computes it.")
+    name = (everywhere or mine or [None])[0]
+    return per_rank[rank][name][0] if name else ""
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -130,9 +174,12 @@ def check_spread_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4), n: int
     another collective (an ``all_gather``, then ``torch.std``, leaves no division to
     write), an op other than ``SUM`` (``AVG`` does the division the exercise asks the
     learner to write), no all_reduce at all, a reduced copy, the SUM left undivided, and for the
-    spread the variance, the sample standard deviation, the root mean square, squares of
-    a tensor that all_reduce had already overwritten, and the spread of one rank's own
-    elements. No message prints a line of the solution.
+    spread the variance, each rank's own distance from the mean (the squares never
+    reduced: right at world_size 2 only), the summed squares never divided, the sample
+    standard deviation, the root mean square, squares or distances of a tensor that
+    all_reduce had already overwritten, and the spread of one rank's own elements; a
+    mistake is named only if it gives every rank's std where one rank's could mislead
+    (:func:`_diagnose`). No message prints a line of the solution.
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that explains a wrong answer.
@@ -173,8 +220,7 @@ def check_spread_over_ranks(group: LocalGroup, fn, world_sizes=(2, 3, 4), n: int
                     return failed(f"{at} {r} returned the mean {mean}, expected "
                                   f"{want_mean.float()}.{_mean_hint(mean, ws, n, r, ops)}")
                 if not _close(std, want_std):
-                    hint = next((say for say, value in _likely_mistakes(ws, n, r).values()
-                                 if _close(std, value)), "")
+                    hint = _diagnose(out, ws, n, r)
                     if not hint and not ops:
                         hint = ("Your function never called dist.all_reduce, so no rank saw "
                                 "the other ranks' values.")
