@@ -340,21 +340,28 @@ def new_group_every_call(model, mesh, n_tokens):
 
 
 def new_group_once(model, mesh, n_tokens):
-    """A group made on the first call and reused on the next ones is fine."""
+    """A group made on the first call and reused on the next ones is fine. new_group is
+    called by every rank for every dp x cp group (one per tp index), as it must be."""
     cache = globals().setdefault("_groups", {})
-    ranks = tuple(mesh.mesh.flatten().tolist())
-    if ranks not in cache:
-        cache[ranks] = dist.new_group(list(ranks))
-    total = _count(n_tokens, cache[ranks])
+    key = tuple(mesh.mesh.shape)
+    if key not in cache:
+        grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1, mesh.mesh.shape[-1])  # dp, tp, cp
+        for t in range(grid.shape[1]):
+            ranks = grid[:, t, :].flatten().tolist()
+            made = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                cache[key] = made
+    total = _count(n_tokens, cache[key])
     for p in model.parameters():
         p.grad.mul_(n_tokens)
-        dist.all_reduce(p.grad, group=cache[ranks])
+        dist.all_reduce(p.grad, group=cache[key])
         p.grad /= total
 
 
 def whole_world_one_call(model, mesh, n_tokens):
-    """The default group is every dp x cp rank here (no tp): right, and makes no group;
-    the count travels with the gradients, one all_reduce for all."""
+    """The default group is every dp x cp rank on a (dp, cp) mesh, and makes no group; the
+    count travels with the gradients, one all_reduce for all. Right there, wrong on the
+    (dp, tp, cp) mesh, whose tp ranks hold other parameters."""
     params = [p for p in model.parameters() if p.grad is not None]
     flat = torch.cat([p.grad.flatten() * n_tokens for p in params] + [torch.tensor([float(n_tokens)])])
     dist.all_reduce(flat)
@@ -609,6 +616,8 @@ def test_exercise_data_hold_uneven_real_tokens_and_the_weighted_mean_is_the_refe
         plain = {k: torch.stack([g[k] for g in grads]).mean(0) for k in ref}
         assert max((plain[k] - v).abs().max().item() for k, v in ref.items()) > 1e-2
     assert token_counts(2, 2) == [8, 5, 7, 2]
+    other = reference_token_grads(shard=1)            # a tp rank's model: other parameters
+    assert all((other[k] - v).abs().max() > 1e-2 for k, v in ref.items())
     x, y = local_tokens(1, 1, 2, 2)
     assert x.shape == (2, 4) and y.shape == (2, 2)
     torch.testing.assert_close(x, global_batch()[0][3, 4:6])
@@ -639,14 +648,37 @@ def test_solution_passes_and_makes_no_process_group(group):
     assert "new_group" not in inspect.getsource(solution)
     verdict = check_mesh_sync(group, solution)
     assert verdict, verdict.message
-    assert "(2, 2), (1, 4), (4, 1)" in verdict.message
+    assert "(dp, cp) meshes (2, 2), (1, 4), (4, 1) and the (dp, tp, cp) mesh (2, 2, 1)" \
+        in verdict.message
     assert "all 22 real tokens" in verdict.message and "no new process group" in verdict.message
 
 
-@pytest.mark.parametrize("fn", [new_group_once, whole_world_one_call])
+@pytest.mark.parametrize("fn", [new_group_once])
 def test_other_right_answers_pass(group, fn):
     verdict = check_mesh_sync(group, fn)
     assert verdict, verdict.message
+
+
+@pytest.mark.parametrize("op", ["one call", "AVG"])
+def test_a_sum_over_every_rank_is_caught_where_dp_and_cp_are_not_the_world(group, op):
+    """Over the default group the (dp, cp) meshes pass (they are the whole world); the
+    (dp, tp, cp) mesh, whose tp ranks hold other parameters, names the mistake (an expert
+    review found that the check passed a sync over the default group)."""
+    def world_avg(model, mesh, n_tokens):
+        for p in model.parameters():
+            p.grad.mul_(n_tokens)
+        total = torch.tensor(float(n_tokens))
+        dist.all_reduce(total)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= total
+    fn = whole_world_one_call if op == "one call" else world_avg
+    verdict = check_mesh_sync(group, fn, shapes=((2, 2), (1, 4), (4, 1)))
+    assert verdict, verdict.message
+    verdict = check_mesh_sync(group, fn)
+    assert not verdict
+    assert "On the mesh (dp=2, tp=2, cp=1), whose ranks hold 13, 13, 9, 9" in verdict.message
+    assert "adds the gradients of the 2 tp ranks" in verdict.message
 
 
 def test_a_new_group_at_every_call_is_named(group):

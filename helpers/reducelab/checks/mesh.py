@@ -38,8 +38,12 @@ GLOBAL_BATCH = 4
 SEQ_LEN = 8
 """Tokens per sequence (split over the cp ranks)."""
 IN_FEATURES, OUT_FEATURES = 4, 2
-EXERCISE_SHAPES = ((2, 2), (1, 4), (4, 1))
-"""The (dp, cp) meshes the exercise check runs on; each has world_size 4."""
+EXERCISE_SHAPES = ((2, 2), (1, 4), (4, 1), (2, 2, 1))
+"""The meshes the exercise check runs on, each of world_size 4: three ``(dp, cp)`` meshes,
+and one ``(dp, tp, cp)`` mesh whose two tp ranks hold different parameters
+(``tiny_model(shard=tp index)``), as tensor-parallel ranks hold different shards: there
+the dp x cp ranks are not the whole world, and a sum over every rank mixes the two
+models' gradients."""
 LENGTHS = (8, 5, 3, 6)
 """Real tokens of each sequence of the exercise's global batch; the rest of its
 :data:`SEQ_LEN` token slots are padding. On every mesh of :data:`EXERCISE_SHAPES` each
@@ -47,11 +51,13 @@ rank holds at least one real token, and the ranks hold different numbers of them
 ATOL = 1e-6
 
 
-def tiny_model() -> nn.Module:
+def tiny_model(shard: int = 0) -> nn.Module:
     """The exercise's model: ``Linear(4, 8) -> Tanh -> Linear(8, 2)``, float32, the same
-    weights on every rank and in the kernel (seeded with 0 without touching the global RNG)."""
+    weights on every rank and in the kernel (seeded with ``shard``, 0 by default, without
+    touching the global RNG). On the check's ``(dp, tp, cp)`` mesh, tp rank ``t`` holds
+    ``tiny_model(shard=t)``: other parameters, as a tensor-parallel shard is."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(shard)
         return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.Tanh(), nn.Linear(8, OUT_FEATURES))
 
 
@@ -212,32 +218,36 @@ def token_counts(dp: int, cp: int) -> list[int]:
     return [len(local_tokens(i, j, dp, cp)[0]) for i in range(dp) for j in range(cp)]
 
 
-def reference_token_grads() -> dict[str, torch.Tensor]:
+def reference_token_grads(shard: int = 0) -> dict[str, torch.Tensor]:
     """Single-process reference of the exercise: gradients of the mean squared error over
-    every real token of :func:`global_batch` (22 of its 32 slots),
-    ``{parameter name: tensor}``, float32."""
-    model = tiny_model()
+    every real token of :func:`global_batch` (22 of its 32 slots), for the model
+    ``tiny_model(shard)``, ``{parameter name: tensor}``, float32."""
+    model = tiny_model(shard)
     x, y = global_batch()
     real = token_mask()
     F.mse_loss(model(x[real]), y[real]).backward()
     return _grads(model)
 
 
-def local_token_grads(dp_index: int, cp_index: int, dp: int, cp: int) -> dict[str, torch.Tensor]:
+def local_token_grads(dp_index: int, cp_index: int, dp: int, cp: int,
+                      shard: int = 0) -> dict[str, torch.Tensor]:
     """The gradients one rank of the exercise has after its own backward (the mean over
-    its own real tokens), before any sync, computed in one process."""
-    model = tiny_model()
+    its own real tokens), before any sync, computed in one process; ``shard`` is the
+    rank's tp index (its model is ``tiny_model(shard)``)."""
+    model = tiny_model(shard)
     x, y = local_tokens(dp_index, cp_index, dp, cp)
     F.mse_loss(model(x), y).backward()
     return _grads(model)
 
 
-def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2):
-    """Runs on every rank: build the (dp, cp) mesh, then ``steps`` times: backward on the
-    rank's real tokens and ``sync_grads(model, mesh, n_tokens)``.
+def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2, tp: int = 1):
+    """Runs on every rank: build the (dp, cp) mesh, or the (dp, tp, cp) mesh if ``tp`` > 1,
+    then ``steps`` times: backward on the rank's real tokens and
+    ``sync_grads(model, mesh, n_tokens)``.
 
     The local loss is the mean over the rank's own real tokens, ``n_tokens`` of them,
-    and ``n_tokens`` differs from rank to rank.
+    and ``n_tokens`` differs from rank to rank. The tp ranks of a (dp, tp, cp) mesh see
+    the same tokens and hold different parameters (``tiny_model(shard=tp index)``).
 
     Returns:
         ``(grads, made)``: ``grads`` is ``{parameter name: gradient after the last
@@ -246,9 +256,13 @@ def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2):
         (:func:`live_process_groups`).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
-    dp_index, cp_index = mesh.get_coordinate()
-    model = tiny_model()
+    if tp == 1:
+        mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+        (dp_index, cp_index), tp_index = mesh.get_coordinate(), 0
+    else:
+        mesh = init_device_mesh("cpu", (dp, tp, cp), mesh_dim_names=("dp", "tp", "cp"))
+        dp_index, tp_index, cp_index = mesh.get_coordinate()
+    model = tiny_model(shard=tp_index)       # tp ranks: other parameters
     x, y = local_tokens(dp_index, cp_index, dp, cp)
     n_tokens = len(x)                        # this rank's real tokens
     made = []
@@ -268,7 +282,7 @@ PRIVATE_CALLS = ("_flatten",)
 asks for public API only; notebook 05's step 5 shows the page's ``_flatten``)."""
 
 
-def _token_step_recording_private(sync_grads, dp: int, cp: int):
+def _token_step_recording_private(sync_grads, dp: int, cp: int, tp: int = 1):
     """Runs on every rank: :func:`token_train_step`, with every call of a method of
     :data:`PRIVATE_CALLS` made from code outside the torch package (the learner's, not
     torch's own) recorded. Returns ``(grads, made, private)``, ``private`` the names of
@@ -290,7 +304,7 @@ def _token_step_recording_private(sync_grads, dp: int, cp: int):
     for name, call in originals.items():
         setattr(DeviceMesh, name, recorded(name, call))
     try:
-        grads, made = token_train_step(sync_grads, dp, cp)
+        grads, made = token_train_step(sync_grads, dp, cp, tp=tp)
     finally:
         for name, call in originals.items():
             setattr(DeviceMesh, name, call)
@@ -376,6 +390,26 @@ def _likely_mistakes(rank: int, dp: int, cp: int, local: dict, counts: dict) -> 
     return mistakes
 
 
+def _tp_mistakes(t: int, tp: int, coords, locals_by_shard: list, counts: dict) -> list:
+    """``(gradients, what to say)`` for syncs over every rank of a (dp, tp, cp) mesh, the
+    tp ranks included, as tp rank ``t`` ends with them (one process, float64)."""
+    n = [counts[c] for c in coords]
+    total = sum(n)
+    mixed = [_combine(local, coords, n) for local in locals_by_shard]
+    plain = [_combine(local, coords, [1] * len(coords)) for local in locals_by_shard]
+    names = mixed[0].keys()
+    say = (f"That adds the gradients of the {tp} tp ranks: it is a sum over every rank of "
+           f"the job, tp included. The tp ranks hold different parameters (here each "
+           f"builds its model from another seed, as tensor-parallel ranks hold different "
+           f"shards), so the sum mixes the gradients of different parameters. Reduce over "
+           f"the ranks that hold the same parameters and see other tokens only.")
+    return [
+        ({k: sum(m[k] for m in mixed) / (tp * total) for k in names}, say),
+        ({k: sum(m[k] for m in mixed) / total for k in names}, say),
+        ({k: sum(m[k] for m in plain) / (tp * len(coords)) for k in names}, say),
+    ]
+
+
 def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Verdict:
     """Exercise of notebook 05: ``sync_grads(model, mesh, n_tokens)``, called on every
     rank after ``backward()`` of the mean loss over the rank's ``n_tokens`` real tokens
@@ -384,13 +418,16 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
     process group on every call.
 
     Runs :func:`token_train_step` (two steps) with ``sync_grads`` on real ranks for each
-    ``(dp, cp)`` in ``shapes`` (the group is resized to ``dp * cp`` if needed, then
-    restored) and compares every rank's gradients with :func:`reference_token_grads`
-    (absolute tolerance :data:`ATOL`, relative 1e-5). A wrong answer is compared with
+    ``(dp, cp)`` or ``(dp, tp, cp)`` in ``shapes`` (the group is resized to the mesh's size
+    if needed, then restored) and compares every rank's gradients with
+    :func:`reference_token_grads` of its tp index (absolute tolerance :data:`ATOL`,
+    relative 1e-5). On a mesh with tp ranks, a sum over every rank is wrong: they hold
+    different parameters. A wrong answer is compared with
     the likely mistakes, computed in one process from :func:`local_token_grads` and
     :func:`token_counts` (no sync, the plain mean of means, a sum, a division by the
     number of ranks, by this rank's own count or by every slot with the padding, no
-    weighting, no sum of the weighted gradients, dp or cp alone). A process group made
+    weighting, no sum of the weighted gradients, dp or cp alone, every rank with tp).
+    A process group made
     on the first call and reused is fine; one made again on the second call is named, and
     so is a call of a private method of :data:`PRIVATE_CALLS` (``DeviceMesh._flatten``),
     since the exercise asks for public API only.
@@ -400,39 +437,49 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
         rank disagree and what its gradients equal instead, or how many process groups
         each call made. No message prints a line of the solution.
     """
-    ref = reference_token_grads()
     with restoring_world_size(group):
-        for dp, cp in shapes:
-            group.resize(dp * cp)  # a no-op when it already has that many ranks
+        for shape in shapes:
+            dp, tp, cp = (shape[0], 1, shape[1]) if len(shape) == 2 else shape
+            where = f"(dp={dp}, cp={cp})" if tp == 1 else f"(dp={dp}, tp={tp}, cp={cp})"
+            group.resize(dp * tp * cp)  # a no-op when it already has that many ranks
             try:
-                out = group.run(run_and_release, _token_step_recording_private, sync_grads, dp, cp)
+                out = group.run(run_and_release, _token_step_recording_private, sync_grads,
+                                dp, cp, tp)
             except RankError as e:
-                return raised_on_ranks(f"On the mesh (dp={dp}, cp={cp})", e)
+                return raised_on_ranks(f"On the mesh {where}", e)
             coords = [(i, j) for i in range(dp) for j in range(cp)]
-            local = {c: local_token_grads(*c, dp, cp) for c in coords}
             counts = dict(zip(coords, token_counts(dp, cp)))
+            refs = [reference_token_grads(t) for t in range(tp)]
+            local = [{c: local_token_grads(*c, dp, cp, shard=t) for c in coords}
+                     for t in range(tp)]
+            held = [counts[(r // (tp * cp), r % cp)] for r in range(dp * tp * cp)]
             for rank, (got, _, _) in enumerate(out):
+                i, t, j = rank // (tp * cp), rank // cp % tp, rank % cp
+                ref = refs[t]
                 if _same(got, ref):
                     continue
                 if any(v is None for v in got.values()):
-                    return failed(f"On the mesh (dp={dp}, cp={cp}), rank {rank} has parameters "
+                    return failed(f"On the mesh {where}, rank {rank} has parameters "
                                   f"without a gradient after sync_grads: did it set p.grad "
                                   f"to None?")
                 diffs = [(got[k] - v).abs().max().item() for k, v in ref.items()
                          if got[k].shape == v.shape]
                 worst = f"largest difference {max(diffs):.3g}" if diffs else "other shapes"
-                hint = next((" " + say for grads, say in _likely_mistakes(rank, dp, cp, local, counts)
-                             if _same(got, grads)), "")
+                likely = _likely_mistakes(i * cp + j, dp, cp, local[t], counts)
+                if tp > 1:
+                    likely = _tp_mistakes(t, tp, coords, local, counts) + likely
+                hint = next((" " + say for grads, say in likely if _same(got, grads)), "")
+                whose = f", for tp rank {t}'s model" if tp > 1 else ""
                 return failed(
-                    f"On the mesh (dp={dp}, cp={cp}), whose ranks hold "
-                    f"{', '.join(map(str, counts.values()))} real tokens, rank {rank}'s "
+                    f"On the mesh {where}, whose ranks hold "
+                    f"{', '.join(map(str, held))} real tokens, rank {rank}'s "
                     f"gradients differ from the single-process gradient of the mean over all "
-                    f"{sum(counts.values())} real tokens ({worst}; expected at most "
+                    f"{sum(counts.values())} real tokens{whose} ({worst}; expected at most "
                     f"{ATOL:g}).{hint}")
             private = next((call for o in out for call in o[2]), None)
             if private:
                 return failed(
-                    f"On the mesh (dp={dp}, cp={cp}) the gradients are right, but sync_grads "
+                    f"On the mesh {where} the gradients are right, but sync_grads "
                     f"called {private}, a private API: its leading underscore says it may "
                     f"change or vanish in any torch release, without a deprecation cycle. The "
                     f"exercise asks for public API only; step 5 lists public ways to reduce "
@@ -440,7 +487,7 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
             made = out[0][1]
             if made[-1] > 0:
                 return failed(
-                    f"On the mesh (dp={dp}, cp={cp}) the gradients are right, but every call "
+                    f"On the mesh {where} the gradients are right, but every call "
                     f"of sync_grads made {made[-1]} new process group{'' if made[-1] == 1 else 's'} "
                     f"(dist.new_group, or new_subgroups_by_enumeration, inside it). Each new "
                     f"group is a collective that every rank of the job must join, it opens new "
@@ -449,9 +496,12 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
                     f"pile up groups step after step. Reduce over groups that already exist "
                     f"(the mesh made one per dimension), or make the group once, outside "
                     f"sync_grads.")
-        listed = ", ".join(f"({dp}, {cp})" for dp, cp in shapes)
+        two = ", ".join(str(tuple(s)) for s in shapes if len(s) == 2)
+        three = ", ".join(str(tuple(s)) for s in shapes if len(s) == 3)
+        listed = f"the (dp, cp) meshes {two}" + (f" and the (dp, tp, cp) mesh {three}"
+                                                  if three else "")
         return passed(
-            f"On the meshes {listed}, every rank's gradients match the single-process gradient "
+            f"On {listed}, every rank's gradients match the single-process gradient "
             f"of the mean over all {int(token_mask().sum())} real tokens to "
             f"{ATOL:g}, and a second call made no new process group. A local mean over "
             f"n_tokens tokens, times n_tokens, is the gradient of their sum; summed over the "
