@@ -405,6 +405,9 @@ def test_other_right_forms_pass():
     assert check_node_command(cmd, range(16, 24))
     assert check_node_command(cmd.split(), tuple(reversed(RANKS)))      # any order
     assert check_node_command(RIGHT, [float(r) for r in RANKS])
+    for value in ("gpu", "auto"):       # one process per visible GPU: 8 on the job's nodes
+        verdict = check_node_command(RIGHT.replace("--nproc-per-node 8", f"--nproc-per-node {value}"), RANKS)
+        assert verdict, verdict.message
 
 
 def test_the_job_is_not_the_one_the_notebook_showed():

@@ -65,7 +65,8 @@ def check_node_command(command, ranks=None) -> Verdict:
 
     A right command starts with ``torchrun`` (or ``python -m torch.distributed.run``),
     joins the static rendezvous (``--nnodes 3``, ``--master-addr 10.0.0.5``,
-    ``--master-port 29400``), starts ``--nproc-per-node 8``, says ``--node-rank 2`` and
+    ``--master-port 29400``), starts ``--nproc-per-node 8`` (or ``gpu`` or ``auto``, one
+    process per visible GPU: 8 on these nodes), says ``--node-rank 2`` and
     runs ``train.py``. The right ranks are 16 to 23 (``RANK = node_rank *
     nproc_per_node + LOCAL_RANK``), in any order, as a list, tuple or range of ints.
 
@@ -117,7 +118,9 @@ def check_node_command(command, ranks=None) -> Verdict:
         return failed(f"--nnodes is {args.nnodes!r}; the job has {NNODES} nodes and every node "
                       f"must say so, or the rendezvous waits for nodes that never come (or "
                       f"starts without one).")
-    if args.nproc_per_node != str(NPROC_PER_NODE):
+    # "gpu" (and "auto", where CUDA is available) start one process per visible GPU, 8 on
+    # these nodes (determine_local_world_size in torch/distributed/run.py)
+    if args.nproc_per_node not in (str(NPROC_PER_NODE), "gpu", "auto"):
         return failed(f"--nproc-per-node is {args.nproc_per_node!r}; each node has "
                       f"{NPROC_PER_NODE} GPUs, one rank each. With a static rendezvous "
                       f"WORLD_SIZE = nnodes * nproc_per_node, and every node must agree on it.")
