@@ -179,6 +179,19 @@ def test_one_solution_flow(path):
         assert not leaked, f"the check's message prints the solution: {leaked}"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_an_exercise_starts_from_a_body_that_runs_not_a_bare_pass(path):
+    """The learner's def starts wrong but runnable, so the check's first message names a
+    mistake; a bare ``pass`` only earns "returned None" (an expert review found two)."""
+    for _, def_cell, _ in exercises(load(path)):
+        for node in ast.parse(source(def_cell)).body:
+            if isinstance(node, ast.FunctionDef):
+                body = [b for b in node.body if not (isinstance(b, ast.Expr)
+                                                     and isinstance(b.value, ast.Constant))]
+                assert not all(isinstance(b, ast.Pass) for b in body), \
+                    f"{node.name} starts from a bare pass"
+
+
 # Spelled in pieces so that this pattern is no hit of its own for a grep over the repository.
 OUTSIDE = re.compile("|".join([r"shared/" "seeds", r"\.\./" "shared", "/wo" "rk/", "/tmp/" "praxium",
                                "/ro" "ot/", r"/ho" r"me/\w+"]))
