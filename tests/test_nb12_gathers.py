@@ -530,7 +530,7 @@ def test_a_collective_the_function_did_call_is_never_reported_as_none(group):
 @pytest.mark.parametrize("mistake, explanation", [
     (sum_with_repeats, "the sampler's 1 repeat(s) are counted twice"),
     (right_count_wrong_sum, "The count is right, but the sum still holds the 1 repeated sample(s)"),
-    (drop_last_everywhere, "That leaves out the last index of every rank, 2 samples, but only 1 of them"),
+    (drop_last_everywhere, "That leaves out the last index of every rank, 2 samples, but only 1 of them is padding"),
     (many_numbers, "expected one number"),
     (crashes, "your function raised on the ranks"),
 ])

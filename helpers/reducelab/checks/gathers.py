@@ -235,8 +235,9 @@ def _diagnose(world_size, dataset_size, epoch, values, want, calls) -> str:
                 f"sample(s): leave the padding out of the sum too.")
     if "last dropped everywhere" in wrong and close(v, wrong["last dropped everywhere"]):
         return (f"{head} That leaves out the last index of every rank, {world_size} samples, "
-                f"but only {p} of them are padding here: which ranks' last indices are "
-                f"padding depends on where their positions fall in the padded list.")
+                f"but only {p} of them {'is' if p == 1 else 'are'} padding here: which ranks' "
+                f"last indices are padding depends on where their positions fall in the padded "
+                f"list.")
     if p == 0 and abs(v - want) > TOLERANCE:
         return (f"{head} Here nothing is padded ({dataset_size} divides by {world_size}), so "
                 f"every index the ranks hold is a sample counted once: your function removes "
