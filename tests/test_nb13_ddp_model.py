@@ -632,3 +632,50 @@ def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
     """The explorer builds the figure of a world size it has not shown while the new
     ranks start and run (Explorer.preparation), not after them."""
     conftest.assert_new_world_size_is_built_on_the_preparer(explorer, explorer.figure)
+
+
+def frozen_aux_with_defaults(steps=2):
+    """Runs on a rank: step 3's model with aux frozen before DDP(...), DDP's defaults,
+    aux never used: returns the steps completed."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    module = NB.Net()
+    module.aux.requires_grad_(False)
+    model = DDP(module)
+    x, y = NB.local_batch(dist.get_rank())
+    done = 0
+    for _ in range(steps):
+        F.mse_loss(model(x, use_aux=False), y).backward()
+        done += 1
+    return done
+
+
+def test_a_frozen_branch_needs_no_flag(group):
+    """Step 4's cheapest fix (an expert review): DDP registers only the parameters that
+    require a gradient (_build_params_for_reducer), so a frozen, never-used aux trains with
+    DDP's defaults, where the same branch unfrozen raised (question 3's run)."""
+    out = group.run(frozen_aux_with_defaults)
+    assert out == [2] * 4
+    assert "`model.aux.requires_grad_(False)`" in source_with("A branch that no step uses can simply be frozen",
+                                                        kind="markdown")
+
+
+def test_reentrant_checkpointing_clashes_with_find_unused_parameters_as_stored(group):
+    """The myth cell's four runs, again: a layer run twice under reentrant checkpointing
+    trains with DDP's defaults, raises torch's 'marked ready twice' error with
+    find_unused_parameters=True, and trains with static_graph=True or with the flag and
+    use_reentrant=False; the stored output says the same."""
+    cases = [(True, {}), (True, {"find_unused_parameters": True}),
+             (True, {"static_graph": True}), (False, {"find_unused_parameters": True})]
+    results = [group.run(NB.stderr_during, NB.two_steps, reentrant, **options)[0][0]
+               for reentrant, options in cases]
+    assert results[0] == results[2] == results[3] == "trained"
+    assert results[1].startswith("Expected to mark a variable ready only once.")
+    assert "Reused parameters in multiple reentrant backward passes" in results[1]
+    stored = stored_text(cell_with("class LayerTwice"))
+    for (reentrant, options), result in zip(cases, results):
+        line = f"use_reentrant={reentrant}, DDP(model, **{options}): {result.splitlines()[0]}"
+        assert line in stored, line
+    assert "This is the message's reason 2)" in markdown()
