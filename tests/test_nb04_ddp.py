@@ -95,7 +95,7 @@ def warnings_of(what):
     return [(w.category.__name__, str(w.message)) for w in records]
 
 
-def accumulate(X, y, use_no_sync, micro_batches=4):
+def accumulate(X, y, use_no_sync, forward_inside=True, micro_batches=4):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DDP(nn.Linear(64, 10))
@@ -109,8 +109,14 @@ def accumulate(X, y, use_no_sync, micro_batches=4):
     mine = local_slice(len(X), world_size, rank)
     for i, (xb, yb) in enumerate(zip(X[mine].chunk(micro_batches), y[mine].chunk(micro_batches))):
         last = i == micro_batches - 1
-        with model.no_sync() if use_no_sync and not last else contextlib.nullcontext():
-            (F.cross_entropy(model(xb), yb) / micro_batches).backward()
+        context = model.no_sync() if use_no_sync and not last else contextlib.nullcontext()
+        if forward_inside:
+            with context:
+                (F.cross_entropy(model(xb), yb) / micro_batches).backward()
+        else:
+            loss = F.cross_entropy(model(xb), yb) / micro_batches
+            with context:
+                loss.backward()
     return counter["all_reduce"], torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
@@ -279,10 +285,12 @@ def test_no_sync_saves_all_reduces_and_keeps_the_gradient(group, batch):
     X, y = batch[0][:64], batch[1][:64]
     synced = group.run(accumulate, X, y, use_no_sync=False)
     skipped = group.run(accumulate, X, y, use_no_sync=True)
+    backward_only = group.run(accumulate, X, y, use_no_sync=True, forward_inside=False)
     assert [n for n, _ in synced] == [4] * 4
     assert [n for n, _ in skipped] == [1] * 4
+    assert [n for n, _ in backward_only] == [4] * 4      # question 3: no_sync acts at the forward
     full = full_batch_gradient(X, y, "mean")
-    for _, g in synced + skipped:
+    for _, g in synced + skipped + backward_only:
         torch.testing.assert_close(g, full, rtol=1e-4, atol=1e-6)
 
 
@@ -799,6 +807,9 @@ def test_questions_2_and_3_are_asked_before_they_are_explained():
                       "unless it runs inside"):
         assert mechanism not in asked, mechanism
     assert "accumulates locally" in WHY["04"][3]  # the mechanism is in the why
+    assert "only `loss.backward()` inside `no_sync()`" in asked and WHY["04"][3].startswith("4,")
+    for mechanism in ("acts at the forward", "decides at the forward", "_post_forward"):
+        assert mechanism not in "\n".join(cells[:q3]), mechanism
 
 
 

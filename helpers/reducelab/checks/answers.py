@@ -62,12 +62,14 @@ WHY = {
         2: "With reduction='sum' the local sums add up to the full-batch sum whatever the "
             "split, and DDP divides each rank's gradient by world_size = 8 before it sums "
             "them: k = 1/8.",
-        3: "Under DDP every forward and backward all_reduces its gradient buckets, unless "
-            "the forward ran inside model.no_sync(): then DDP skips the all_reduce and .grad "
-            "only accumulates locally (no_sync's docstring: the forward pass must be inside "
-            "the context manager). The next forward and backward outside no_sync, here the "
-            "last micro-batch's, all_reduce the accumulated gradient once: 1 all_reduce "
-            "instead of 4 per optimizer step.",
+        3: "4, as many as without no_sync. DDP decides at the forward whether the backward "
+            "all-reduces: the forward reads require_backward_grad_sync, which no_sync() sets "
+            "to False, and when it is True prepares the reducer for a synced backward "
+            "(_post_forward in torch/nn/parallel/distributed.py). A forward run outside "
+            "no_sync() all-reduces in its backward, wherever that backward runs. With the "
+            "forward inside too, .grad only accumulates locally for the first 3 micro-batches "
+            "and the last one's backward all-reduces the sum once: 1 per step. no_sync's "
+            "docstring says so: the forward pass should be included inside the context manager.",
     },
     "05": {
         1: "With cp=1 each row of the mesh holds one rank, so rank 1's cp group is rank 1 "
