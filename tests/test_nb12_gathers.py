@@ -664,3 +664,19 @@ def test_question_2_stays_unspoiled():
     above = "\n".join(s for s, c in zip(cells[:upto], CELLS) if c["cell_type"] == "markdown")
     assert "r + world_size" not in above and "pads it to a multiple of `world_size`" in above
     assert "r + world_size" in "\n".join(cells[upto:])
+
+
+def test_the_dataloader_recipe_counts_every_sample_once_and_torch_has_no_sampler_for_it():
+    """Step 3's pointer for a real DataLoader (an expert review asked for it): torch's
+    samplers (torch.utils.data) include no distributed one but DistributedSampler, which
+    pads or drops; Subset(dataset, range(rank, N, world_size)) gives each sample once."""
+    import torch.utils.data as data
+    samplers = {n for n in dir(data) if n.endswith("Sampler")}
+    assert {n for n in samplers if "Distributed" in n} == {"DistributedSampler"}
+    dataset = data.TensorDataset(torch.arange(10))
+    for world_size in (1, 2, 3, 4):
+        seen = [int(v) for r in range(world_size)
+                for (batch,) in data.DataLoader(data.Subset(dataset, range(r, 10, world_size)),
+                                                batch_size=3) for v in batch]
+        assert sorted(seen) == list(range(10))
+    assert "`Subset(dataset, range(rank, len(dataset), world_size))`" in markdown()
