@@ -953,3 +953,21 @@ def test_the_exercise_shows_the_model_and_the_data():
     myth = next(c for c in cells if _src(c).startswith("def dp_only(model, mesh, n_tokens):"))
     shown = "".join(t for o in myth["outputs"] for t in o.get("data", {}).get("text/plain", []))
     assert "plain mean over the dp group only" in shown
+
+
+def test_question_3_can_be_reasoned_from_from_locals_signature_shown_before_it():
+    """An expert review: nothing before question 3 said that from_local has shape and
+    stride arguments the page leaves out. The signature is printed above the question,
+    from the installed torch; the rule (even shards assumed) is only in the explanation.
+    Question 1's explanation no longer names the page's use_ddp flag, never introduced."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    q3 = next(i for i, c in enumerate(cells) if _src(c).startswith("answer_3 = None"))
+    shown = next(c for c in cells[:q3] if "inspect.signature(DTensor.from_local)" in _src(c))
+    printed = "".join("".join(o.get("text", "")) for o in shown["outputs"])
+    assert "    shape: torch.Size | None = None," in printed
+    assert "    stride: tuple[int, ...] | None = None," in printed
+    above = "\n".join(_src(c) for c in cells[:q3])
+    assert "evenly" not in above and "even shards" not in above
+    from reducelab.checks.answers import WHY
+    assert "assumes even shards" in WHY["05"][3]
+    assert "use_ddp" not in WHY["05"][1]

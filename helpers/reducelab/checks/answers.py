@@ -74,9 +74,7 @@ WHY = {
     "05": {
         1: "With cp=1 each row of the mesh holds one rank, so rank 1's cp group is rank 1 "
             "alone, and an all_reduce over it changes nothing; all four ranks share one dp "
-            "group. When a wrapper averages over dp, as the page's does with dp > 1 (its "
-            "use_ddp flag), the page reduces over the cp mesh alone, and its guard `if "
-            "sync_mesh.size() > 1` skips exactly this case.",
+            "group.",
         2: "On gloo, AVG is a SUM followed by a division by the group size (that is how "
             "pytorch/pytorch#149781 added it, in torch 2.8), so the two give the same bits, "
             "in every dtype here. Neither is the exact mean: both round the result to the "
