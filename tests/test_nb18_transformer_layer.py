@@ -1,0 +1,259 @@
+"""Notebook 18: a whole transformer layer over tp and dp (split from notebook 09). The
+facts the notebook states, run with the notebook's own definitions (read from its code
+cells by conftest.notebook_module) on real gloo ranks; what its stored outputs say,
+re-derived; each question's answer re-derived from a run; spoiler tests."""
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import re
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from conftest import NotebookCells, notebook_module, stored_text
+from reducelab.checks.answers import WHY
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.usefixtures("keep_four_ranks")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "18_transformer_layer.ipynb"
+CELLS = json.loads(NOTEBOOK.read_text())["cells"]
+KEEP = {"SEQ", "BATCH", "EMBED", "HIDDEN", "HEADS", "HEAD_DIM", "TOL", "CAUSAL", "CALLS", "P_DROP",
+        "CUT", "SEQUENCE_PARALLEL", "PLANS"}
+"""Module-level names the notebook assigns (constants, tables) that its functions need."""
+
+NB = vars(notebook_module(CELLS, "nb18_cells", KEEP,
+                          preamble="from reducelab import LocalGroup, RankError, setup"))
+TOL = NB["TOL"]
+SEQ, BATCH, EMBED = NB["SEQ"], NB["BATCH"], NB["EMBED"]
+WHOLE = (SEQ, BATCH, EMBED)
+GRADS_REF = NB["unsharded"]()[1]
+
+_CELLS = NotebookCells(CELLS)
+source_with, cell_with, markdown = _CELLS.source_with, _CELLS.cell_with, _CELLS.markdown
+
+
+def cells():
+    return [("".join(c["source"]), c) for c in CELLS]
+
+
+def shown(start: str) -> str:
+    """Everything the code cell starting with ``start`` shows, as committed."""
+    return stored_text(next(c for s, c in cells() if s.startswith(start)))
+
+
+def real_result(start: str) -> str:
+    """What the folded verdict of the question cell starting with ``start`` says the real run gave."""
+    return re.search(r"The real run gives (.+?)\. ", shown(start)).group(1)
+
+
+def test_the_header_gives_study_time_run_time_and_what_it_follows():
+    header = cells()[0][0]
+    assert header.startswith("# How does a whole transformer layer split over tp and dp?")
+    assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · "
+                     r"world sizes? [^·]+ · CPU only \(gloo\) · follows notebooks 05, 08 and 09\*",
+                     header), header[:300]
+    for part in ("## What you will learn", "## Prerequisites",
+                 '"Usage pattern for torch.distributed.all_reduce for gradient synchronization '
+                 'within HuggingFace Transformers distributed training"', "2025-12-18"):
+        assert part in header, part
+
+
+def test_the_recap_defines_notebook_09s_blocks_in_the_cell_and_points_to_09():
+    recap = source_with("class F(torch.autograd.Function)")
+    for name in ("def make_mlp", "def shard_mlp", "def mlp(", "class G(", "def shard_attention",
+                 "def attention(", "def unsharded"):
+        assert name in recap, name
+    text = markdown()
+    assert "## Recap" in text and re.search(r"[Nn]otebook 09 shows why", text)
+    nb09 = json.loads((ROOT / "notebooks" / "09_tensor_parallel.ipynb").read_text())["cells"]
+    src09 = "\n".join("".join(c["source"]) for c in nb09 if c["cell_type"] == "code")
+    assert "SEQ, BATCH, EMBED, HIDDEN, HEADS = 4, 2, 8, 16, 4" in src09 and \
+        "SEQ, BATCH, EMBED, HIDDEN, HEADS = 4, 2, 8, 16, 4" in recap      # the same numbers
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_recaps_blocks_are_notebook_09s_f_and_g_around_the_mlp(group, tp):
+    """The recap's MLP under f and g gives one process's output and gradients."""
+    def tp_mlp():
+        import torch.distributed as dist
+        p = NB["shard_mlp"](dist.get_rank(), dist.get_world_size())
+        x = NB["make_input"]()
+        NB["CALLS"].clear()
+        y = NB["tp_forward"](x, p)
+        NB["loss_fn"](y).backward()
+        return y.detach(), x.grad, list(NB["CALLS"])
+    group.resize(tp)
+    y_ref, grads = NB["unsharded"]()
+    for y, x_grad, calls in group.run(tp_mlp):
+        assert (y - y_ref).abs().max() <= TOL and (x_grad - grads["x"]).abs().max() <= TOL
+        assert calls == [("forward", "g", "all_reduce", WHOLE), ("backward", "f", "all_reduce", WHOLE)]
+
+
+# --- step 1: the layer, with sequence parallelism ---------------------------------------
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_layer_with_tensor_parallelism_matches_one_process(group, tp):
+    group.resize(tp)
+    diff = NB["compare"](group.run(NB["layer_on_ranks"], False), False)
+    assert len(diff) == 2 + 16 and max(diff.values()) <= TOL, diff
+
+
+def test_reference_layer_is_torchs_modules_and_not_the_notebooks_own_functions():
+    """The one-process reference must not share the code it checks."""
+    src = next(s for s, _ in cells() if s.startswith("def reference_layer"))
+    body = src.split("CUT =")[0]
+    for own in ("block(", "attention(x", "mlp(x", "F.apply", "G.apply"):
+        assert own not in body, own
+    assert "make_attention()" in body and "make_norm(1)" in body
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_with_sequence_parallelism_exactly_the_parameters_seen_by_one_rank_are_partial(group, tp):
+    group.resize(tp)
+    out = group.run(NB["layer_on_ranks"], True)
+    diff = NB["compare"](out, True)
+    assert diff["y"] <= TOL and diff["x.grad"] <= TOL
+    wrong = sorted(n for n, d in diff.items() if d > TOL)
+    assert wrong == sorted(NB["SEQUENCE_PARALLEL"]), wrong
+    _, _, ref = NB["reference_layer"]()
+    for name in wrong:                                  # partial sums over the tokens
+        assert (sum(o[2][name] for o in out) - ref[name]).abs().max() <= TOL
+    fixed = NB["compare"](group.run(NB["sp_step"]), True)
+    assert max(fixed.values()) <= TOL, fixed
+
+
+def test_question_1_stored_answer_is_the_six_sequence_parallel_parameters():
+    stored = real_result("group.resize(4)                      # this question's world size, "
+                         "whatever the explorer left\nout = group.run(layer_on_ranks, True)")
+    assert sorted(ast.literal_eval(stored)) == sorted(NB["SEQUENCE_PARALLEL"])
+
+
+def test_sequence_parallel_operators_replace_each_all_reduce_by_two_collectives(group):
+    for i in (1, 2):
+        calls = group.run(NB["layer_on_ranks"], True, (i,))[0][3]
+        assert [(w, op, c) for w, op, c, _ in calls] == [
+            ("forward", "in", "all_gather"), ("forward", "out", "reduce_scatter"),
+            ("backward", "out", "all_gather"), ("backward", "in", "reduce_scatter")]
+        assert all(shape == WHOLE for *_, shape in calls)   # S: the whole activation
+        calls = group.run(NB["layer_on_ranks"], False, (i,))[0][3]
+        assert [c for *_, c, _ in calls] == ["all_reduce", "all_reduce"]
+
+
+def table_rows(text: str) -> dict:
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"(attention|MLP)\s+(tp \+ sp|tp)\s+(.+?)\s{2,}(.+?)\s{2,}([\d,]+)\s+(\d+) bytes$", line)
+        if m:
+            rows[(m[1], m[2])] = (m[3], m[4], int(m[5].replace(",", "")), int(m[6]))
+    return rows
+
+
+def test_the_stored_table_says_the_same_bytes_and_a_quarter_of_the_layernorm_input(group):
+    """The prose: the same bytes with and without sequence parallelism, each rank holding
+    a quarter of the tokens. Re-derived from the stored table, then from a fresh run."""
+    stored = table_rows(shown("def ring_bytes("))
+    assert len(stored) == 4, stored
+    for block in ("attention", "MLP"):
+        tp, sp = stored[(block, "tp")], stored[(block, "tp + sp")]
+        assert tp[:2] == ("all_reduce", "all_reduce")
+        assert sp[:2] == ("all_gather, reduce_scatter", "all_gather, reduce_scatter")
+        S = 4 * SEQ * BATCH * EMBED                     # bytes of the whole activation
+        assert tp[2] == sp[2] == 2 * (2 * 3 / 4 * S)    # two ring all_reduces on 4 ranks
+        assert sp[3] * 4 == tp[3] == S
+    ns = dict(NB, group=group, print=lambda *a, **k: printed.append(" ".join(map(str, a))))
+    printed = []
+    exec(next(s for s, _ in cells() if s.startswith("def ring_bytes(")), ns)
+    assert table_rows("\n".join(printed)) == stored
+
+
+# --- step 2: parallelize_module ---------------------------------------------------------
+def test_parallelize_module_tp_and_sp_plans_run_on_gloo_and_match_one_process(group):
+    model, x = NB["NormMLP"](), NB["make_input"]()
+    y = model(x)
+    NB["loss_fn"](y).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    want = {"tp": ({"all_reduce": 1}, 0, "a plain tensor"),
+            "tp + sp": ({"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, 2, "Partial(sum)")}
+    for plan, (counts, steps, norm) in want.items():
+        out = group.run(NB["dtensor_block"], plan)
+        join = torch.cat if plan == "tp + sp" else (lambda ts: ts[0])
+        assert (join([o[0] for o in out]) - y).abs().max() <= TOL
+        assert (join([o[1] for o in out]) - x.grad).abs().max() <= TOL
+        _, _, got, grads, step_count, stepped = out[0]
+        assert got == {"forward": counts, "backward": counts} and step_count == steps
+        assert grads["norm.weight"] == grads["norm.bias"] == norm
+        assert grads["mlp.0.weight"] == "Shard(dim=0)" and grads["mlp.2.weight"] == "Shard(dim=1)"
+        assert grads["mlp.2.bias"] == "Replicate()"
+        for name, p in model.named_parameters():
+            assert (stepped[name] - p).abs().max() <= TOL, name
+
+
+def test_torch_refuses_to_shard_multihead_attention_in_its_own_words(group):
+    said = group.run(NB["parallelize_torch_attention"])[0]
+    assert said == ("NotImplementedError: ColwiseParallel currently only support nn.Linear "
+                    "and nn.Embedding!")
+    assert f"torch: {said}" in shown("def parallelize_torch_attention")
+
+
+# --- step 3: (dp, tp) -------------------------------------------------------------------
+def mean_reference() -> dict:
+    return {n: (NB["unsharded"](0)[1][n] + NB["unsharded"](1)[1][n]) / 2 for n in GRADS_REF}
+
+
+def test_averaging_over_dp_only_is_right_and_over_tp_too_mixes_shards(group):
+    NB["mean_ref"] = mean_ref = mean_reference()
+    out = group.run(NB["dp_tp_step"], "dp")
+    assert NB["wrong_grads"](out) == {(0, 0): [], (0, 1): [], (1, 0): [], (1, 1): []}
+    out = group.run(NB["dp_tp_step"], "dp and tp")          # runs: no error
+    wrong = NB["wrong_grads"](out)
+    assert all(w == ["0.weight", "0.bias", "2.weight"] for w in wrong.values()), wrong
+    half = NB["HIDDEN"] // 2
+    mixed = (mean_ref["0.weight"][:half] + mean_ref["0.weight"][half:]) / 2
+    assert (out[0][1]["0.weight"] - mixed).abs().max() <= TOL
+    assert out[0][0] == (0, 0) and out[3][0] == (1, 1)
+
+
+
+# --- predictions stay unspoiled -----------------------------------------------------------
+def test_nothing_before_question_1_names_the_parameters_that_go_wrong():
+    all_cells = cells()
+    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_1 = None"))
+    before = "\n".join(src for src, _ in all_cells[:q])
+    assert "SEQUENCE_PARALLEL" not in before and "_allreduce_non_tensor_model_parallel_grads" not in before and "_allreduce_layernorm_grads" not in before
+    assert "Partial(sum)" not in "\n".join(src for src, c in all_cells[:q] if c["cell_type"] == "markdown")
+
+
+def test_question_2_does_not_say_whether_it_raises():
+    all_cells = cells()
+    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_2 = None"))
+    question = all_cells[q + 1][0]
+    code = [line for line in question.splitlines() if not line.startswith("group.resize(")]
+    assert "#" not in code[0]
+    assert "it runs" not in question.split("reveal(")[0]
+
+
+
+
+def test_question_2_stored_answer_is_the_two_sharded_weights_and_the_bias_of_w1():
+    assert ast.literal_eval(real_result("group.resize(4)                      # this question's "
+                                        "world size, whatever the explorer left\nout = group.run("
+                                        "dp_tp_step")) == ["0.weight", "0.bias", "2.weight"]
+
+
+def test_the_whys_belong_to_18_and_09_keeps_only_its_own():
+    assert "sequence_parallel" in WHY["18"][1] and "mixes the gradients" in WHY["18"][2]
+    assert sorted(WHY["09"]) == [1, 2, 3] and "Column → row needs one" in WHY["09"][3]
+
+
+def test_the_myth_and_summary_say_dp_not_tp_after_the_last_question():
+    all_cells = cells()
+    q = max(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_"))
+    after = "\n".join(src for src, _ in all_cells[q:])
+    assert 'world_mesh["dp", "cp"]' in after and "never over `tp`" in after
+    for ref in ("Korthikanti", "Megatron-LM", "torch/distributed/tensor/parallel/style.py"):
+        assert ref in after.split("## Further reading")[1], ref
