@@ -257,3 +257,143 @@ def test_the_myth_and_summary_say_dp_not_tp_after_the_last_question():
     assert 'world_mesh["dp", "cp"]' in after and "never over `tp`" in after
     for ref in ("Korthikanti", "Megatron-LM", "torch/distributed/tensor/parallel/style.py"):
         assert ref in after.split("## Further reading")[1], ref
+
+
+# --- step 4: the explorer ------------------------------------------------------------------
+from reducelab.plots.transformer_layer import Hop, layer_figure  # noqa: E402
+from reducelab.widgets.transformer_layer import (BLOCKS, PLANS, STAGES, TP_DEGREES,  # noqa: E402
+                                                 TransformerLayerExplorer, describe_layer,
+                                                 ring_bytes)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture()
+def explorer(group):
+    return TransformerLayerExplorer(group, NB["layer_stages"], seq=SEQ)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("i", [1, 2])
+def test_the_rank_function_reports_each_stage_and_the_collectives_the_operators_ran(group, sp, i):
+    out = group.run(NB["layer_stages"], sp, i)
+    activation = 4 * SEQ * BATCH * EMBED                     # bytes of the whole (SEQ, BATCH, EMBED)
+    for rank, (stages, calls) in enumerate(out):
+        assert tuple(stages) == STAGES
+        mine = (rank, rank + 1) if sp else (0, SEQ)           # 4 tokens on 4 ranks: one each
+        for name, (tokens, nbytes) in stages.items():
+            whole = name in ("into the block", "partial sum")
+            assert tokens == ((0, SEQ) if whole else mine), (name, tokens)
+            assert nbytes == (activation if whole or not sp else activation // 4), (name, nbytes)
+        want = ([("forward", "in", "all_gather"), ("forward", "out", "reduce_scatter"),
+                 ("backward", "out", "all_gather"), ("backward", "in", "reduce_scatter")] if sp else
+                [("forward", "g", "all_reduce"), ("backward", "f", "all_reduce")])
+        assert [tuple(c[:3]) for c in calls] == want
+        assert all(tuple(c[3]) == WHOLE for c in calls)
+
+
+def test_the_explorer_starts_on_four_ranks_with_sequence_parallelism(explorer, group):
+    r = explorer.result
+    assert (r.plan, r.block, r.tp) == ("tp + sp", "MLP", 4) and group.world_size == 4
+    assert r.same_calls and r.hop("in") == Hop("all_gather", "reduce_scatter", 384)
+    assert r.hop("out") == Hop("reduce_scatter", "all_gather", 384)
+    assert r.held_bytes() == [768] * 4
+    assert bytes(explorer.image.value).startswith(PNG)
+    assert "way in all_gather (backward reduce_scatter)" in explorer.message.value
+    assert "rank 0 holds 1 of 4 tokens" in explorer.message.value
+
+
+@pytest.mark.parametrize("plan, block, tp", [("tp only", "attention", 4), ("tp + sp", "attention", 2),
+                                             ("tp only", "MLP", 1), ("tp + sp", "MLP", 1),
+                                             ("tp only", "MLP", 2)])
+def test_every_control_change_runs_real_ranks_and_changes_the_figure(explorer, group, plan, block, tp):
+    before = explorer.image.value
+    explorer.controls["tp"].value = tp
+    explorer.controls["block"].value = block
+    explorer.controls["plan"].value = plan
+    r = explorer.result
+    assert (r.plan, r.block, r.tp) == (plan, block, tp) and group.world_size == tp
+    assert len(r.held) == tp and r.same_calls
+    into, out = r.hop("in"), r.hop("out")
+    if plan == "tp only":
+        assert (into.forward, into.backward, out.forward, out.backward) == \
+            ("nothing", "all_reduce", "all_reduce", "nothing")
+    else:
+        assert (into.forward, out.forward) == ("all_gather", "reduce_scatter")
+    S = 4 * SEQ * BATCH * EMBED
+    # the same bytes either way: one all_reduce each way, or two halves of one
+    assert into.sent + out.sent == 2 * ring_bytes("all_reduce", WHOLE, tp) == round(4 * (tp - 1) / tp * S)
+    share = SEQ // tp if plan == "tp + sp" else SEQ
+    assert r.held[0][1][1] - r.held[0][1][0] == share
+    assert bytes(explorer.image.value).startswith(PNG) and bytes(explorer.image.value) != bytes(before)
+    assert describe_layer(r) in explorer.message.value.replace("&#x27;", "'")
+
+
+def test_a_move_that_keeps_tp_starts_no_rank_and_builds_no_group(explorer, group):
+    """The rank function takes its tokens from its rank: no mesh, no new process group."""
+    starts = group.restarts
+    for plan in PLANS:
+        for block in BLOCKS:
+            explorer.controls["plan"].value = plan
+            explorer.controls["block"].value = block
+    assert group.restarts == starts
+    assert "init_device_mesh" not in source_with("def layer_stages") and \
+        "new_group" not in source_with("def layer_stages")
+
+
+def test_sequence_parallelism_holds_a_tp_th_of_the_tokens_outside_the_block(explorer):
+    held = {}
+    for plan in PLANS:
+        explorer.controls["plan"].value = plan
+        held[plan] = explorer.result.held
+    for r in range(4):
+        for s, name in enumerate(STAGES):
+            tp_only, sp = held["tp only"][r][s][2], held["tp + sp"][r][s][2]
+            assert sp == (tp_only if name in ("into the block", "partial sum") else tp_only // 4)
+
+
+def test_the_figure_says_by_text_what_it_says_by_colour(explorer):
+    from reducelab import plots
+    caught = []
+    plots.AUDITS.append(caught.append)
+    explorer._pngs.clear()
+    try:
+        explorer.refresh()
+    finally:
+        plots.AUDITS.remove(caught.append)
+    texts = [t.get_text() for t in caught[-1].findobj(lambda a: hasattr(a, "get_text"))]
+    for want in ("rank 0", "rank 3", "token 0, 64 B", "all tokens, 256 B", "partial, 256 B",
+                 "fwd: all_gather\nbwd: reduce_scatter\n384 B sent", "768 B"):
+        assert want in texts, want
+    hatched = [c for c in caught[-1].axes[0].collections if c.get_hatch()]
+    assert len(hatched) == 1 and len(hatched[0].get_paths()) == 4 * SEQ   # the partial sums
+
+
+def test_layer_figure_refuses_mismatched_input():
+    with pytest.raises(ValueError, match="must match stage_names"):
+        layer_figure(["x", "y"], [[(0, 4, 1)]], [False, False], [None], 4)
+    with pytest.raises(ValueError, match="at most 6 stages"):
+        layer_figure(list("abcdefg"), [[(0, 4, 1)] * 7], [False] * 7, [None] * 6, 4)
+
+
+def test_bad_initial_values_name_the_choices(group):
+    with pytest.raises(ValueError, match="plan must be one of tp only, tp \\+ sp"):
+        TransformerLayerExplorer(group, NB["layer_stages"], plan="sp")
+    with pytest.raises(ValueError, match="block must be one of attention, MLP"):
+        TransformerLayerExplorer(group, NB["layer_stages"], block="norm")
+    with pytest.raises(ValueError, match="tp must be one of 1, 2, 4"):
+        TransformerLayerExplorer(group, NB["layer_stages"], tp=3)
+    assert TP_DEGREES == (1, 2, 4)
+
+
+def test_the_stored_explorer_carries_its_png_and_its_text():
+    import base64
+    cell = cell_with("TransformerLayerExplorer(group, layer_stages")
+    data = next(o["data"] for o in cell["outputs"] if "image/png" in o.get("data", {}))
+    shown = base64.b64decode("".join(data["image/png"]))
+    assert shown.startswith(PNG)
+    import struct
+    assert struct.unpack(">I", shown[16:20])[0] == 960
+    text = "".join(data["text/plain"])
+    assert text.startswith("TransformerLayerExplorer(plan=tp + sp, block=MLP, tp=4)\n")
+    assert "way in all_gather" in text
