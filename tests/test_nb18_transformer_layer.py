@@ -397,3 +397,150 @@ def test_the_stored_explorer_carries_its_png_and_its_text():
     text = "".join(data["text/plain"])
     assert text.startswith("TransformerLayerExplorer(plan=tp + sp, block=MLP, tp=4)\n")
     assert "way in all_gather" in text
+
+
+# --- the exercise -----------------------------------------------------------------------
+import torch.distributed as dist  # noqa: E402
+
+from reducelab import LocalGroup  # noqa: E402
+from reducelab.checks.transformer_layer import (SHARDED_NAMES, SP_NAMES,  # noqa: E402
+                                                check_sync_gradients, layer_grads, reference)
+
+SOLUTION_PATH = NOTEBOOK.parent / "solutions" / "18_sync_gradients.py"
+
+
+def after_loading_the_solution() -> dict:
+    """The kernel after the learner ran the notebook's cells, then ``%load``-ed the
+    solution and ran it: the notebook's definitions, and the solution's over them."""
+    ns = vars(notebook_module(CELLS, "nb18_loaded", KEEP,
+                              preamble="from reducelab import LocalGroup, RankError, setup"))
+    exec(compile(SOLUTION_PATH.read_text(), str(SOLUTION_PATH), "exec"), ns)
+    return ns
+
+
+def test_the_solution_defines_only_the_learners_function():
+    tree = ast.parse(SOLUTION_PATH.read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    assert defined == {"sync_gradients"}
+
+
+def test_the_solution_passes_and_the_world_size_is_restored(group):
+    group.resize(2)
+    verdict = check_sync_gradients(group, after_loading_the_solution()["sync_gradients"])
+    assert verdict, verdict.message
+    assert group.world_size == 2
+
+
+def test_the_checks_names_are_the_notebooks_and_its_reference_is_one_process():
+    assert sorted(SP_NAMES) == sorted(NB["SEQUENCE_PARALLEL"])
+    assert sorted(SHARDED_NAMES) == sorted(NB["CUT"]) and len(SP_NAMES + SHARDED_NAMES) == 16
+    ref, every = reference(), {(d, t): layer_grads(d, t) for d in (0, 1) for t in (0, 1)}
+    for (d, t), grads in ref.items():
+        # a sequence-parallel gradient: the same on all 4 ranks, the mean over dp of the sum over tp
+        assert torch.allclose(grads["ln1.weight"], ref[0, 0]["ln1.weight"])
+        want = (every[0, 0]["ln1.weight"] + every[0, 1]["ln1.weight"]
+                + every[1, 0]["ln1.weight"] + every[1, 1]["ln1.weight"]) / 2
+        assert torch.allclose(grads["ln1.weight"], want)
+        # a sharded one: the mean over dp of this tp index's shard
+        assert torch.allclose(grads["0.weight"], (every[0, t]["0.weight"] + every[1, t]["0.weight"]) / 2)
+
+
+def test_the_notebooks_stub_runs_and_fails_with_its_mistake_named(group):
+    verdict = check_sync_gradients(group, NB["sync_gradients"])
+    assert not verdict and "averaged over all 4 ranks" in verdict.message
+    assert "averaged over all 4 ranks" in stored_text(cell_with("check_sync_gradients(group, sync_gradients)"))
+
+
+def unchanged(grads, mesh):
+    pass
+
+
+def averaged_over_tp_too(grads, mesh):
+    for name, g in grads.items():
+        if name in SP_NAMES:
+            dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["tp"].get_group())
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+
+
+def sp_not_summed(grads, mesh):
+    for g in grads.values():
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+
+
+def summed_over_dp(grads, mesh):
+    for name, g in grads.items():
+        if name in SP_NAMES:
+            dist.all_reduce(g, group=mesh["tp"].get_group())
+        dist.all_reduce(g, group=mesh["dp"].get_group())
+
+
+def everything_over_all_ranks(grads, mesh):
+    for g in grads.values():
+        dist.all_reduce(g, op=dist.ReduceOp.AVG)
+
+
+def everything_summed_over_tp(grads, mesh):
+    for g in grads.values():
+        dist.all_reduce(g, group=mesh["tp"].get_group())
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+
+
+def dp_forgotten(grads, mesh):
+    for name, g in grads.items():
+        if name in SP_NAMES:
+            dist.all_reduce(g, group=mesh["tp"].get_group())
+
+
+def replaced_by_a_new_dict(grads, mesh):       # returns new tensors; grads unchanged
+    return {n: g * 1 for n, g in grads.items()}
+
+
+def raises(grads, mesh):
+    dist.all_reduce(grads["nothing"], group=mesh["dp"].get_group())
+
+
+@pytest.mark.parametrize("fn, words", [
+    (unchanged, "unchanged, as backward left it"),
+    (replaced_by_a_new_dict, "unchanged, as backward left it"),
+    (averaged_over_tp_too, "half the right one: the tp ranks' partial sums were averaged"),
+    (sp_not_summed, "the dp average of this rank's own gradient"),
+    (summed_over_dp, "2 times the right one: it was summed over dp"),
+    (everything_over_all_ranks, "every gradient was averaged over all 4 ranks"),
+    (everything_summed_over_tp, "was added with the other tp rank's"),
+    (dp_forgotten, "the dp ranks' gradients were never averaged"),
+    (raises, "your function raised on the ranks"),
+])
+def test_each_usual_mistake_gets_its_explanation(group, fn, words):
+    verdict = check_sync_gradients(group, fn)
+    assert not verdict and words in verdict.message, verdict.message
+    solution = [line.split("#")[0].strip() for line in SOLUTION_PATH.read_text().splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+    assert not any(line in verdict.message for line in solution[1:] if len(line) > 12)
+    assert "all_reduce(" not in verdict.message and "get_group" not in verdict.message
+    assert group.world_size == 4
+
+
+def half_the_ranks_reduce(grads, mesh):        # only tp rank 0 joins: its tp partner never does
+    if mesh.get_coordinate()[1] == 0:
+        dist.all_reduce(grads["ln1.weight"], group=mesh["tp"].get_group())
+
+
+def test_a_hang_is_reported_with_where_each_rank_was():
+    short = LocalGroup(world_size=4, timeout=4)
+    try:
+        verdict = check_sync_gradients(short, half_the_ranks_reduce)
+    finally:
+        short.close()
+    assert not verdict and verdict.mistake == "hung past the timeout", verdict.message
+    assert "did not finish" in verdict.message
+
+
+def test_the_check_cell_follows_the_def_cell_and_its_import_is_in_the_setup_cell():
+    code = [src for src, c in cells() if c["cell_type"] == "code"]
+    setup = next(c for c in code if "group = LocalGroup(" in c)
+    assert "from reducelab.checks.transformer_layer import check_sync_gradients" in setup
+    stub = next(c for c in code if c.startswith("# %load solutions/18_sync_gradients.py"))
+    assert code[code.index(stub) + 1].strip() == "check_sync_gradients(group, sync_gradients)"
+    assert "TODO" in stub
