@@ -628,3 +628,12 @@ def test_the_nccl_part_gives_the_local_groups_own_process_group_timeout():
     assert "35 s in this notebook's `LocalGroup` (its 30 s plus 5" in text
     setup = next(src for src, c in cells() if "group = LocalGroup(" in src)
     assert "group = LocalGroup(world_size=4)" in setup      # the default timeout, 30 s
+
+
+def test_nothing_before_question_3_counts_the_row_then_column_collectives():
+    all_cells = cells()
+    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_3 = None"))
+    before = "\n".join(src for src, _ in all_cells[:q])
+    for spoiler in ("two collectives", "2 collectives", "Two: g's", "Column → row needs one"):
+        assert spoiler not in before, spoiler
+    assert "Column → row needs one" in WHY["09"][3]
