@@ -367,6 +367,16 @@ def test_the_figure_says_by_text_what_it_says_by_colour(explorer):
         assert want in texts, want
     hatched = [c for c in caught[-1].axes[0].collections if c.get_hatch()]
     assert len(hatched) == 1 and len(hatched[0].get_paths()) == 4 * SEQ   # the partial sums
+    explorer.controls["tp"].value = 1                  # one rank's "partial" sum is the whole sum
+    explorer._pngs.clear()
+    plots.AUDITS.append(caught.append)
+    try:
+        explorer.refresh()
+    finally:
+        plots.AUDITS.remove(caught.append)
+    texts = [t.get_text() for t in caught[-1].findobj(lambda a: hasattr(a, "get_text"))]
+    assert not [c for c in caught[-1].axes[0].collections if c.get_hatch()]
+    assert "partial, 256 B" not in texts and "all tokens, 256 B" in texts
 
 
 def test_layer_figure_refuses_mismatched_input():

@@ -140,7 +140,7 @@ class TransformerLayerExplorer(Explorer):
         return LayerResult(plan, block, tp, held, calls, same, self.seq)
 
     def draw(self, r: LayerResult) -> bytes:
-        partial = [name == "partial sum" for name in STAGES]
+        partial = [name == "partial sum" and r.tp > 1 for name in STAGES]   # one rank: the whole sum
         hops = [None, r.hop("in"), None, r.hop("out"), None]
         return layer_figure(list(STAGES), r.held, partial, hops, r.seq,
                             title=f"{r.block} block, {r.plan}, on tp={r.tp} ranks: what each "
