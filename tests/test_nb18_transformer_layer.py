@@ -147,7 +147,8 @@ def test_sequence_parallel_operators_replace_each_all_reduce_by_two_collectives(
 def table_rows(text: str) -> dict:
     rows = {}
     for line in text.splitlines():
-        m = re.match(r"(attention|MLP)\s+(tp \+ sp|tp)\s+(.+?)\s{2,}(.+?)\s{2,}([\d,]+)\s+(\d+) bytes$", line)
+        m = re.match(r"(attention|MLP)\s+(tp \+ sp|tp)\s+(.+?)\s{2,}(.+?)\s{2,}([\d,]+)\s+(\d+) bytes$",
+                     line)
         if m:
             rows[(m[1], m[2])] = (m[3], m[4], int(m[5].replace(",", "")), int(m[6]))
     return rows
@@ -224,8 +225,11 @@ def test_nothing_before_question_1_names_the_parameters_that_go_wrong():
     all_cells = cells()
     q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_1 = None"))
     before = "\n".join(src for src, _ in all_cells[:q])
-    assert "SEQUENCE_PARALLEL" not in before and "_allreduce_non_tensor_model_parallel_grads" not in before and "_allreduce_layernorm_grads" not in before
-    assert "Partial(sum)" not in "\n".join(src for src, c in all_cells[:q] if c["cell_type"] == "markdown")
+    for spoiler in ("SEQUENCE_PARALLEL", "_allreduce_non_tensor_model_parallel_grads",
+                    "_allreduce_layernorm_grads"):
+        assert spoiler not in before, spoiler
+    prose = "\n".join(src for src, c in all_cells[:q] if c["cell_type"] == "markdown")
+    assert "Partial(sum)" not in prose
 
 
 def test_question_2_does_not_say_whether_it_raises():
@@ -322,7 +326,8 @@ def test_every_control_change_runs_real_ranks_and_changes_the_figure(explorer, g
         assert (into.forward, out.forward) == ("all_gather", "reduce_scatter")
     S = 4 * SEQ * BATCH * EMBED
     # the same bytes either way: one all_reduce each way, or two halves of one
-    assert into.sent + out.sent == 2 * ring_bytes("all_reduce", WHOLE, tp) == round(4 * (tp - 1) / tp * S)
+    assert into.sent + out.sent == 2 * ring_bytes("all_reduce", WHOLE, tp) \
+        == round(4 * (tp - 1) / tp * S)
     share = SEQ // tp if plan == "tp + sp" else SEQ
     assert r.held[0][1][1] - r.held[0][1][0] == share
     assert bytes(explorer.image.value).startswith(PNG) and bytes(explorer.image.value) != bytes(before)
@@ -460,7 +465,8 @@ def test_the_checks_names_are_the_notebooks_and_its_reference_is_one_process():
 def test_the_notebooks_stub_runs_and_fails_with_its_mistake_named(group):
     verdict = check_sync_gradients(group, NB["sync_gradients"])
     assert not verdict and "averaged over all 4 ranks" in verdict.message
-    assert "averaged over all 4 ranks" in stored_text(cell_with("check_sync_gradients(group, sync_gradients)"))
+    stored = stored_text(cell_with("check_sync_gradients(group, sync_gradients)"))
+    assert "averaged over all 4 ranks" in stored
 
 
 def unchanged(grads, mesh):
@@ -554,3 +560,26 @@ def test_the_check_cell_follows_the_def_cell_and_its_import_is_in_the_setup_cell
     stub = next(c for c in code if c.startswith("# %load solutions/18_sync_gradients.py"))
     assert code[code.index(stub) + 1].strip() == "check_sync_gradients(group, sync_gradients)"
     assert "TODO" in stub
+
+
+def scaled_by_three(grads, mesh):              # no usual mistake: the generic message
+    for g in grads.values():
+        g.mul_(3)
+
+
+def kept_the_other_shard_too(grads, mesh):     # right, but one gradient of the wrong shape
+    for name, g in grads.items():
+        if name in SP_NAMES:
+            dist.all_reduce(g, group=mesh["tp"].get_group())
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+    grads["0.weight"] = torch.cat([grads["0.weight"]] * 2)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (scaled_by_three, "differs from one process's by up to"),
+    (kept_the_other_shard_too, "has the shape (16, 8), not (8, 8)"),
+])
+def test_other_mistakes_get_a_question_not_the_rule(group, fn, words):
+    verdict = check_sync_gradients(group, fn)
+    assert not verdict and words in verdict.message, verdict.message
+    assert "summed over tp, averaged over dp" not in verdict.message

@@ -172,14 +172,14 @@ def _judge(rows: list, right: dict) -> Verdict | None:
                 return failed(f"{where}: the gradient of {name} is the sum over tp of this dp "
                               f"rank's batch only: the dp ranks' gradients were never averaged.",
                               "not averaged over dp")
-            worst = (got - right[d, t][name]).abs().max().item() if got.shape == right[d, t][name].shape \
-                else float("nan")
+            want = right[d, t][name]
+            if got.shape != want.shape:
+                return failed(f"{where}: the gradient of {name} has the shape {tuple(got.shape)}, "
+                              f"not {tuple(want.shape)}: keep each rank's own shard.", "wrong shape")
+            worst = (got - want).abs().max().item()
             return failed(f"{where}: the gradient of {name} ({kind}) differs from one process's "
-                          f"by up to {worst:.3g}"
-                          + (f" (shape {tuple(got.shape)}, not {tuple(right[d, t][name].shape)})"
-                             if got.shape != right[d, t][name].shape else "")
-                          + ". Sequence-parallel gradients: summed over tp, averaged over dp. "
-                            "Sharded ones: averaged over dp only.", "wrong")
+                          f"by up to {worst:.3g}. Which of these gradients are partial sums over "
+                          f"a rank's tokens, and which mesh dimension holds other data?", "wrong")
     return None
 
 
