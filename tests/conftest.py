@@ -36,10 +36,11 @@ def load_solution(name: str):
 
 
 def notebook_module(cells: list, name: str, keep=(), preamble: str = "") -> types.ModuleType:
-    """A notebook's imports, classes, ``def``s and the module-level assignments named in
-    ``keep`` (nothing else of its code cells runs), in a module ``name`` of their own that the
-    ranks cannot import, so that its functions and classes travel by value as a notebook
-    cell's do. ``preamble`` runs first (the setup cell's imports guarded by ``try``)."""
+    """A notebook's imports, classes, ``def``s and the module-level assignments of names in
+    ``keep`` (``A = ...`` or ``A, B = ...``, every name in ``keep``; nothing else of its code
+    cells runs), in a module ``name`` of their own that the ranks cannot import, so that its
+    functions and classes travel by value as a notebook cell's do. ``preamble`` runs first
+    (the setup cell's imports guarded by ``try``)."""
     module = types.ModuleType(name)
     sys.modules.pop(name, None)
     exec(preamble, module.__dict__)
@@ -49,10 +50,21 @@ def notebook_module(cells: list, name: str, keep=(), preamble: str = "") -> type
         tree = ast.parse("".join(cell["source"]))
         kept = [node for node in tree.body
                 if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
-                or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-                    and node.targets[0].id in keep)]
+                or (isinstance(node, ast.Assign) and _assigned(node) and _assigned(node) <= set(keep))]
         exec(compile(ast.Module(body=kept, type_ignores=[]), name, "exec"), module.__dict__)
     return module
+
+
+def _assigned(node: ast.Assign) -> set:
+    """The names an assignment binds (``A = ...`` or ``A, B = ...``); empty if it binds
+    anything else (an attribute, a subscript)."""
+    names = set()
+    for target in node.targets:
+        for n in (target.elts if isinstance(target, ast.Tuple) else [target]):
+            if not isinstance(n, ast.Name):
+                return set()
+            names.add(n.id)
+    return names
 
 
 class NotebookCells:

@@ -158,130 +158,7 @@ def test_question_2_stored_answer_is_one_forward_collective():
                        "whatever the explorer left\ncalls = group.run(attention_on_ranks)") == "1"
 
 
-# --- step 4: the layer, with sequence parallelism ---------------------------------------
-@pytest.mark.parametrize("tp", [2, 4])
-def test_the_layer_with_tensor_parallelism_matches_one_process(group, tp):
-    group.resize(tp)
-    diff = NB["compare"](group.run(NB["layer_on_ranks"], False), False)
-    assert len(diff) == 2 + 16 and max(diff.values()) <= TOL, diff
-
-
-def test_reference_layer_is_torchs_modules_and_not_the_notebooks_own_functions():
-    """The one-process reference must not share the code it checks."""
-    src = next(s for s, _ in cells() if s.startswith("def reference_layer"))
-    body = src.split("CUT =")[0]
-    for own in ("block(", "attention(x", "mlp(x", "F.apply", "G.apply"):
-        assert own not in body, own
-    assert "make_attention()" in body and "make_norm(1)" in body
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_with_sequence_parallelism_exactly_the_parameters_seen_by_one_rank_are_partial(group, tp):
-    group.resize(tp)
-    out = group.run(NB["layer_on_ranks"], True)
-    diff = NB["compare"](out, True)
-    assert diff["y"] <= TOL and diff["x.grad"] <= TOL
-    wrong = sorted(n for n, d in diff.items() if d > TOL)
-    assert wrong == sorted(NB["SEQUENCE_PARALLEL"]), wrong
-    _, _, ref = NB["reference_layer"]()
-    for name in wrong:                                  # partial sums over the tokens
-        assert (sum(o[2][name] for o in out) - ref[name]).abs().max() <= TOL
-    fixed = NB["compare"](group.run(NB["sp_step"]), True)
-    assert max(fixed.values()) <= TOL, fixed
-
-
-def test_question_3_stored_answer_is_the_six_sequence_parallel_parameters():
-    stored = real_result("group.resize(4)                      # this question's world size, "
-                         "whatever the explorer left\nout = group.run(layer_on_ranks, True)")
-    assert sorted(ast.literal_eval(stored)) == sorted(NB["SEQUENCE_PARALLEL"])
-
-
-def test_sequence_parallel_operators_replace_each_all_reduce_by_two_collectives(group):
-    for i in (1, 2):
-        calls = group.run(NB["layer_on_ranks"], True, (i,))[0][3]
-        assert [(w, op, c) for w, op, c, _ in calls] == [
-            ("forward", "in", "all_gather"), ("forward", "out", "reduce_scatter"),
-            ("backward", "out", "all_gather"), ("backward", "in", "reduce_scatter")]
-        assert all(shape == WHOLE for *_, shape in calls)   # S: the whole activation
-        calls = group.run(NB["layer_on_ranks"], False, (i,))[0][3]
-        assert [c for *_, c, _ in calls] == ["all_reduce", "all_reduce"]
-
-
-def table_rows(text: str) -> dict:
-    rows = {}
-    for line in text.splitlines():
-        m = re.match(r"(attention|MLP)\s+(tp \+ sp|tp)\s+(.+?)\s{2,}(.+?)\s{2,}([\d,]+)\s+(\d+) bytes$", line)
-        if m:
-            rows[(m[1], m[2])] = (m[3], m[4], int(m[5].replace(",", "")), int(m[6]))
-    return rows
-
-
-def test_the_stored_table_says_the_same_bytes_and_a_quarter_of_the_layernorm_input(group):
-    """The prose: the same bytes with and without sequence parallelism, each rank holding
-    a quarter of the tokens. Re-derived from the stored table, then from a fresh run."""
-    stored = table_rows(shown("def ring_bytes("))
-    assert len(stored) == 4, stored
-    for block in ("attention", "MLP"):
-        tp, sp = stored[(block, "tp")], stored[(block, "tp + sp")]
-        assert tp[:2] == ("all_reduce", "all_reduce")
-        assert sp[:2] == ("all_gather, reduce_scatter", "all_gather, reduce_scatter")
-        S = 4 * SEQ * BATCH * EMBED                     # bytes of the whole activation
-        assert tp[2] == sp[2] == 2 * (2 * 3 / 4 * S)    # two ring all_reduces on 4 ranks
-        assert sp[3] * 4 == tp[3] == S
-    ns = dict(NB, group=group, print=lambda *a, **k: printed.append(" ".join(map(str, a))))
-    printed = []
-    exec(next(s for s, _ in cells() if s.startswith("def ring_bytes(")), ns)
-    assert table_rows("\n".join(printed)) == stored
-
-
-# --- step 5: parallelize_module ---------------------------------------------------------
-def test_parallelize_module_tp_and_sp_plans_run_on_gloo_and_match_one_process(group):
-    model, x = NB["NormMLP"](), NB["make_input"]()
-    y = model(x)
-    NB["loss_fn"](y).backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-    want = {"tp": ({"all_reduce": 1}, 0, "a plain tensor"),
-            "tp + sp": ({"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, 2, "Partial(sum)")}
-    for plan, (counts, steps, norm) in want.items():
-        out = group.run(NB["dtensor_block"], plan)
-        join = torch.cat if plan == "tp + sp" else (lambda ts: ts[0])
-        assert (join([o[0] for o in out]) - y).abs().max() <= TOL
-        assert (join([o[1] for o in out]) - x.grad).abs().max() <= TOL
-        _, _, got, grads, step_count, stepped = out[0]
-        assert got == {"forward": counts, "backward": counts} and step_count == steps
-        assert grads["norm.weight"] == grads["norm.bias"] == norm
-        assert grads["mlp.0.weight"] == "Shard(dim=0)" and grads["mlp.2.weight"] == "Shard(dim=1)"
-        assert grads["mlp.2.bias"] == "Replicate()"
-        for name, p in model.named_parameters():
-            assert (stepped[name] - p).abs().max() <= TOL, name
-
-
-def test_torch_refuses_to_shard_multihead_attention_in_its_own_words(group):
-    said = group.run(NB["parallelize_torch_attention"])[0]
-    assert said == ("NotImplementedError: ColwiseParallel currently only support nn.Linear "
-                    "and nn.Embedding!")
-    assert f"torch: {said}" in shown("def parallelize_torch_attention")
-
-
-# --- step 6: (dp, tp) -------------------------------------------------------------------
-def mean_reference() -> dict:
-    return {n: (NB["unsharded"](0)[1][n] + NB["unsharded"](1)[1][n]) / 2 for n in GRADS_REF}
-
-
-def test_averaging_over_dp_only_is_right_and_over_tp_too_mixes_shards(group):
-    NB["mean_ref"] = mean_ref = mean_reference()
-    out = group.run(NB["dp_tp_step"], "dp")
-    assert NB["wrong_grads"](out) == {(0, 0): [], (0, 1): [], (1, 0): [], (1, 1): []}
-    out = group.run(NB["dp_tp_step"], "dp and tp")          # runs: no error
-    wrong = NB["wrong_grads"](out)
-    assert all(w == ["0.weight", "0.bias", "2.weight"] for w in wrong.values()), wrong
-    half = NB["HIDDEN"] // 2
-    mixed = (mean_ref["0.weight"][:half] + mean_ref["0.weight"][half:]) / 2
-    assert (out[0][1]["0.weight"] - mixed).abs().max() <= TOL
-    assert out[0][0] == (0, 0) and out[3][0] == (1, 1)
-
-
-# --- step 7: the two splits -------------------------------------------------------------
+# --- step 4: the two splits -------------------------------------------------------------
 def test_column_then_row_needs_one_collective_each_way_row_then_column_two(group):
     fwd = lambda calls, w: [(op, c) for when, op, c, _ in calls if when == w]  # noqa: E731
     calls = group.run(NB["tp_block"], "column-row", 8)[0][2]
@@ -290,6 +167,11 @@ def test_column_then_row_needs_one_collective_each_way_row_then_column_two(group
     calls = group.run(NB["tp_block"], "row-column", 8)[0][2]
     assert fwd(calls, "forward") == [("g", "all_reduce"), ("gather", "all_gather")]
     assert fwd(calls, "backward") == [("f", "all_reduce"), ("f", "all_reduce")]
+
+
+def test_question_3_stored_answer_is_two_forward_collectives():
+    assert real_result("group.resize(4)                      # this question's world size, "
+                       "whatever the explorer left\ncalls = group.run(tp_block") == "2"
 
 
 def test_the_explorers_values_are_small_integers_whose_sums_can_be_checked_by_eye(group):
@@ -690,23 +572,6 @@ def test_nothing_before_question_1_answers_it():
     assert follow_up.startswith("summed_x_grad = sum(")
 
 
-def test_nothing_before_question_3_names_the_parameters_that_go_wrong():
-    all_cells = cells()
-    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_3 = None"))
-    before = "\n".join(src for src, _ in all_cells[:q])
-    assert "SEQUENCE_PARALLEL" not in before and "_allreduce_non_tensor_model_parallel_grads" not in before and "_allreduce_layernorm_grads" not in before
-    assert "Partial(sum)" not in "\n".join(src for src, c in all_cells[:q] if c["cell_type"] == "markdown")
-
-
-def test_question_4_does_not_say_whether_it_raises():
-    all_cells = cells()
-    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_4 = None"))
-    question = all_cells[q + 1][0]
-    code = [line for line in question.splitlines() if not line.startswith("group.resize(")]
-    assert "#" not in code[0]
-    assert "it runs" not in question.split("reveal(")[0]
-
-
 # --- on GPUs with NCCL: what the installed torch says ------------------------------------------
 def test_the_nccl_part_prints_torchs_own_words_and_says_what_was_not_run():
     from datetime import timedelta
@@ -763,3 +628,12 @@ def test_the_nccl_part_gives_the_local_groups_own_process_group_timeout():
     assert "35 s in this notebook's `LocalGroup` (its 30 s plus 5" in text
     setup = next(src for src, c in cells() if "group = LocalGroup(" in src)
     assert "group = LocalGroup(world_size=4)" in setup      # the default timeout, 30 s
+
+
+def test_nothing_before_question_3_counts_the_row_then_column_collectives():
+    all_cells = cells()
+    q = next(k for k, (src, _) in enumerate(all_cells) if src.startswith("answer_3 = None"))
+    before = "\n".join(src for src, _ in all_cells[:q])
+    for spoiler in ("two collectives", "2 collectives", "Two: g's", "Column → row needs one"):
+        assert spoiler not in before, spoiler
+    assert "Column → row needs one" in WHY["09"][3]

@@ -337,10 +337,13 @@ def test_the_header_gives_the_study_time_and_the_run_time_the_readme_gives(path)
 
 MOVED = {"08": ("15", re.compile(r"FSDP2|fully_shard|reshard_after_forward")),
          "10": ("16", re.compile(r"bucket|overlap|hides?\b|\bhooks?\b|powerSGD")),
-         "13": ("17", re.compile(r"dropout|\bseeds?\b|random|dropout_seeds"))}
+         "13": ("17", re.compile(r"dropout|\bseeds?\b|random|dropout_seeds")),
+         "09": ("18", re.compile(r"[Ss]equence[- ]parallel|parallelize_module|SequenceParallel|"
+                                 r"\(dp, tp\)|transformer layer"))}
 """Material that left a notebook when it was split: notebook 08's FSDP2 is in 15, notebook
 10's buckets, overlap and communication hooks are in 16 (issue 21, 4), notebook 13's
-randomness across ranks (dropout masks, seeds, the dropout-seeds exercise) is in 17."""
+randomness across ranks (dropout masks, seeds, the dropout-seeds exercise) is in 17,
+notebook 09's sequence parallelism, ``parallelize_module`` and ``(dp, tp)`` mesh are in 18."""
 
 
 def test_pointers_to_split_notebooks_name_where_the_material_went():

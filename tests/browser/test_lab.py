@@ -94,6 +94,7 @@ PLANS = {
     "15_fsdp2.ipynb": Plan(("answer_1 = None", "answer_1 = 2")),
     "16_ddp_buckets_and_hooks.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
     "17_randomness_across_ranks.ipynb": Plan(("answer_1 = None", "answer_1 = (True, True)")),
+    "18_transformer_layer.ipynb": Plan(("answer_1 = None", 'answer_1 = ["q.weight"]')),
 }
 """One entry per notebook; a notebook without an entry fails the test."""
 

@@ -146,21 +146,7 @@ WHY = {
             "and tensor parallelism splits the heads, not the tokens: each rank holds every "
             "token's q, k and v for its heads. The heads meet only in W_o, whose partial sums "
             "g adds up, as in the MLP. Backward runs one collective too, f's.",
-        3: "The parameters used where a rank holds only its own tokens: both LayerNorms' "
-            "weight and bias, and the two biases added after the reduce_scatter (o.bias, "
-            "2.bias). A rank's gradient of each is a sum over its own tokens only: a partial "
-            "sum, and the 4 ranks' partial sums add up to the right gradient. The column- and "
-            "row-parallel weights see every token (after the all_gather), so theirs are "
-            "right. Megatron-LM marks these parameters sequence_parallel and all-reduces "
-            "their gradients over tp after backward "
-            "(_allreduce_non_tensor_model_parallel_grads, formerly "
-            "_allreduce_layernorm_grads, in "
-            "megatron/core/distributed/finalize_model_grads.py).",
-        4: "It runs without a word, because both tp shards have the same shape. But "
-            "averaging over tp mixes the gradients of different parameters: rank (0, 0)'s "
-            "rows 0-7 of W1 get the mean of rows 0-7 and rows 8-15. Only the replicated b2 "
-            "survives, because its gradient is the same on both tp ranks.",
-        5: "Two: g's all_reduce after the first layer, which ends in partial sums, and the "
+        3: "Two: g's all_reduce after the first layer, which ends in partial sums, and the "
             "all_gather that joins the output's columns. Column → row needs one, and keeps "
             "the hidden activation sharded, a quarter of it per rank; row → column holds all "
             "of it on every rank.",
@@ -339,6 +325,22 @@ WHY = {
             "data order included, starts from another state of the generator, so the order "
             "changes although the seed did not. Two purposes shared one stream.",
     },
+    "18": {
+        1: "The parameters used where a rank holds only its own tokens: both LayerNorms' "
+            "weight and bias, and the two biases added after the reduce_scatter (o.bias, "
+            "2.bias). A rank's gradient of each is a sum over its own tokens only: a partial "
+            "sum, and the 4 ranks' partial sums add up to the right gradient. The column- and "
+            "row-parallel weights see every token (after the all_gather), so theirs are "
+            "right. Megatron-LM marks these parameters sequence_parallel and all-reduces "
+            "their gradients over tp after backward "
+            "(_allreduce_non_tensor_model_parallel_grads, formerly "
+            "_allreduce_layernorm_grads, in "
+            "megatron/core/distributed/finalize_model_grads.py).",
+        2: "It runs without a word, because both tp shards have the same shape. But "
+            "averaging over tp mixes the gradients of different parameters: rank (0, 0)'s "
+            "rows 0-7 of W1 get the mean of rows 0-7 and rows 8-15. Only the replicated b2 "
+            "survives, because its gradient is the same on both tp ranks.",
+    },
 }
 
 
@@ -346,7 +348,7 @@ def why(notebook: str, question: int, **values) -> str:
     """The explanation question ``question`` of notebook ``notebook`` reveals, as ``str``.
 
     Args:
-        notebook: two digits, ``"01"`` to ``"17"``.
+        notebook: two digits, ``"01"`` to ``"18"``.
         question: the question's number (``answer_2`` is question 2).
         **values: what the question cell computed, for the entries that quote it
             (notebook 16, question 2: ``held``, the ``float`` fp16 holds for 2e-7).
