@@ -29,8 +29,8 @@ from reducelab.checks.cluster import (DEFAULT_PORT, HEAD_PORT, NNODES, NODE_RANK
                                       NPROC_PER_NODE, check_node_command)
 from reducelab.group import loopback_interface
 from reducelab.lessons import all_reduce_lesson, launcher_env, listening_sockets, socket_scope
-from reducelab.torchrun import (TorchrunError, function_spec, launcher_source, run_torchrun,
-                                sanitize, sanitize_env)
+from reducelab.torchrun import (TorchrunError, free_port, function_spec, launcher_source,
+                                root_cause, run_torchrun, sanitize, sanitize_env)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "07_notebook_to_cluster.ipynb"
@@ -602,3 +602,52 @@ def test_question_1_stays_unspoiled_and_step_5_says_what_it_leaves_out():
         assert name in text
     from reducelab.checks.answers import WHY
     assert "TCPStoreLibUvBackend.cpp" in WHY["07"][1]
+
+
+# --- when a launch fails -----------------------------------------------------------------
+def _torchrun(args, scratch, timeout=120):
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": loopback_interface(), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], env=env,
+                          cwd=scratch, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_raising_rank_is_torchruns_root_cause_with_its_traceback(train_py):
+    """The notebook's fails.py under torchrun: exit status 1, and root_cause() keeps the
+    failed rank, its exit code and its own traceback (via @record), and drops what differs
+    from machine to machine; the stored output is that."""
+    cell = notebook_cell("%%writefile {scratch}/fails.py")
+    (train_py / "fails.py").write_text(cell.split("\n", 1)[1] + "\n")
+    run = _torchrun(["--standalone", "--nproc-per-node", "2", "fails.py"], train_py)
+    assert run.returncode == 1
+    block = root_cause(run.stderr)
+    assert block.startswith("Root Cause (first observed failure):")
+    assert "  rank      : 1 (local_rank: 1)" in block and "exitcode  : 1 (pid: <pid>)" in block
+    assert '    File "fails.py", line 11, in main' in block
+    assert block.endswith("ValueError: rank 1 found a bad batch")
+    for volatile in ("time", "host", "error_file", "site-packages", "/tmp/"):
+        assert volatile not in block, volatile
+    stored = printed(notebook_code_cell("import os\nimport subprocess"))
+    assert stored == f"torchrun's exit status: 1\n{block}\n"
+
+
+def test_root_cause_of_a_log_without_a_failure_is_empty_and_bad_input_is_refused():
+    assert root_cause("nothing failed here") == ""
+    with pytest.raises(TypeError, match="needs a str"):
+        root_cause(None)
+
+
+def test_a_node_that_never_arrives_times_out_in_torchs_words(train_py):
+    """Node 0 of 2 alone with a 3 s rendezvous wait: DistStoreError, 1/2 clients joined, as
+    stored; the default wait is _default_timeout_seconds = 600 (10 minutes), as the text
+    says."""
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+    run = _torchrun(["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port()), "--rdzv-conf", "timeout=3",
+                     "--nproc-per-node", "1", "train.py"], train_py)
+    last = re.sub(r"after \d+ seconds", "after N seconds", run.stderr.strip().splitlines()[-1])
+    assert run.returncode == 1
+    assert last == ("torch.distributed.DistStoreError: Timed out after N seconds waiting for "
+                    "clients. 1/2 clients joined.")
+    assert last in printed(notebook_code_cell("import re\n\nalone = subprocess.run("))
+    assert static_tcp_rendezvous._default_timeout_seconds == 600
+    assert "On a cluster the wait is 10 minutes" in markdown()

@@ -184,6 +184,44 @@ def sanitize(text: str) -> str:
     return text
 
 
+def root_cause(log: str) -> str:
+    """torchrun's "Root Cause (first observed failure)" block from its output ``log``
+    (``str``, as :attr:`TorchrunError.log` or a ``subprocess`` run's stderr keeps it), in
+    torchrun's words: the rank that failed first, its exit code, and the traceback its
+    entry point left when decorated with ``@record``
+    (``torch.distributed.elastic.multiprocessing.errors``). Dropped, since they differ
+    from machine to machine and run to run: the ``time``, ``host`` and ``error_file``
+    lines and the traceback's frames inside torch; paths keep their file name only; the
+    rest goes through :func:`sanitize`. Returns ``""`` when ``log`` holds no such block
+    (the launch did not fail). Source: ``ChildFailedError.format_msg`` in
+    ``torch/distributed/elastic/multiprocessing/errors/__init__.py``.
+    """
+    if not isinstance(log, str):
+        raise TypeError(f"root_cause() needs a str, got {type(log).__name__}")
+    start = log.find("Root Cause (first observed failure):")
+    if start < 0:
+        return ""
+    lines, skip_code = [], False
+    for line in log[start:].splitlines():
+        if line.startswith("====="):
+            break
+        field_name = line.strip().split(":", 1)[0].strip()
+        if field_name in ("time", "host", "error_file"):
+            continue
+        frame = re.match(r'(\s*)File "([^"]+)", (line \d+, in .*)', line)
+        if frame:
+            skip_code = f"{os.sep}torch{os.sep}" in frame.group(2)
+            if not skip_code:
+                lines.append(f'{frame.group(1)}File "{os.path.basename(frame.group(2))}", '
+                             f"{frame.group(3)}")
+            continue
+        if skip_code and line.startswith("      "):   # a dropped frame's code and carets
+            continue
+        skip_code = False
+        lines.append(line.rstrip())
+    return sanitize("\n".join(lines).rstrip())
+
+
 def sanitize_env(env: dict) -> dict:
     """A copy of a rank's environment dict with volatile values replaced.
 
