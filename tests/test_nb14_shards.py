@@ -349,7 +349,7 @@ def test_the_solution_passes_and_the_stub_fails(group):
     (gathered, "The value is right, but your function called full_tensor()"),
     (gathered_single, "The value is right, but your function called dist.all_gather_single"),
     (torchs_own, "torch's own clip_grad_norm_ (or get_total_norm) failing on this model"),
-    (collective_on_a_dtensor, "from each gradient's local piece"),
+    (collective_on_a_dtensor, "Your function combined DTensors that live on two meshes"),
     (a_list, "return the norm as one number"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):

@@ -230,11 +230,18 @@ def _near(a: float, b: float, rtol: float = NORM_RTOL) -> bool:
     return abs(a - b) <= rtol * max(abs(b), 1e-12)
 
 
-def _explain_error(text: str) -> str:
+def _explain_error(text: str, stack: str = "") -> str:
+    # ``text``: the ranks' one-line summaries; ``stack``: their tracebacks, which say
+    # whether torch's own norm raised or the learner's arithmetic did
     if "same mesh" in text or "different meshes" in text:
-        return (" That is torch's own clip_grad_norm_ (or get_total_norm) failing on this model, "
-                "as step 3 showed: the second Linear's gradients live on the dp mesh, the first's "
-                "on the 2-D mesh. Compute the norm yourself from each gradient's local piece.")
+        if "clip_grad_norm_" in stack or "get_total_norm" in stack:
+            return (" That is torch's own clip_grad_norm_ (or get_total_norm) failing on this "
+                    "model, as step 3 showed: the second Linear's gradients live on the dp mesh, "
+                    "the first's on the 2-D mesh. Compute the norm yourself from each gradient's "
+                    "local piece.")
+        return (" Your function combined DTensors that live on two meshes (the second Linear's "
+                "gradients on the dp mesh, the first's on the 2-D mesh), which DTensor refuses, "
+                "as in step 3. Work on each gradient's local piece, p.grad.to_local().")
     if "mixed torch.Tensor and DTensor" in text or "sharding strategy" in text:
         return (" p.grad is a DTensor, and a torch.distributed collective, or arithmetic with a "
                 "plain tensor, wants plain tensors: work on p.grad.to_local(), this rank's piece.")
@@ -269,8 +276,10 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
             out = group.run(exercise_run, global_grad_norm, X, y)
         except RankError as err:
             text = " ".join(r.summary for r in err.reports if r.summary)
+            stack = "\n".join(r.traceback for r in err.reports)
             message = raised_on_ranks("On the 2 x 2 (dp, tp) mesh,", err).message.rstrip()
-            return failed(message + ("" if message.endswith(".") else ".") + _explain_error(text))
+            return failed(message + ("" if message.endswith(".") else ".")
+                          + _explain_error(text, stack))
     values = [o["value"] for o in out]
     if any(v is None for v in values):
         return failed("Your function returned None on the ranks: return the norm, a float "
