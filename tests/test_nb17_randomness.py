@@ -386,3 +386,22 @@ def test_questions_1_and_3_stay_unspoiled():
     before_3 = above("answer_3 = None")
     assert "changes the data order" not in before_3 and "turning dropout on" not in before_3.lower()
     assert "patchwork" in markdown()[len(before_1):] and "changes the data order" in markdown()[len(before_3):]
+
+
+def test_dtensor_dropout_on_a_cpu_mesh_repeats_one_mask_in_every_shard_as_stored(group):
+    """Step 4's DTensor cell, again (an expert review asked for torch's own answer): on a
+    CPU mesh DTensor keeps no RNG tracker, warns in torch's words, and every rank seeded
+    alike draws the same row; the names the text cites for CUDA meshes exist in torch."""
+    import torch.distributed.tensor._random as dtensor_random
+    out = group.run(NB.dtensor_dropout)
+    rows = [row for row, _ in out]
+    assert all(row == rows[0] for row in rows) and 0 < sum(rows[0]) < 8
+    assert out[0][1] == ["DTensor random operators may not have complete support on cpu "
+                         "device mesh"]
+    stored = stored_text(cell_with("def dtensor_dropout"))
+    for rank, row in enumerate(rows):
+        assert f"rank {rank}, its row of the mask (1: dropped): {row}" in stored
+    assert hasattr(dtensor_random.OffsetBasedRNGTracker, "_set_pre_op_offset")
+    assert hasattr(dtensor_random, "is_rng_supported_mesh")
+    text = markdown()
+    assert "`OffsetBasedRNGTracker`" in text and "None of this ran here" in text
