@@ -7,15 +7,15 @@ import torch.distributed as dist
 def sync_grads(model, mesh, n_tokens):
     # This rank's loss is a mean over its n_tokens real tokens, so n_tokens * p.grad is the
     # gradient of their SUM. Sums add up across ranks; means of different counts do not.
-    # init_device_mesh already made one process group per mesh dimension: a SUM along dp,
-    # then along cp, covers the whole dp x cp grid without making a new group.
-    groups = (mesh["dp"].get_group(), mesh["cp"].get_group())
-    total = torch.tensor(float(n_tokens))
-    for g in groups:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=g)   # real tokens on all ranks
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(n_tokens)                  # the gradient of this rank's sum of losses
-            for g in groups:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=g)
-            p.grad.div_(total)                     # the gradient of the mean over every real token
+    # One flat buffer holds every weighted gradient and, last, the count (step 4: one
+    # all_reduce of everything, not one per parameter). init_device_mesh already made one
+    # process group per mesh dimension: a SUM along dp, then along cp, covers the dp x cp
+    # ranks without making a new group (and never the tp ranks, which hold other parameters).
+    params = [p for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([p.grad.flatten() * n_tokens for p in params]
+                     + [torch.tensor([float(n_tokens)])])
+    for dim in ("dp", "cp"):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh[dim].get_group())
+    grads = flat[:-1] / flat[-1]                 # the gradient of the mean over every real token
+    for p, g in zip(params, grads.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p.grad))
