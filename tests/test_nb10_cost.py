@@ -857,3 +857,12 @@ def test_the_explorer_s_kept_figure_draws_what_a_new_one_draws(monkeypatch):
         plots._KEPT.clear()
         fresh.append(explorer_figure(v))
     assert kept == fresh and kept[0] == kept[-1]
+
+
+def test_a_wrong_prediction_is_shown_where_it_differs_visibly_from_the_model():
+    """An expert review: a mistake in the bytes (a chunk of S/n per round) was shown at
+    4 B, where it prints the same microseconds as the right answer. The case shown is the
+    one furthest from the model."""
+    from reducelab.checks.cost import _diagnose
+    said = _diagnose(lambda S, n, alpha, beta: math.log2(n) * (alpha + beta * S / n))
+    assert said.startswith("For S = 64 MiB on 16 ranks"), said

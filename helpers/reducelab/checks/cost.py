@@ -264,13 +264,17 @@ def _diagnose(fn) -> str | None:
             return f"For {what} {err}."
         except Exception as err:  # the learner's code: any error becomes a sentence
             return f"For {what} your function raised {type(err).__name__}: {err}"
-    wrong = [k for k, (case, g) in enumerate(zip(cases, got))
-             if not math.isclose(g, _recursive_doubling_seconds(*case), rel_tol=1e-6)]
+    right = [_recursive_doubling_seconds(*case) for case in cases]
+    wrong = [k for k, (g, r) in enumerate(zip(got, right)) if not math.isclose(g, r, rel_tol=1e-6)]
     if not wrong:
         return None
-    S, n, alpha, beta = cases[wrong[0]]
+    # the case where the prediction is furthest from the model, so that the number shown
+    # differs visibly from the model's (at 4 B the bytes barely count, and a mistake in
+    # them prints the same microseconds as the right answer)
+    shown = max(wrong, key=lambda k: abs(got[k] - right[k]) / right[k])
+    S, n, alpha, beta = cases[shown]
     first = (f"For S = {size_label(S)} on {n} ranks (α = {seconds_label(alpha)}, "
-             f"β = {beta:g} s per byte) your prediction is {seconds_label(got[wrong[0]])}")
+             f"β = {beta:g} s per byte) your prediction is {seconds_label(got[shown])}")
     for m, (_, sentence) in enumerate(_mistakes(S, n, alpha, beta)):
         if all(math.isclose(g, _mistakes(*case)[m][0], rel_tol=1e-6)
                for case, g in zip(cases, got)):
