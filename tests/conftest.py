@@ -67,6 +67,16 @@ def _assigned(node: ast.Assign) -> set:
     return names
 
 
+def top_level_names(path) -> set[str]:
+    """The names a Python file (a notebook's solution) defines at its top level: functions,
+    classes and assigned names; its imports are not counted."""
+    tree = ast.parse(pathlib.Path(path).read_text())
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Name)}
+    return names
+
+
 class NotebookCells:
     """Lookups in one committed notebook's cells (``cells``: its JSON ``cells`` list)."""
 

@@ -14,7 +14,7 @@ import cloudpickle
 import pytest
 import torch
 
-from conftest import NotebookCells, notebook_module, stored_text
+from conftest import NotebookCells, notebook_module, stored_text, top_level_names
 from reducelab.checks.answers import WHY
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -434,11 +434,7 @@ def after_loading_the_solution() -> dict:
 
 
 def test_the_solution_defines_only_the_learners_function():
-    tree = ast.parse(SOLUTION_PATH.read_text())
-    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-                if isinstance(t, ast.Name)}
-    assert defined == {"sync_gradients"}
+    assert top_level_names(SOLUTION_PATH) == {"sync_gradients"}
 
 
 def test_the_solution_passes_and_the_world_size_is_restored(group):
