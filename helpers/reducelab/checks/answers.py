@@ -5,7 +5,7 @@ away: a learner reads the cell that runs a question right below the cell where t
 their prediction (the brief's "predictions stay unspoiled"). :func:`reducelab.checks.reveal`
 shows the text only inside the folded ``<details>`` of its verdict.
 
-Keyed by notebook (``"01"`` to ``"16"``) and question number (``answer_1`` is question 1).
+Keyed by notebook (``"01"`` to ``"18"``) and question number (``answer_1`` is question 1).
 An entry is a ``str``, or a function of values the question cell computed (keyword
 arguments) that returns one.
 """
