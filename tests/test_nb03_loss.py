@@ -810,3 +810,15 @@ def test_the_spawn_cell_shows_what_spawn_started():
     assert "returns `None` whether it started processes or not" in text
     assert "mp.spawn(..., join=True) returned: None" in shown
     assert "Nothing was printed by `train`" not in text
+
+
+def test_question_1_asks_for_the_recipe_not_the_arithmetic():
+    """An expert review: question 1 stated its formula, (2 + 0) / 2, so it was arithmetic.
+    It now names the recipe above it (mean_of_means) and the global mean the learner may
+    expect, and leaves the formula to the code the learner reads."""
+    cells = notebook_cells()
+    asked = next(src for src, c in cells if src.startswith("## Predict, then run"))
+    assert "**Question 1.**" in asked and "`mean_of_means`" in asked
+    assert "all_reduce(loss) / world_size" not in asked and "2.0 / 4 = 0.5" in asked
+    assert any(src.startswith("def mean_of_means") for src, c in cells
+               if c["cell_type"] == "code")
