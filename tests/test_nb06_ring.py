@@ -425,6 +425,16 @@ def forwards_before_receiving(x, src, pieces):
     chain(x, src, pieces, zeros_first=True)
 
 
+def never_waits(x, src, pieces):                 # irecv, and its request never waited on
+    rank, n = dist.get_rank(), dist.get_world_size()
+    place = (rank - src) % n
+    for p in x.tensor_split(pieces):
+        if place > 0:
+            dist.irecv(p, src=(rank - 1) % n)
+        if place < n - 1:
+            dist.send(p, dst=(rank + 1) % n)
+
+
 def closes_the_ring(x, src, pieces):             # the last rank sends back to src: a hang
     chain(x, src, pieces, close=True)
 
@@ -445,6 +455,7 @@ MISTAKES = [
     (store_and_forward, (3,), "rank 1 received all 4 pieces before it sent the first: store and forward"),
     (one_piece, (2,), "rank 0 sent 1 tensor (all); expected the 4 pieces of x.tensor_split(4)"),
     (own_buffers, (2,), "received 4 times but its x still holds zeros: it received into a tensor of its own"),
+    (never_waits, (2,), "with irecv, but its x does not hold the data yet: irecv returns before"),
     (forwards_before_receiving, (3,), "Rank 1 sent a tensor of zeros: it passed a piece on before"),
     (with_broadcast, (2,), "your function called dist.broadcast"),
     (raises, (2,), "ValueError: my bug"),

@@ -261,6 +261,13 @@ def _diagnose_chain(n: int, src: int, numel: int, pieces: int, out) -> str | Non
         if early is not None:
             return (f"Rank {r} sent a tensor of zeros: it passed a piece on before that "
                     f"piece had arrived.")
+        if r != src and not torch.equal(x, data) and recvs and \
+                not any(e["blocking"] for e in recvs):
+            return (f"Rank {r} received {len(recvs)} time{'s' if len(recvs) != 1 else ''} "
+                    f"with irecv, but its x does not hold the data yet: irecv returns "
+                    f"before the data arrives, and only the request's wait() says it has. "
+                    f"A piece must have arrived before it is passed on or the function "
+                    f"returns.")
         if r != src and not torch.equal(x, data) and not x.any():
             return (f"Rank {r} received {len(recvs)} time{'s' if len(recvs) != 1 else ''} "
                     f"but its x still holds zeros: it received into a tensor of its own. A "
