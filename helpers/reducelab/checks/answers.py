@@ -149,7 +149,10 @@ WHY = {
         3: "Two: g's all_reduce after the first layer, which ends in partial sums, and the "
             "all_gather that joins the output's columns. Column → row needs one, and keeps "
             "the hidden activation sharded, a quarter of it per rank; row → column holds all "
-            "of it on every rank.",
+            "of it on every rank. Why must the sum come before the ReLU? relu(a + b) is not "
+            "relu(a) + relu(b): a rank whose part of a hidden unit is -3, where the whole is "
+            "+1, would zero its part. Split by columns, each rank holds whole hidden units, "
+            "so the ReLU needs no one else (Shoeybi et al. 2019, Megatron-LM, section 3).",
     },
     "10": {
         1: "A 4-byte all_reduce costs what any message costs: system calls, waking the other "
