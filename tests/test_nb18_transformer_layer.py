@@ -488,6 +488,14 @@ def summed_over_dp(grads, mesh):
         dist.all_reduce(g, group=mesh["dp"].get_group())
 
 
+def sp_summed_over_the_default_group(grads, mesh):   # step 1's line, copied without a group
+    for name, g in grads.items():
+        if name in SP_NAMES:
+            dist.all_reduce(g)
+        else:
+            dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+
+
 def everything_over_all_ranks(grads, mesh):
     for g in grads.values():
         dist.all_reduce(g, op=dist.ReduceOp.AVG)
@@ -519,6 +527,7 @@ def raises(grads, mesh):
     (averaged_over_tp_too, "half the right one: the tp ranks' partial sums were averaged"),
     (sp_not_summed, "the dp average of this rank's own gradient"),
     (summed_over_dp, "2 times the right one: it was summed over dp"),
+    (sp_summed_over_the_default_group, "A collective called without a group runs over the default process group, all 4 ranks"),
     (everything_over_all_ranks, "every gradient was averaged over all 4 ranks"),
     (everything_summed_over_tp, "was added with the other tp rank's"),
     (dp_forgotten, "the dp ranks' gradients were never averaged"),
@@ -579,3 +588,22 @@ def test_other_mistakes_get_a_question_not_the_rule(group, fn, words):
     verdict = check_sync_gradients(group, fn)
     assert not verdict and words in verdict.message, verdict.message
     assert "summed over tp, averaged over dp" not in verdict.message
+
+
+def test_fsdp2_on_the_dp_dimension_of_a_tp_model_averages_over_dp_only(group):
+    """Step 3's "in practice": fully_shard(model, mesh=mesh["dp"]) on the tp-parallelised MLP
+    gives every rank a quarter of the gradient, whose whole is one process's mean over the two
+    batches; the stored output says so for all four ranks."""
+    group.resize(4)
+    grads_0, grads_1 = NB["unsharded"](0)[1], NB["unsharded"](1)[1]
+    mean = (grads_0["0.weight"] + grads_1["0.weight"]) / 2
+    out = group.run(NB["fsdp_over_dp"])
+    assert sorted(coord for coord, _, _ in out) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for _, local, full in out:
+        assert local == (full.shape[0] // 4, full.shape[1])          # sharded over dp and tp
+        assert torch.allclose(full, mean, atol=TOL)
+    assert not torch.allclose(grads_0["0.weight"], mean, atol=TOL)   # the two batches differ
+    text = shown("import logging")
+    assert text.count("the whole equals one process's mean over the two batches: True") == 4
+    assert "False" not in text and "suboptimal" not in text
+    assert 'fully_shard(model, mesh=mesh["dp"])' in source_with("def fsdp_over_dp")

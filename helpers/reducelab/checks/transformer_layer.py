@@ -156,9 +156,12 @@ def _judge(rows: list, right: dict) -> Verdict | None:
                               f"own tokens; the whole gradient is their sum over tp, not their "
                               f"mean. Average over dp only.", "averaged over tp too")
             if seen in ("dp summed", "tp summed, dp summed"):
+                everyone = (f" (A collective called without a group runs over the default "
+                            f"process group, all {DP * TP} ranks: it sums over dp and tp at once.)"
+                            if kind == "sequence-parallel" else "")
                 return failed(f"{where}: the gradient of {name} is {DP} times the right one: it was "
                               f"summed over dp. The dp ranks saw different batches, and one process "
-                              f"training on both would take their mean: average over dp.",
+                              f"training on both would take their mean: average over dp.{everyone}",
                               "summed over dp instead of averaged")
             if kind == "sharded" and seen in ("tp averaged", "tp summed", "tp only"):
                 how = "averaged" if seen == "tp averaged" else "added"
