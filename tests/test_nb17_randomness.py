@@ -295,7 +295,8 @@ def not_a_pair(base, mesh):
     (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101"),
     (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100"),
     (global_rank_replicated, "are in the same tensor-parallel group but get the replicated seeds 0 and 1"),
-    (one_replicated_seed, "the data-parallel groups dp 0 and dp 1 get the same replicated seed 0"),
+    (one_replicated_seed, "dp 0 and dp 1 get the same replicated seed 0: sample k of dp 0's batch and "
+                          "sample k of dp 1's lose the same units (step 2)"),
     (random_seeds, "Derive the seeds from base_seed and the mesh only"),
     (ignores_base, "the seeds must change with base_seed"),
     (not_a_pair, "return two ints from 0 to 2**63 - 1"),
@@ -405,3 +406,12 @@ def test_dtensor_dropout_on_a_cpu_mesh_repeats_one_mask_in_every_shard_as_stored
     assert hasattr(dtensor_random, "is_rng_supported_mesh")
     text = markdown()
     assert "`OffsetBasedRNGTracker`" in text and "None of this ran here" in text
+
+
+def test_the_exercise_says_whose_choice_differing_dp_seeds_are():
+    """An expert review: Megatron-LM seeds dp ranks alike by default, so the exercise's rule 1
+    is a choice; the text says so, and the verdict no longer claims one mask for the batch."""
+    task = source_with("## Exercise: dropout seeds", kind="markdown")
+    assert "That is this exercise's choice" in task and "--data-parallel-random-init" in task
+    from reducelab.checks import randomness
+    assert "as if one mask served" not in pathlib.Path(randomness.__file__).read_text()

@@ -107,9 +107,9 @@ def _judge(dp: int, tp: int, rows: list[dict]) -> str | None:
         for d, e in itertools.combinations(range(dp), 2):
             if rep[d, 0] == rep[e, 0]:
                 return (f"{shape}, the data-parallel groups dp {d} and dp {e} get the same "
-                        f"replicated seed {rep[d, 0]}: both drop the same units of their "
-                        f"different samples, as if one mask served the whole global batch. "
-                        f"The replicated seed must differ between dp ranks.")
+                        f"replicated seed {rep[d, 0]}: sample k of dp {d}'s batch and sample k "
+                        f"of dp {e}'s lose the same units (step 2). The replicated seed must "
+                        f"differ between dp ranks (rule 1).")
         for a, b in itertools.combinations(sorted(shd), 2):
             if shd[a] == shd[b]:
                 return (f"{shape}, ranks {_where(*a)} and {_where(*b)} get the same sharded "
