@@ -262,9 +262,16 @@ def test_the_timing_claim_holds_in_the_stored_output():
     assert n >= 15 and more > n / 2 and median_extra > 0        # "in most steps"
     base = float(re.search(r"default\s+median ([\d.]+) ms", text)[1])
     static = float(re.search(r"static_graph=True\s+median ([\d.]+) ms", text)[1])
-    assert abs(static - base) < median_extra + 0.1 * base         # "about what the default costs"
+    s = re.search(r"static_graph=True\s+median [\d.]+ ms; minus the default's, step by step: median "
+                  r"\+?(-?[\d.]+) ms \(quartiles \+?(-?[\d.]+) to \+?(-?[\d.]+)\), more CPU in (\d+) of "
+                  r"(\d+) steps", text)
+    assert s, text
+    static_extra, static_more, static_n = float(s[1]), int(s[4]), int(s[5])
+    assert static > base and static_more > static_n / 2          # "also costs some CPU in most steps"
+    assert static_extra < median_extra                            # "less than find_unused_parameters=True"
     prose = source_with("The extra traversal and bookkeeping cost CPU time in most steps", "markdown")
-    assert "`static_graph=True` costs about what the default costs" in prose
+    assert ("`static_graph=True` also costs some CPU in most steps, less than "
+            "`find_unused_parameters=True` (the medians above)") in prose
 
 
 # --- step 5: evaluation on rank 0 ------------------------------------------------------------------------
@@ -476,6 +483,11 @@ def test_the_wrappers_own_buffer_broadcast_passes_too(group):
     (forward_sync_buffers, step 2), so the loss is rank 0's model's."""
     verdict = check_evaluate_together(group, through_the_wrapper)
     assert verdict, verdict.message
+    # and the pass says which path did the broadcast (an expert review: it credited the
+    # learner with a broadcast the wrapper made); the solution's pass does not say it
+    assert "reached every rank through the wrapper" in verdict.message
+    solution = check_evaluate_together(group, conftest.load_solution("13_evaluate_together").evaluate)
+    assert solution and "through the wrapper" not in solution.message
 
 
 def test_rank_0_alone_through_the_wrapper_hangs_and_is_told(quick):

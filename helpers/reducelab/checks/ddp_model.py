@@ -142,7 +142,12 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
         share_rank0 = F.mse_loss(rank0(xv[mine]), yv[mine], reduction="sum").item()
         share_own = F.mse_loss(own(xv[mine]), yv[mine], reduction="sum").item()
     params = [p.detach().clone() for p in model.module.parameters()]
-    value = fn(model, xv[mine], yv[mine])
+    wrapper_calls = []                                  # forwards through the DDP wrapper
+    hook = model.register_forward_pre_hook(lambda module, args: wrapper_calls.append(1))
+    try:
+        value = fn(model, xv[mine], yv[mine])
+    finally:
+        hook.remove()
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     training_after = all(m.training for m in model.modules())
@@ -163,7 +168,8 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
     return {"value": float(value) if ok else repr(value)[:80], "reference": reference,
             "share_rank0": share_rank0, "share_own": share_own, "sizes": tuple(sizes),
             "buffers_ok": buffers_ok, "parameters_changed": parameters_changed,
-            "training_after": training_after, "next_step": next_step}
+            "training_after": training_after, "next_step": next_step,
+            "through_wrapper": bool(wrapper_calls)}
 
 
 def _close_to(a: float, b: float) -> bool:
@@ -263,10 +269,14 @@ def check_evaluate_together(group, fn) -> Verdict:
     problem = _judge_evaluation(rows)
     if problem:
         return failed(*problem)
+    how = (" Rank 0's BatchNorm statistics reached every rank through the wrapper: called in "
+           "forward, DDP broadcasts rank 0's buffers (broadcast_buffers=True, notebook 13's "
+           "step 2), a collective every rank must join; through model.module that broadcast "
+           "is yours to make." if any(row["through_wrapper"] for row in rows) else "")
     return passed(f"Every rank returned {rows[0]['value']:.4f}, the mean squared error over all "
                   f"{sum(SHARD_SIZES)} validation samples (shares of "
                   f"{', '.join(map(str, SHARD_SIZES))}) of the model rank 0 holds, its parameters "
                   f"and its BatchNorm statistics, in eval mode: what one process evaluating the "
                   f"whole set with rank 0's checkpoint gives. No parameter moved, no running "
                   f"statistic took in a validation batch, and the next training step ran on every "
-                  f"rank in training mode.")
+                  f"rank in training mode.{how}")
