@@ -84,7 +84,7 @@ def test_reshard_after_forwards_default_is_none_in_the_installed_torch():
     for path in (NOTEBOOK, ROOT / "notebooks" / "08_sharded_data_parallel.ipynb"):
         text = path.read_text()
         assert "True` (the default)" not in text and "True (the default)" not in text
-    assert "its default is `None`" in markdown()
+    assert "Its default, `None`" in markdown()
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     lazy = inspect.getsource(FSDPState._lazy_init)                 # where the root turns None into False
     assert "if self._auto_reshard_after_forward:" in lazy and "post_forward_mesh_info = None" in lazy
