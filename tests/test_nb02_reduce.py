@@ -708,6 +708,19 @@ def test_question_2s_stated_layout_is_what_the_ranks_do(group):
     assert (before != after).tolist() == [False, False, True, True]
 
 
+def test_what_decides_the_layout_is_stated_in_full(group):
+    """The summary said the layout depends on world_size and the size only; question 1
+    shows that dst changes it too (through the gather): rank 3 keeps its input at dst=0
+    and holds the full sum at dst=3, at the same world size and size."""
+    group.resize(4)
+    assert group.run(reduce_once, 2, 0)[3][1].tolist() == [1000.0] * 2
+    assert group.run(reduce_once, 2, 3)[3][1].tolist() == [1111.0] * 2
+    text = "\n".join(notebook_cells())
+    assert "depends on `world_size` and the tensor's size, not on the values" not in text
+    summary = text.split("## Summary")[1].split("## Further reading")[0]
+    assert "through the final gather, `dst`" in summary
+
+
 def test_the_myths_state_each_claim_in_full():
     """An expert review: the myth table quoted the popular answer in fragments. Each claim
     is now a sentence of its own, and the section names the learner question by title
