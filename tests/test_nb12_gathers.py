@@ -232,26 +232,55 @@ def stored_timings() -> dict[str, dict[int, tuple[float, float, float]]]:
     return rows
 
 
+def stored_ratios() -> dict[tuple[str, int], list[float]]:
+    """The round-by-round ratios the claims cell printed: {(way, n): [ratio per round]}."""
+    text = stored_text("def per_round(way, n):")
+    ratios, way = {}, None
+    for line in text.splitlines():
+        if line.startswith("a list through"):
+            way = "all_gather_object (list of floats)"
+        elif line.startswith("a tensor through"):
+            way = "all_gather_object (tensor)"
+        elif m := re.match(r"  at ([\d,]+) numbers: ([\d., ]+)$", line):
+            ratios[way, int(m[1].replace(",", ""))] = [float(r) for r in m[2].split(", ")]
+    return ratios
+
+
 def test_timing_claims_hold_in_the_stored_run():
-    """The text claims what every round of the saved run shows, not only the medians: the
-    ways took turns within each round, and the claims cell printed each ratio's range
-    and True for both claims."""
+    """The text claims what every round of the saved run shows, not only the medians (an
+    expert review: the conclusion was noisy). Both claims are re-derived here from the
+    ratios the claims cell printed, round by round, and every printed ratio is checked
+    against the stored table: a round's ratio lies between (fastest / slowest) and
+    (slowest / fastest) of the two ways, up to the table's rounding to 0.1 ms."""
     t = stored_timings()
     for row in t.values():
         for median, fastest, slowest in row.values():
             assert fastest <= median <= slowest
+    ratios = stored_ratios()
+    # only 300,000 numbers: at 3,000 and 30,000 a run takes milliseconds, and a pause of the
+    # machine's other work decides the order (a re-run under load gave 13.6 times in one round)
+    assert sorted(ratios) == [("all_gather_object (list of floats)", 300_000),
+                              ("all_gather_object (tensor)", 300_000)]
+    for (way, n), each in ratios.items():
+        assert len(each) == 5, (way, n)                                  # 5 rounds kept
+        _, way_fast, way_slow = t[way][n]
+        _, pad_fast, pad_slow = t["pad, all_gather, trim (tensor)"][n]
+        low = (way_fast - 0.05) / (pad_slow + 0.05) - 0.005
+        high = (way_slow + 0.05) / max(pad_fast - 0.05, 1e-3) + 0.005
+        assert all(low <= r <= high for r in each), (way, n, each, low, high)
+    assert min(ratios["all_gather_object (list of floats)", 300_000]) > 4       # claim 1
+    assert all(0.1 < r < 10 for r in ratios["all_gather_object (tensor)", 300_000])   # claim 2
     claims = stored_text("def per_round(way, n):")
-    lowest = re.search(r"round by round: lowest ([\d.]+)x; more than 4 times in every round: True", claims)
-    assert lowest and float(lowest[1]) > 4, claims
-    span = re.search(r"round: ([\d.]+)x to ([\d.]+)x; between a tenth of and 10 times in every "
-                     r"round: True", claims)
-    assert span and 0.1 < float(span[1]) <= float(span[2]) < 10, claims
+    assert "more than 4 times in every round: True" in claims
+    assert "between a tenth of and 10 times in every round: True" in claims
     assert ": False" not in claims
     prose = markdown()
-    assert ("At 30,000 and 300,000 numbers, a tensor through `all_gather_object` cost the same order as "
+    assert ("At 300,000 numbers, a tensor through `all_gather_object` cost the same order as "
             "pad, all_gather, trim, between a tenth of and 10 times as long in every round here") in prose
+    assert "30,000 or 300,000 numbers here" not in prose and "At 30,000 and 300,000" not in prose
     assert "it took more than 4 times as long in every round" in prose
-    assert "ratio of medians" not in prose
+    assert "ratio of medians" not in prose and "costs much more" not in prose
+    assert "so no claim is made there, nor one that holds only for the medians." in prose
 
 
 def test_only_the_timings_and_the_claims_drawn_from_them_are_ignored_by_nbval():
