@@ -216,7 +216,7 @@ def test_bytes_received_at_300000_numbers(group):
                  "all_gather_object (list of floats)                  8.10"):
         assert line in text
     prose = markdown()
-    assert "here each rank's outputs hold 3.6 MB for 2.4 MB of numbers" in prose
+    assert "Both ways pad to the longest rank: 3.6 MB on each rank for 2.4 MB of numbers." in prose
     assert "9 bytes per float (an opcode and 8 bytes of float64), so 2.25 times the bytes" in prose
 
 
@@ -280,7 +280,7 @@ def test_timing_claims_hold_in_the_stored_run():
     assert "30,000 or 300,000 numbers here" not in prose and "At 30,000 and 300,000" not in prose
     assert "it took more than 4 times as long in every round" in prose
     assert "ratio of medians" not in prose and "costs much more" not in prose
-    assert "so no claim is made there, nor one that holds only for the medians." in prose
+    assert "no claim is made there, nor from the medians alone." in prose
 
 
 def test_only_the_timings_and_the_claims_drawn_from_them_are_ignored_by_nbval():
@@ -686,13 +686,44 @@ def test_cost_figure_and_its_errors(drawn):
 
 
 def test_question_2_stays_unspoiled():
-    """How DistributedSampler deals positions to ranks (r, r + world_size, ...) is said after
-    question 2, which asks for rank 2's samples; above it only the padding is."""
+    """How DistributedSampler deals positions to ranks (r, r + world_size, ...) is said in
+    words only after question 2, which asks for rank 2's samples; above it only the padding is."""
     cells = ["".join(c["source"]) for c in CELLS]
     upto = next(i for i, s in enumerate(cells) if s.startswith("answer_2 = None"))
     above = "\n".join(s for s, c in zip(cells[:upto], CELLS) if c["cell_type"] == "markdown")
     assert "r + world_size" not in above and "pads it to a multiple of `world_size`" in above
     assert "r + world_size" in "\n".join(cells[upto:])
+
+
+def test_question_2_is_answerable_from_the_source_it_quotes(group):
+    """An own review: question 2 asked for rank 2's samples, which only the sampler's code
+    decides (pad with the first samples, then every world_size-th position), and the
+    notebook had shown neither. It now quotes the two lines of __iter__ above the question;
+    they are the installed torch's, and applied by hand they give what the ranks get."""
+    cells = ["".join(c["source"]) for c in CELLS]
+    q2 = next(i for i, s in enumerate(cells) if s.startswith("answer_2 = None"))
+    quoted = re.search(r"```python\n(.*?)\n```", cells[q2 - 1], re.S)[1].splitlines()
+    assert quoted == ["indices += indices[:padding_size]",
+                      "indices = indices[self.rank : self.total_size : self.num_replicas]"]
+    source = (pathlib.Path(torch.__file__).parent / "utils" / "data" / "distributed.py").read_text()
+    body = source.split("def __iter__")[1].split("return iter(indices)")[0]
+    for line in quoted:
+        assert line in body, line
+    assert "if padding_size <= len(indices):" in body
+    by_hand = {}
+    for rank in range(3):
+        ns = {"indices": list(range(10)), "padding_size": 2,
+              "self": types.SimpleNamespace(rank=rank, total_size=12, num_replicas=3)}
+        exec("\n".join(quoted), {}, ns)
+        by_hand[rank] = ns["indices"]
+    assert by_hand[2] == [2, 5, 8, 1]
+    group.resize(3)
+    assert group.run(sampler_indices_10) == [by_hand[r] for r in range(3)]
+
+
+def sampler_indices_10():
+    from torch.utils.data import DistributedSampler
+    return list(DistributedSampler(range(10), shuffle=False))
 
 
 def test_the_dataloader_recipe_counts_every_sample_once_and_torch_has_no_sampler_for_it():
