@@ -110,8 +110,8 @@ def test_gloo_reduce_matches_ring_replay(group, ws):
         np.testing.assert_array_equal(out[dst][k].numpy(), np.full(n, sum(10.0 ** r for r in range(ws))))
 
 
-def test_question_1_at_two_elements_leaves_rank_3_untouched(group):
-    """Question 1: 4 ranks, 2 elements, dst=0. The sum travels 3 -> 2 -> 1 -> 0, so
+def test_step_2_at_two_elements_leaves_rank_3_untouched(group):
+    """Step 2's run: 4 ranks, 2 elements, dst=0. The sum travels 3 -> 2 -> 1 -> 0, so
     ranks 1 and 2 hold partial sums and rank 3, which only sends, keeps its input."""
     group.resize(4)
     out = group.run(reduce_once, 2, 0)
@@ -121,6 +121,23 @@ def test_question_1_at_two_elements_leaves_rank_3_untouched(group):
                                                     [1100.0] * 2, [1000.0] * 2]
     assert [contributors(after[0], 4) for _, after in out] == [[0, 1, 2, 3], [1, 2, 3],
                                                                [2, 3], [3]]
+
+
+def test_question_1_with_dst_3_every_rank_changes(group):
+    """Question 1: Step 2's run with dst=3. The reduce-scatter does not depend on dst, so
+    ranks 1 and 2 hold the same partial sums and rank 0 the full sum of its chunk 0; the
+    gather then sends chunk 0 to rank 3: every rank's x changes."""
+    group.resize(4)
+    out = group.run(reduce_once, 2, 3)
+    changed = [r for r, (before, after) in enumerate(out) if not torch.equal(before, after)]
+    assert changed == [0, 1, 2, 3]
+    assert [after.tolist() for _, after in out] == [[1111.0] * 2, [1110.0] * 2,
+                                                    [1100.0] * 2, [1111.0] * 2]
+    want = gloo_reduce_reference(inputs_10(4, 2), 3)              # Step 4's algorithm says so too
+    assert [list(w) for w in want] == [after.tolist() for _, after in out]
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    asked = next(c for c in cells if "reveal(answer_1, changed," in "".join(c["source"]))
+    assert "The real run gives [0, 1, 2, 3]." in conftest.stored_text(asked)
 
 
 def test_non_dst_ranks_change_and_layout_depends_on_size(group):
@@ -655,19 +672,68 @@ def test_the_notebook_asks_before_it_explains():
     assert "has changed on ranks that were never meant" not in cells[0]
     assert "do not (`x + 1`" not in cells[0]
     q1 = next(i for i, c in enumerate(cells) if c.startswith("answer_1 = None"))
-    assert "each `x` has 2 elements" in cells[q1 - 1]
-    assert "reduce_once, 2, 0" in cells[q1 + 1]
+    assert "dst=3" in cells[q1 - 1] and "2 elements each" in cells[q1 - 1]
+    assert "reduce_once, 2, 3" in cells[q1 + 1]
+    # an expert review: question 1 hinged on gloo's layout, which the notebook had not shown.
+    # It now comes after Step 4 (the cut, the reduce-scatter, the gather, and the replay that
+    # matches the real ranks), and after Step 2's run of the same case with dst=0
+    asked_1 = "\n".join(cells[:q1])
+    assert "def ring_reduce_replay" in asked_1 and "**Gather.**" in asked_1
+    assert "reduce_once, 2, 0" in asked_1
+    # nothing above it says what a last-rank dst does (the explorer's tip used to)
+    for hint in ("now rank 0 carries", "dst` = the last rank", "dst=3", "dst = 3"):
+        assert hint not in "\n".join(cells[:q1 - 1]), hint
     q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
     asked = "\n".join(cells[:q2 + 2])
     for hint in ("own storage", "shares x's storage", "share x's storage", "sees whatever"):
         assert hint not in asked.split("def aliases")[0], hint
     assert "# views" not in cells[q2 + 1] and "# new tensors" not in cells[q2 + 1]
     assert "**rank 3**" in cells[q2 - 1]
+    # question 2 gives what the reduce writes on rank 3, so that it asks about the names only
+    assert "writes elements 2 and 3 of `x` and leaves elements 0 and 1" in cells[q2 - 1]
     q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
-    assert "Rank 1 arrives 0.5 s late, as a slow rank would." in cells[q3 - 1]
+    # the late start is part of the setting, with no word that points at the answer
+    assert "rank 1 0.5 s after rank 0" in cells[q3 - 1]
+    for hint in ("slow rank", "late", "straggler", "arrives"):
+        assert hint not in cells[q3 - 1].split("## Step 7")[1], hint
     assert "To make" not in cells[q3 - 1] and "not guaranteed" not in cells[q3 + 1]
     race = next(c for c in cells if "def write_before_wait" in c)
     assert "2 ** 18" in race
+
+
+def test_question_2s_stated_layout_is_what_the_ranks_do(group):
+    """Question 2 states that on rank 3 the reduce writes elements 2 and 3 only."""
+    group.resize(4)
+    before, after = group.run(reduce_once, 4, 0)[3]
+    assert (before != after).tolist() == [False, False, True, True]
+
+
+def test_what_decides_the_layout_is_stated_in_full(group):
+    """The summary said the layout depends on world_size and the size only; question 1
+    shows that dst changes it too (through the gather): rank 3 keeps its input at dst=0
+    and holds the full sum at dst=3, at the same world size and size."""
+    group.resize(4)
+    assert group.run(reduce_once, 2, 0)[3][1].tolist() == [1000.0] * 2
+    assert group.run(reduce_once, 2, 3)[3][1].tolist() == [1111.0] * 2
+    text = "\n".join(notebook_cells())
+    assert "depends on `world_size` and the tensor's size, not on the values" not in text
+    summary = text.split("## Summary")[1].split("## Further reading")[0]
+    assert "through the final gather, `dst`" in summary
+
+
+def test_the_myths_state_each_claim_in_full():
+    """An expert review: the myth table quoted the popular answer in fragments. Each claim
+    is now a sentence of its own, and the section names the learner question by title
+    and date."""
+    myth = "\n".join(notebook_cells()).split("## Myth vs reality")[1].split("## Summary")[0]
+    assert ('"Why does `torch.distributed.reduce` affect tensors other than the destination?" '
+            "(2025-01-30)") in myth
+    rows = [line for line in myth.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 6
+    for row in rows:
+        claim, reality = [part.strip() for part in row.strip("|").split(" | ")]
+        assert claim[0].isupper() or claim[0] == "`", claim
+        assert claim.endswith(".") and reality.endswith("."), row
 
 
 def test_the_notebooks_exercise_cell_is_the_stub_the_check_names(group):

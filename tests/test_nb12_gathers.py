@@ -216,7 +216,7 @@ def test_bytes_received_at_300000_numbers(group):
                  "all_gather_object (list of floats)                  8.10"):
         assert line in text
     prose = markdown()
-    assert "here each rank's outputs hold 3.6 MB for 2.4 MB of numbers" in prose
+    assert "Both ways pad to the longest rank: 3.6 MB on each rank for 2.4 MB of numbers." in prose
     assert "9 bytes per float (an opcode and 8 bytes of float64), so 2.25 times the bytes" in prose
 
 
@@ -232,26 +232,55 @@ def stored_timings() -> dict[str, dict[int, tuple[float, float, float]]]:
     return rows
 
 
+def stored_ratios() -> dict[tuple[str, int], list[float]]:
+    """The round-by-round ratios the claims cell printed: {(way, n): [ratio per round]}."""
+    text = stored_text("def per_round(way, n):")
+    ratios, way = {}, None
+    for line in text.splitlines():
+        if line.startswith("a list through"):
+            way = "all_gather_object (list of floats)"
+        elif line.startswith("a tensor through"):
+            way = "all_gather_object (tensor)"
+        elif m := re.match(r"  at ([\d,]+) numbers: ([\d., ]+)$", line):
+            ratios[way, int(m[1].replace(",", ""))] = [float(r) for r in m[2].split(", ")]
+    return ratios
+
+
 def test_timing_claims_hold_in_the_stored_run():
-    """The text claims what every round of the saved run shows, not only the medians: the
-    ways took turns within each round, and the claims cell printed each ratio's range
-    and True for both claims."""
+    """The text claims what every round of the saved run shows, not only the medians (an
+    expert review: the conclusion was noisy). Both claims are re-derived here from the
+    ratios the claims cell printed, round by round, and every printed ratio is checked
+    against the stored table: a round's ratio lies between (fastest / slowest) and
+    (slowest / fastest) of the two ways, up to the table's rounding to 0.1 ms."""
     t = stored_timings()
     for row in t.values():
         for median, fastest, slowest in row.values():
             assert fastest <= median <= slowest
+    ratios = stored_ratios()
+    # only 300,000 numbers: at 3,000 and 30,000 a run takes milliseconds, and a pause of the
+    # machine's other work decides the order (a re-run under load gave 13.6 times in one round)
+    assert sorted(ratios) == [("all_gather_object (list of floats)", 300_000),
+                              ("all_gather_object (tensor)", 300_000)]
+    for (way, n), each in ratios.items():
+        assert len(each) == 5, (way, n)                                  # 5 rounds kept
+        _, way_fast, way_slow = t[way][n]
+        _, pad_fast, pad_slow = t["pad, all_gather, trim (tensor)"][n]
+        low = (way_fast - 0.05) / (pad_slow + 0.05) - 0.005
+        high = (way_slow + 0.05) / max(pad_fast - 0.05, 1e-3) + 0.005
+        assert all(low <= r <= high for r in each), (way, n, each, low, high)
+    assert min(ratios["all_gather_object (list of floats)", 300_000]) > 4       # claim 1
+    assert all(0.1 < r < 10 for r in ratios["all_gather_object (tensor)", 300_000])   # claim 2
     claims = stored_text("def per_round(way, n):")
-    lowest = re.search(r"round by round: lowest ([\d.]+)x; more than 4 times in every round: True", claims)
-    assert lowest and float(lowest[1]) > 4, claims
-    span = re.search(r"round: ([\d.]+)x to ([\d.]+)x; between a tenth of and 10 times in every "
-                     r"round: True", claims)
-    assert span and 0.1 < float(span[1]) <= float(span[2]) < 10, claims
+    assert "more than 4 times in every round: True" in claims
+    assert "between a tenth of and 10 times in every round: True" in claims
     assert ": False" not in claims
     prose = markdown()
-    assert ("At 30,000 and 300,000 numbers, a tensor through `all_gather_object` cost the same order as "
+    assert ("At 300,000 numbers, a tensor through `all_gather_object` cost the same order as "
             "pad, all_gather, trim, between a tenth of and 10 times as long in every round here") in prose
+    assert "30,000 or 300,000 numbers here" not in prose and "At 30,000 and 300,000" not in prose
     assert "it took more than 4 times as long in every round" in prose
-    assert "ratio of medians" not in prose
+    assert "ratio of medians" not in prose and "costs much more" not in prose
+    assert "no claim is made there, nor from the medians alone." in prose
 
 
 def test_only_the_timings_and_the_claims_drawn_from_them_are_ignored_by_nbval():
@@ -657,13 +686,44 @@ def test_cost_figure_and_its_errors(drawn):
 
 
 def test_question_2_stays_unspoiled():
-    """How DistributedSampler deals positions to ranks (r, r + world_size, ...) is said after
-    question 2, which asks for rank 2's samples; above it only the padding is."""
+    """How DistributedSampler deals positions to ranks (r, r + world_size, ...) is said in
+    words only after question 2, which asks for rank 2's samples; above it only the padding is."""
     cells = ["".join(c["source"]) for c in CELLS]
     upto = next(i for i, s in enumerate(cells) if s.startswith("answer_2 = None"))
     above = "\n".join(s for s, c in zip(cells[:upto], CELLS) if c["cell_type"] == "markdown")
     assert "r + world_size" not in above and "pads it to a multiple of `world_size`" in above
     assert "r + world_size" in "\n".join(cells[upto:])
+
+
+def test_question_2_is_answerable_from_the_source_it_quotes(group):
+    """An own review: question 2 asked for rank 2's samples, which only the sampler's code
+    decides (pad with the first samples, then every world_size-th position), and the
+    notebook had shown neither. It now quotes the two lines of __iter__ above the question;
+    they are the installed torch's, and applied by hand they give what the ranks get."""
+    cells = ["".join(c["source"]) for c in CELLS]
+    q2 = next(i for i, s in enumerate(cells) if s.startswith("answer_2 = None"))
+    quoted = re.search(r"```python\n(.*?)\n```", cells[q2 - 1], re.S)[1].splitlines()
+    assert quoted == ["indices += indices[:padding_size]",
+                      "indices = indices[self.rank : self.total_size : self.num_replicas]"]
+    source = (pathlib.Path(torch.__file__).parent / "utils" / "data" / "distributed.py").read_text()
+    body = source.split("def __iter__")[1].split("return iter(indices)")[0]
+    for line in quoted:
+        assert line in body, line
+    assert "if padding_size <= len(indices):" in body
+    by_hand = {}
+    for rank in range(3):
+        ns = {"indices": list(range(10)), "padding_size": 2,
+              "self": types.SimpleNamespace(rank=rank, total_size=12, num_replicas=3)}
+        exec("\n".join(quoted), {}, ns)
+        by_hand[rank] = ns["indices"]
+    assert by_hand[2] == [2, 5, 8, 1]
+    group.resize(3)
+    assert group.run(sampler_indices_10) == [by_hand[r] for r in range(3)]
+
+
+def sampler_indices_10():
+    from torch.utils.data import DistributedSampler
+    return list(DistributedSampler(range(10), shuffle=False))
 
 
 def test_the_dataloader_recipe_counts_every_sample_once_and_torch_has_no_sampler_for_it():

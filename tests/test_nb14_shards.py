@@ -155,6 +155,20 @@ def test_what_step_2_says_of_the_source():
     assert "#126457" in markdown() + cell_with("actual_2 = ") and "#149768" in markdown()
 
 
+def test_nothing_above_question_2_says_clip_grad_norm_runs_a_collective():
+    """Question 2 asks whether clip_grad_norm_'s total_norm is the whole norm: a text above
+    it that names a collective inside clip_grad_norm_ gives the answer (an expert review
+    found "where the collective comes from" in What you will learn)."""
+    q2 = next(i for i, c in enumerate(CELLS) if "".join(c["source"]).startswith("answer_2 = None"))
+    above = "\n".join("".join(c["source"]) for c in CELLS[:q2]).lower()
+    for hint in ("where the collective comes from", "collective comes from", "clip_grad_norm_ runs",
+                 "_normpartial", "replicate()", "commdebugmode() as"):
+        assert hint not in above, hint
+    learn = "".join(CELLS[0]["source"]).split("## What you will learn")[1].split("## Prerequisites")[0]
+    bullet = next(line for line in learn.splitlines() if "clip_grad_norm_" in line)
+    assert "collective" not in bullet and "question 2 asks you first" in bullet
+
+
 # --- step 3: a layer split over tp -------------------------------------------------------------
 def test_placements_on_the_2d_mesh(group):
     rows = {name: (str(pl), shape, local) for name, pl, shape, local in

@@ -30,9 +30,13 @@ WHY = {
             "already hold the result.",
     },
     "02": {
-        1: "dst=0 holds the full sum, 1111, as promised. Ranks 1 and 2 hold partial sums: "
-            "gloo used their tensors as work buffers on the way to dst. Rank 3's x is "
-            "untouched: at 2 elements gloo sends from it, but never into it.",
+        1: "Every rank's. dst only decides where the gather (Step 4's part 3) sends the "
+            "sums; the cut and the reduce-scatter are the same for any dst. At 2 elements "
+            "both lie in chunk 0, rank 0's, so its sum builds on rank 0 along 3 -> 2 -> 1 -> 0 "
+            "as in Step 2: rank 1 is left with 1110, rank 2 with 1100, and rank 0, not dst, "
+            "with the full sum 1111. Then rank 0 sends chunk 0 to dst=3, whose x now holds "
+            "1111 too. With dst=0 rank 3 kept its input because it only ever sends; with "
+            "dst=3 it receives the result, and rank 0 still does the ring's work.",
         2: "x[:2] and x.view(2, 2) are views: they share x's storage, so each shows what "
             "reduce wrote into the elements it covers. On rank 3 gloo wrote elements 2 and 3 "
             "only (x after the reduce, above): x.view(2, 2) covers them, x[:2] does not. y = "
