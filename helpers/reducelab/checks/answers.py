@@ -113,10 +113,12 @@ WHY = {
         1: "Element i summed over the 4 ranks is i + (i + 10) + (i + 20) + (i + 30) = 4i + "
             "60. The sum is cut into 4 pieces of 2 elements, and rank 2 keeps piece 2: "
             "elements 4 and 5, that is 76 and 80.",
-        2: "They are equal, in float32 and in bfloat16. The gloo library has a "
-            "reduce_scatter algorithm of its own (ReduceScatterHalvingDoubling, in "
-            "gloo/reduce_scatter.h), but ProcessGroupGloo, torch's gloo backend, does not use "
-            "it: reduce_scatter_single reaches ProcessGroupGloo::_reduce_scatter_base (in "
+        2: "They are equal, in float32 and in bfloat16. The table gave it away: gloo's "
+            "reduce_scatter sends as many bytes as its all_reduce because it runs one. The "
+            "gloo library has a reduce_scatter algorithm of its own "
+            "(ReduceScatterHalvingDoubling, in gloo/reduce_scatter.h), but ProcessGroupGloo, "
+            "torch's gloo backend, does not use it: reduce_scatter_single reaches "
+            "ProcessGroupGloo::_reduce_scatter_base (in "
             "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), which calls "
             "reduce_scatter_tensor_coalesced. That clones the input, all-reduces the whole "
             "clone once, with the same ReduceOp, and copies its piece, "
@@ -125,9 +127,8 @@ WHY = {
             "the same additions in the same order, and all_gather only copies bits. Neither "
             "is the exact sum: both round. The pull request that wrote it this way "
             "(pytorch/pytorch#118911) notes that it sends twice what a real reduce_scatter "
-            "sends; the next cell measures that. Another backend (NCCL's ring reduce_scatter) "
-            "adds in its own order, so compare there with a tolerance of a few units in the "
-            "last place, not with ==.",
+            "sends. Another backend (NCCL's ring reduce_scatter) adds in its own order, so "
+            "compare there with a tolerance of a few units in the last place, not with ==.",
         3: "Adam keeps exp_avg and exp_avg_sq, 4 bytes each, for every element a rank steps. "
             "ZeRO-1 gives each rank k = ceil(2410 / 4) = 603 of them (2 of rank 3's are "
             "padding): 2 x 603 x 4 = 4,824 bytes, plus 4 bytes for Adam's step counter, a "
