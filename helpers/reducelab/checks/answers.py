@@ -299,12 +299,12 @@ WHY = {
             "maintainer explains both in pytorch/pytorch#48880, \"bucket_cap_mb not honored by "
             "AllReduce ops\")."),
         2: lambda held: (
-            f"2e-7 is stored in fp16 as {held:.4g}, already a subnormal number. Divided by 16 it "
-            f"is {held / 16:.2g}, less than half of fp16's smallest subnormal number (2^-24, about "
-            "5.96e-8), so every rank's share rounds to 0 before it is sent. The sum of 16 zeros "
-            "is 0: the gradient vanishes. Summing first keeps it: "
-            f"16 x {held:.4g} is {round(16 * held / 2**-24)} times 2^-24, a subnormal number fp16 "
-            "holds exactly (the table below)."),
+            f"6e-8 is stored in fp16 as {held:.4g}: 2^-24, fp16's smallest subnormal number. "
+            f"Divided by 4 it is {held / 4:.2g}, less than half of 2^-24, so every rank's share "
+            "rounds to 0 before it is sent. The sum of 4 zeros is 0: the gradient vanishes. "
+            f"Summing first keeps it: 4 x {held:.4g} is {round(4 * held / 2**-24)} times 2^-24, "
+            f"which fp16 holds exactly, and divided by 4 it is {held:.4g} again (the table "
+            "below)."),
     },
     "17": {
         1: "full_tensor() all-gathers every rank's shard, so every rank gets the same tensor. "
