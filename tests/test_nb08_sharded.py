@@ -281,8 +281,22 @@ def test_memory_measured_from_the_tensors_is_the_formula_plus_padding(group, wor
             assert got == expected_bytes(stage, world_size), stage
             formula = memory_formula(stage, NUMEL, world_size)
             assert sum(got) - sum(formula.values()) < 4 * 4 * world_size + 8   # padding, step
-    if world_size == 4:   # question 3
-        assert group.run(NB.zero_train, "ZeRO-1", X, y)[0]["bytes"]["optimizer state"] == 4828
+    if world_size == 4:   # question 3: ZeRO-1 keeps 10/16 of DDP's bytes (Adam's state only is sharded)
+        kept = {stage: sum(group.run(NB.zero_train, stage, X, y)[0]["bytes"].values()) for stage in ("DDP", "ZeRO-1")}
+        assert kept == {"DDP": 38_596, "ZeRO-1": 24_124} and round(kept["ZeRO-1"] / kept["DDP"], 3) == 0.625
+        assert "24,124 of 38,596 bytes" in WHY["08"][3] and "0.625" in WHY["08"][3]
+
+
+def test_question_3_asks_for_what_stage_1_leaves_whole_and_nothing_above_it_says():
+    """Question 3 asks for ZeRO-1's share of DDP's bytes (all three kinds together), not one
+    formula's product; the text above gives the paper's terms, not the share."""
+    question = next(i for i, c in enumerate(CELLS) if "**Question 3.**" in "".join(c["source"]))
+    before, _, asked = "".join(CELLS[question]["source"]).partition("**Question 3.**")
+    assert "what fraction of DDP's bytes" in asked and "parameters, gradients and Adam state together" in asked
+    above = "\n".join("".join(c["source"]) for c in CELLS[:question]) + before
+    for spoiler in ("0.625", "10Ψ", "10 of 16", "5/8", "62.5"):
+        assert spoiler not in above, spoiler
+    assert "0.625" not in "".join(CELLS[question + 1]["source"]) + "".join(CELLS[question + 2]["source"])
 
 
 def test_bytes_sent_per_step_by_stage(group):
