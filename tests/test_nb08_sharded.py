@@ -417,6 +417,12 @@ def test_saving_zero_needs_every_rank_to_consolidate_first(group):
     from torch.distributed.optim import ZeroRedundancyOptimizer as Z
     assert "This needs to be called on all ranks" in inspect.getsource(Z.consolidate_state_dict)
     assert "has not been consolidated on this rank" in inspect.getsource(Z.state_dict)
+    consolidate = inspect.getsource(Z.consolidate_state_dict)          # "each rank in turn broadcasts"
+    assert "for rank in range(self.world_size):" in consolidate and "_broadcast_object(" in consolidate
+    assert "We wastefully use `broadcast()` (e.g. instead of `gather()`)" in consolidate
+    assert "compatibility issues with NCCL" in consolidate
+    from torch.distributed.optim import zero_redundancy_optimizer as zro       # "its length, then its bytes"
+    assert inspect.getsource(zro._broadcast_object).count("dist.broadcast(length_tensor") == 2
     group.resize(4)
     every = group.run(NB.save_optimizer, X, y)
     for rank, said in enumerate(every):
