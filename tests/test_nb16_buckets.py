@@ -197,21 +197,37 @@ def test_powerSGD_with_two_buckets_is_bounded_on_gloo_whatever_the_race_does():
 
 
 def test_fp16_overflows_and_dividing_first_avoids_it_but_underflows(group):
+    """On 4 ranks, a workshop laptop's group (it was 16 ranks: not a laptop's case)."""
     ns = notebook("fp16_mean")
-    group.resize(16)
-    assert group.run(ns["fp16_mean"], 5000.0, False)[0] == math.inf
-    assert group.run(ns["fp16_mean"], 5000.0, True)[0] == pytest.approx(5000, rel=1e-2)
-    assert group.run(ns["fp16_mean"], 2e-7, True) == [0.0] * 16            # question 2: underflow
-    held = torch.tensor(2e-7, dtype=torch.float16).item()
-    assert held == pytest.approx(1.788e-7, rel=1e-3) and held < torch.finfo(torch.float16).tiny
-    assert held / 16 < 2.0 ** -25                                           # rounds to 0
-    assert group.run(ns["fp16_mean"], 2e-7, False)[0] == pytest.approx(held, rel=1e-3)
-    # the table's 1e-6 row, as the text explains it: already subnormal, shares round up to 2^-24
+    group.resize(4)
+    assert group.run(ns["fp16_mean"], 20000.0, False)[0] == math.inf
+    assert group.run(ns["fp16_mean"], 20000.0, True)[0] == 20000.0
+    assert group.run(ns["fp16_mean"], 6e-8, True) == [0.0] * 4              # question 2: underflow
+    held = torch.tensor(6e-8, dtype=torch.float16).item()
+    assert held == 2.0 ** -24 and held < torch.finfo(torch.float16).tiny    # fp16's smallest subnormal
+    assert held / 4 < 2.0 ** -25                                            # rounds to 0
+    assert group.run(ns["fp16_mean"], 6e-8, False)[0] == held
+    # the table's 1e-6 row, as the text explains it: 17 x 2^-24, shares of 4.25 x 2^-24 round to 4
     held = torch.tensor(1e-6, dtype=torch.float16).item()
-    assert f"{held:.4g}" == "1.013e-06" and held < torch.finfo(torch.float16).tiny
+    assert f"{held:.4g}" == "1.013e-06" and held == 17 * 2.0 ** -24
     assert group.run(ns["fp16_mean"], 1e-6, True)[0] == 16 * 2.0 ** -24
     assert f"{16 * 2.0 ** -24:.4g}" == "9.537e-07"
-    assert group.run(ns["fp16_mean"], 1e-6, False)[0] == pytest.approx(held, rel=1e-3)
+    assert group.run(ns["fp16_mean"], 1e-6, False)[0] == held
+    text = markdown()
+    assert "4 × 20,000 overflows fp16, 20,000 / 4 does not" in text
+    assert "each share, 4.25 × 2⁻²⁴, rounds to 4 × 2⁻²⁴, and the mean comes back as 16 × 2⁻²⁴ = 9.537e-07" in text
+    out = next("".join("".join(o.get("text", "")) for o in c["outputs"]) for c in cells()
+               if "for value in (20000.0, 1.0, 1e-6, 6e-8):" in "".join(c["source"]))
+    assert re.search(r"^\s+20000\s+20,000\s+inf\s+20,000$", out, re.M), out
+    assert re.search(r"^\s+6e-08\s+5.96e-08\s+5.96e-08\s+0$", out, re.M), out
+
+
+def test_no_cell_starts_more_ranks_than_a_workshop_laptop_runs():
+    """A learner's laptop runs a group of at most 4 ranks (the header's world sizes)."""
+    sizes = [int(n) for s in sources() for n in re.findall(r"group\.resize\((\d+)\)", s)]
+    sizes += [int(n) for s in sources() for n in re.findall(r"LocalGroup\(world_size=(\d+)", s)]
+    assert sizes and max(sizes) <= 4, sizes
+    assert "world sizes 2 and 4" in sources()[0]
 
 
 def test_question_2_asks_about_underflow_and_nothing_after_it_gives_it_away():
@@ -220,9 +236,9 @@ def test_question_2_asks_about_underflow_and_nothing_after_it_gives_it_away():
     comment = answer.partition("#")[2]
     assert not any(ch.isdigit() for ch in comment) and "inf" not in comment, comment
     question = srcs[srcs.index(answer) + 1]
-    assert "fp16_mean, 2e-7, True" in question and question.rstrip().endswith(")")
+    assert "fp16_mean, 6e-8, True" in question and question.rstrip().endswith(")")
     before = srcs[srcs.index(answer) - 1]
-    assert "**Question 2.**" in before and "2e-7" in before and "notebook 04" in "\n".join(srcs)
+    assert "**Question 2.**" in before and "6e-8" in before and "notebook 04" in "\n".join(srcs)
     after = "\n".join(s for s in srcs[srcs.index(question) + 1:] if not s.startswith(("def", "print")))
     assert "rounds to 0" not in after and "vanish" not in after      # not said again in plain text
     table = next(s for s in srcs if "held in fp16" in s)

@@ -255,9 +255,9 @@ def test_a_question_sets_the_world_size_it_needs(path):
                                               f"{src.splitlines()[0][:80]}"
 
 
-QUOTED = {"held": 1.7881393432617188e-07}
+QUOTED = {"held": 5.960464477539063e-08}
 """A value for each keyword a question cell passes to ``why`` (notebook 16, question 2:
-what fp16 holds for 2e-7)."""
+what fp16 holds for 6e-8, 2^-24)."""
 
 
 def reveal_calls(path) -> list[tuple[list[str], ast.Call]]:
@@ -313,7 +313,7 @@ def test_why_names_the_valid_choices_on_bad_input():
         why("06", 1, held=1.0)
     with pytest.raises(ValueError, match="question 2 of notebook 16"):
         why("16", 2)
-    assert "48 times 2^-24" in why("16", 2, held=1.7881393432617188e-07)
+    assert "4 times 2^-24" in why("16", 2, held=5.960464477539063e-08)
 
 
 HEADER = re.compile(r"^\*About (\d+) min to study · about (\d+) s to run top to bottom[ ,·]",

@@ -117,10 +117,12 @@ WHY = {
         1: "Element i summed over the 4 ranks is i + (i + 10) + (i + 20) + (i + 30) = 4i + "
             "60. The sum is cut into 4 pieces of 2 elements, and rank 2 keeps piece 2: "
             "elements 4 and 5, that is 76 and 80.",
-        2: "They are equal, in float32 and in bfloat16. The gloo library has a "
-            "reduce_scatter algorithm of its own (ReduceScatterHalvingDoubling, in "
-            "gloo/reduce_scatter.h), but ProcessGroupGloo, torch's gloo backend, does not use "
-            "it: reduce_scatter_single reaches ProcessGroupGloo::_reduce_scatter_base (in "
+        2: "They are equal, in float32 and in bfloat16. The table gave it away: gloo's "
+            "reduce_scatter sends as many bytes as its all_reduce because it runs one. The "
+            "gloo library has a reduce_scatter algorithm of its own "
+            "(ReduceScatterHalvingDoubling, in gloo/reduce_scatter.h), but ProcessGroupGloo, "
+            "torch's gloo backend, does not use it: reduce_scatter_single reaches "
+            "ProcessGroupGloo::_reduce_scatter_base (in "
             "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), which calls "
             "reduce_scatter_tensor_coalesced. That clones the input, all-reduces the whole "
             "clone once, with the same ReduceOp, and copies its piece, "
@@ -129,13 +131,15 @@ WHY = {
             "the same additions in the same order, and all_gather only copies bits. Neither "
             "is the exact sum: both round. The pull request that wrote it this way "
             "(pytorch/pytorch#118911) notes that it sends twice what a real reduce_scatter "
-            "sends; the next cell measures that. Another backend (NCCL's ring reduce_scatter) "
-            "adds in its own order, so compare there with a tolerance of a few units in the "
-            "last place, not with ==.",
-        3: "Adam keeps exp_avg and exp_avg_sq, 4 bytes each, for every element a rank steps. "
-            "ZeRO-1 gives each rank k = ceil(2410 / 4) = 603 of them (2 of rank 3's are "
-            "padding): 2 x 603 x 4 = 4,824 bytes, plus 4 bytes for Adam's step counter, a "
-            "float32 scalar tensor. The paper's 8Ψ/N_d gives 4,820.",
+            "sends. Another backend (NCCL's ring reduce_scatter) adds in its own order, so "
+            "compare there with a tolerance of a few units in the last place, not with ==.",
+        3: "ZeRO-1 shards Adam's state only. Per parameter, DDP keeps 4 bytes of it, 4 of its "
+            "gradient and 8 of Adam's state (exp_avg and exp_avg_sq): 16. ZeRO-1 keeps the same "
+            "4 + 4 and a quarter of the 8: 10 of 16, 0.625, not a quarter. Measured on rank 0: "
+            "24,124 of 38,596 bytes (Adam's 4-byte step counter and the 2 elements of padding, "
+            "2,410 to 2,412, move the last digits). With the paper's mixed precision (2 + 2 bytes "
+            "and K = 12) it is (2 + 2 + 3) / 16 = 0.44 at 4 ranks: the larger K, the more stage 1 "
+            "saves. About a quarter takes stage 3, which shards all three.",
     },
     "09": {
         1: "Without f, forward is unchanged, and so is every parameter's gradient: a rank's "
@@ -305,12 +309,12 @@ WHY = {
             "maintainer explains both in pytorch/pytorch#48880, \"bucket_cap_mb not honored by "
             "AllReduce ops\")."),
         2: lambda held: (
-            f"2e-7 is stored in fp16 as {held:.4g}, already a subnormal number. Divided by 16 it "
-            f"is {held / 16:.2g}, less than half of fp16's smallest subnormal number (2^-24, about "
-            "5.96e-8), so every rank's share rounds to 0 before it is sent. The sum of 16 zeros "
-            "is 0: the gradient vanishes. Summing first keeps it: "
-            f"16 x {held:.4g} is {round(16 * held / 2**-24)} times 2^-24, a subnormal number fp16 "
-            "holds exactly (the table below)."),
+            f"6e-8 is stored in fp16 as {held:.4g}: 2^-24, fp16's smallest subnormal number. "
+            f"Divided by 4 it is {held / 4:.2g}, less than half of 2^-24, so every rank's share "
+            "rounds to 0 before it is sent. The sum of 4 zeros is 0: the gradient vanishes. "
+            f"Summing first keeps it: 4 x {held:.4g} is {round(4 * held / 2**-24)} times 2^-24, "
+            f"which fp16 holds exactly, and divided by 4 it is {held:.4g} again (the table "
+            "below)."),
     },
     "17": {
         1: "full_tensor() all-gathers every rank's shard, so every rank gets the same tensor. "
