@@ -1095,3 +1095,14 @@ def test_question_2_stays_unspoiled():
     assert "shape, dtype and device" not in above and "**fingerprints**" in above
     from reducelab.checks.answers import WHY
     assert "not the ReduceOp" in WHY["11"][2]
+
+
+def test_the_explorer_s_try_list_asks_and_leaves_the_results_to_the_figure():
+    """Step 5's list says what to try, not what the figure will show (an expert review: it
+    re-stated steps 1 and 2, and the stored figure is uneven batches with OFF already)."""
+    text = next(t for t in markdown_cells() if t.startswith("Try, and say what you expect"))
+    for result in ("names the shapes", "unless it is rank 0", "values are wrong", "no record",
+                   "lose their connection", "wrong value"):
+        assert result not in text, result
+    assert "(the figure above is `OFF`)" in text
+    assert "debug=OFF" in stored_output("explorer = DisagreeExplorer(")
