@@ -431,7 +431,8 @@ def test_step_3_says_what_is_private_and_what_a_cluster_uses_and_torch_has_them(
     assert "`torch._C._distributed_c10d._dump_fr_trace()`. That function is **private**" in text
     assert "`TORCH_NCCL_DUMP_ON_TIMEOUT=1`" in text
     assert "`torch.distributed.debug.start_debug_server(dump_dir=...)`" in text
-    assert "every 60 s (experimental in torch 2.13; it needs aiohttp and Jinja2" in text
+    assert "writes torch's analysis of them every 60 s (experimental in torch 2.13; it needs " \
+           "aiohttp and Jinja2, and opens HTTP ports; not tried here)" in text
     import torch.distributed.debug as debug
     assert "start_debug_server" in debug.__all__
     sig = inspect.signature(debug.start_debug_server)
@@ -440,6 +441,9 @@ def test_step_3_says_what_is_private_and_what_a_cluster_uses_and_torch_has_them(
     doc = debug.start_debug_server.__doc__
     assert "experimental feature" in doc and "Jinja2" in doc and "aiohttp" in doc
     assert "fr_trace" in inspect.getsource(debug.start_debug_server)   # enabled by default
+    from torch.distributed.debug import _debug_handlers            # its periodic dump: every
+    dump = inspect.getsource(_debug_handlers.FlightRecorderHandler.dump)   # rank's record,
+    assert 'fetch_all("fr_trace_json"' in dump and "_build_db" in dump    # then the analysis
     code = "\n".join(notebook_cells())                 # no analyzer workaround in the notebook
     assert 'record["pg_config"] =' not in code and "fr_trace.main" not in code
 
