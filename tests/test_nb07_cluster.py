@@ -674,4 +674,6 @@ def test_the_store_is_taught_once_where_step_4_shows_it_and_referred_to_after():
                         "with every rank connected to it (step 5's `TORCHELASTIC_USE_AGENT_STORE`)"):
         assert refers_back in markdown(), refers_back
     assert markdown().count("hosted by the first node's agent") == 0
+    before_summary = markdown().split("## Summary")[0]     # said once where MASTER_ADDR=None shows
+    assert before_summary.count("`FileStore`") == 1 and "`FileStore`" in markdown().split("## Step 4")[0]
     assert markdown().count("connect, as a client,") == 0
