@@ -651,3 +651,29 @@ def test_a_node_that_never_arrives_times_out_in_torchs_words(train_py):
     assert last in printed(notebook_code_cell("import re\n\nalone = subprocess.run("))
     assert static_tcp_rendezvous._default_timeout_seconds == 600
     assert "On a cluster the wait is 10 minutes" in markdown()
+
+
+def test_the_store_is_taught_once_where_step_4_shows_it_and_referred_to_after():
+    """What the rendezvous store is, who hosts it and the two stores of --standalone are said
+    once, in step 4, which measures it (above question 1, without where it listens: that is
+    question 1's answer); the cells before and after point to step 4 instead of saying it again
+    (an expert review found it made about four times)."""
+    cells = [("".join(c["source"]), c["cell_type"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+    texts = [s for s, kind in cells if kind == "markdown"]
+    step_4 = next(t for t in texts if "## Step 4: what a launch listens on" in t)
+    for said_once in ("a small key-value server", "`torchrun` agent of the first node hosts",
+                      "the agent hosts two", "connects to it as a client"):
+        assert said_once in step_4, said_once
+        assert markdown().count(said_once) == 1, said_once
+    assert "_create_tcp_store_server" in step_4                 # its source, beside it
+    assert not re.search(r"every interface|all interfaces|wildcard|`::`", step_4)
+    question_1 = next(i for i, (s, _) in enumerate(cells) if s.startswith("**Question 1.**"))
+    assert cells.index((step_4, "markdown")) < question_1
+    for refers_back in ("under `torchrun` it says where the ranks meet (step 4)",
+                        "`MASTER_ADDR` and `MASTER_PORT`: the ranks' store (step 4)",
+                        "with every rank connected to it (step 5's `TORCHELASTIC_USE_AGENT_STORE`)"):
+        assert refers_back in markdown(), refers_back
+    assert markdown().count("hosted by the first node's agent") == 0
+    before_summary = markdown().split("## Summary")[0]     # said once where MASTER_ADDR=None shows
+    assert before_summary.count("`FileStore`") == 1 and "`FileStore`" in markdown().split("## Step 4")[0]
+    assert markdown().count("connect, as a client,") == 0

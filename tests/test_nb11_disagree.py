@@ -247,6 +247,42 @@ def test_plain_gloo_op_mismatch_is_silently_wrong(short):
     values = short.run(NB["ops_differ"])
     assert all(v == values[0] for v in values)                  # every rank agrees ...
     assert values[0] != [10.0] * 4 and values[0] != [4.0] * 4    # ... on neither SUM nor MAX
+    assert values[0] == [8.0] * 4                                # the text's 8 = 1 + 3 + 4
+
+
+def shapes_differ_by_powers(): # the notebook's shapes_differ, rank r sends 10**r: who counts twice
+    rank = dist.get_rank()
+    x = torch.full((5 if rank == 2 else 4,), 10.0 ** rank)
+    dist.all_reduce(x)
+    print("after:", x.tolist())
+    return x.tolist()
+
+
+def ops_differ_by_powers():    # the notebook's ops_differ, rank r sends 10**r: who is lost
+    rank = dist.get_rank()
+    x = torch.full((4,), 10.0 ** rank)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if rank == 1 else dist.ReduceOp.SUM)
+    return x.tolist()
+
+
+def test_the_text_says_what_the_printed_13_and_8_are_and_a_run_with_powers_of_ten_agrees(capsys):
+    """Step 2 says rank 1's 13 counts rank 2's 3 twice, and the 8 is the sum without rank 1's
+    own 2. With 1, 10, 100, 1000 on ranks 0 to 3 each digit names a rank: 1211 has rank 2's
+    100 twice, 1101 lacks rank 1's 10. Run on a group of its own, so no rank is left waiting."""
+    text = next(t for t in markdown_cells() if t.startswith("What to read above"))
+    assert "rank 1's first number is 13: rank 2's 3 was added twice" in text
+    assert "every rank holds 8" in text and "1 + 3 + 4, the sum without rank 1's own 2" in text
+    cells = [(c["cell_type"], "".join(c["source"])) for c in notebook()["cells"]]
+    printed = next(i for i, (_, s) in enumerate(cells) if "for fn in (shapes_differ, ops_differ" in s)
+    assert cells[printed + 1] == ("markdown", text)             # read right below the output
+    with LocalGroup(world_size=4, timeout=HANG) as g:
+        assert g.run(ops_differ_by_powers) == [[1101.0] * 4] * 4
+        capsys.readouterr()
+        err = failure_of(g, shapes_differ_by_powers)
+        printed = capsys.readouterr().out
+    assert states(err) == {0: "returned", 1: "returned", 2: "stuck", 3: "returned"}
+    assert "[rank 1] after: [1211.0, 1111.0, 1111.0, 1111.0]" in printed
+    assert "[rank 0] after: [1111.0, 1111.0, 1111.0, 1111.0]" in printed
 
 
 def test_plain_gloo_different_collectives_hang_each_in_its_own(short):
@@ -370,41 +406,62 @@ def test_the_cpu_build_has_fr_dumps_but_no_nccl_dump():
     assert torch.__version__.startswith("2.13")
 
 
-@pytest.mark.parametrize("env, kept", [({}, 2000), ({"TORCH_FR_BUFFER_SIZE": "0"}, 0),
-                                       ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "8"}, 8)])
-def test_the_flight_recorder_is_on_by_default_and_sized_by_its_variables(env, kept):
-    """The notebook's step 3 cell: its envs, its rank function."""
+def records_kept(collectives=2100):
+    x = torch.ones(1)
+    for _ in range(collectives):
+        dist.all_reduce(x)
+    return len(pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"])
+
+
+@pytest.mark.parametrize("env, kept", [({}, 2000), ({"TORCH_FR_BUFFER_SIZE": "0"}, 0)])
+def test_the_flight_recorder_is_on_by_default_and_sized_by_its_variable(env, kept):
+    """Step 3: "`TORCH_FR_BUFFER_SIZE` of them, 2000 by default; 0 turns it off"."""
     assert os.environ.get("TORCH_FR_BUFFER_SIZE") is None
-    cell = next(c for c in notebook_cells() if "def records_kept" in c)
-    assert json.dumps(env) in cell
+    text = next(t for t in markdown_cells() if t.startswith("## Step 3: the flight recorder"))
+    assert "(`TORCH_FR_BUFFER_SIZE` of them, 2000 by default; 0 turns it off)" in text
     with LocalGroup(world_size=2, timeout=30, env=env) as g:
-        assert g.run(NB["records_kept"]) == [kept, kept]
+        assert g.run(records_kept) == [kept, kept]
 
 
-def test_the_old_variable_name_warns_that_it_is_deprecated():
-    """The warning comes from torch's C++ code on the rank's standard error when it joins:
-    a fresh process, whose ranks inherit its stderr, catches it."""
-    run = conftest.run_python("""
-        from reducelab import LocalGroup
-        with LocalGroup(world_size=2, env={"TORCH_NCCL_TRACE_BUFFER_SIZE": "8"}) as g:
-            g.run(lambda: None)
-    """)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stderr.count("Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated; "
-                            "use TORCH_FR_BUFFER_SIZE instead") == 2, run.stderr[-2000:]
+def test_step_3_says_what_is_private_and_what_a_cluster_uses_and_torch_has_them():
+    """The private dump is named as private; the tools for a cluster exist in torch 2.13 as
+    the text says: the debug server (public, experimental, aiohttp and Jinja2, a dump every
+    60 s into dump_dir) and NCCL's dump on a timeout (the NCCL section's facts)."""
+    text = next(t for t in markdown_cells() if t.startswith("## Step 3: the flight recorder"))
+    assert "`torch._C._distributed_c10d._dump_fr_trace()`. That function is **private**" in text
+    assert "`TORCH_NCCL_DUMP_ON_TIMEOUT=1`" in text
+    assert "`torch.distributed.debug.start_debug_server(dump_dir=...)`" in text
+    assert "writes torch's analysis of them every 60 s (experimental in torch 2.13; it needs " \
+           "aiohttp and Jinja2, and opens HTTP ports; not tried here)" in text
+    import torch.distributed.debug as debug
+    assert "start_debug_server" in debug.__all__
+    sig = inspect.signature(debug.start_debug_server)
+    assert sig.parameters["dump_dir"].default is None
+    assert sig.parameters["dump_interval"].default == 60.0
+    doc = debug.start_debug_server.__doc__
+    assert "experimental feature" in doc and "Jinja2" in doc and "aiohttp" in doc
+    assert "fr_trace" in inspect.getsource(debug.start_debug_server)   # enabled by default
+    from torch.distributed.debug import _debug_handlers            # its periodic dump: every
+    dump = inspect.getsource(_debug_handlers.FlightRecorderHandler.dump)   # rank's record,
+    assert 'fetch_all("fr_trace_json"' in dump and "_build_db" in dump    # then the analysis
+    code = "\n".join(notebook_cells())                 # no analyzer workaround in the notebook
+    assert 'record["pg_config"] =' not in code and "fr_trace.main" not in code
 
 
-def test_the_notebook_prints_gloos_pg_config_before_it_gives_the_group_its_name():
-    cells = notebook_cells()
-    printed = next(i for i, c in enumerate(cells) if 'print("rank 0\'s pg_config:", records[0]["pg_config"])' in c)
-    overwritten = next(i for i, c in enumerate(cells) if 'record["pg_config"] = ' in c)
-    assert printed < overwritten
+def fr_trace(folder):
+    """torch's flight-recorder analyzer (the torchfrtrace command); it reports on stderr."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                          folder, "--prefix", "rank_"], capture_output=True, text=True, timeout=120)
+    return [line for line in run.stderr.splitlines() if line and "tabulate" not in line]
 
 
-def test_flight_records_dumped_after_a_hang_show_which_rank_is_behind(short):
+def test_flight_records_dumped_after_a_hang_show_which_rank_is_behind():
+    """On a group that waits 6 s, as the notebook's: a rank's first dump with stacks took 3 s
+    on a loaded 2-core machine, past a 2 or 4 s wait, and left no files."""
     folder = tempfile.mkdtemp()
     try:
-        err = failure_of(short, NB["train_with_a_slow_rank"], folder)
+        with LocalGroup(world_size=4, timeout=6, env=FR) as slow:
+            err = failure_of(slow, NB["train_with_a_slow_rank"], folder)
         assert states(err)[2] == "stuck" and err.reports[2].collective is None
         records = {}
         for rank in range(4):
@@ -419,15 +476,17 @@ def test_flight_records_dumped_after_a_hang_show_which_rank_is_behind(short):
         assert completed[2] == entered[2]
         assert records[0]["entries"][-1]["profiling_name"] == "gloo:all_reduce"
         assert records[0]["version"] == "2.10"
-        # the analyzer: stops with KeyError on gloo's dumps, names rank 2 once the group has a name
-        assert NB["fr_trace"](folder)[-1].startswith("KeyError")
+        # torchfrtrace (the text: it "names the ranks missing from the first collective that
+        # not all of them joined"): on gloo's dumps it stops with KeyError, and names rank 2
+        # once the default group has its name back
+        assert fr_trace(folder)[-1].startswith("KeyError")
         assert records[0]["pg_config"] == {"": {"name": "", "desc": "", "ranks": "[0, 1, 2, 3]"}}
         for rank, record in records.items():
             record["pg_config"] = {"0": {"name": "0", "desc": "default_pg",
                                          "ranks": "[0, 1, 2, 3]"}}
             with open(os.path.join(folder, f"rank_{rank}"), "wb") as f:
                 pickle.dump(record, f)
-        report = NB["fr_trace"](folder)
+        report = fr_trace(folder)
         assert "missing ranks: {2}" in report
         assert any(line.startswith("Not all ranks joining collective") for line in report)
         assert "collective stack trace: " in report
@@ -443,7 +502,6 @@ def test_the_stored_flight_record_reading_is_the_one_the_text_describes():
     for rank in (0, 1, 3):
         assert f"rank {rank}: entered #3, completed #2" in shown
     assert "rank 2: entered #2, completed #2" in shown
-    assert "sequence number: 3" in stored_output('record["pg_config"] = ')
     assert "outcome(group, pipeline_then_barrier)" not in "\n".join(notebook_cells())
 
 
@@ -537,12 +595,16 @@ def test_join_keeps_a_rank_that_ran_out_inside_the_block_until_every_rank_has(sh
 
 
 def test_distributed_sampler_pads_by_repeating_and_drops_the_tail():
-    shown = stored_output("DistributedSampler(range(10)")
+    """Step 4 leaves DistributedSampler to notebook 12 ("which repeats or drops samples")."""
+    text = next(t for t in markdown_cells() if t.startswith("Join matches the single-process"))
+    assert "`DistributedSampler` (which repeats or drops samples), is notebook 12's subject" in text
+    nb12 = json.loads((ROOT / "notebooks" / "12_uneven_gathers_and_exact_metrics.ipynb").read_text())
+    nb12_code = "".join("".join(c["source"]) for c in nb12["cells"] if c["cell_type"] == "code")
+    assert "DistributedSampler(" in nb12_code and "drop_last" in nb12_code
     pad = [list(DistributedSampler(range(10), num_replicas=4, rank=r, shuffle=False,
                                    drop_last=False)) for r in range(4)]
     drop = [list(DistributedSampler(range(10), num_replicas=4, rank=r, shuffle=False,
                                     drop_last=True)) for r in range(4)]
-    assert f"drop_last=False: {pad}" in shown and f"drop_last=True: {drop}" in shown
     twice = sorted(i for i, c in Counter(i for share in pad for i in share).items() if c > 1)
     assert twice == [0, 1]
     assert sorted(set(range(10)) - {i for share in drop for i in share}) == [8, 9]
@@ -1040,3 +1102,14 @@ def test_question_2_stays_unspoiled():
     assert "shape, dtype and device" not in above and "**fingerprints**" in above
     from reducelab.checks.answers import WHY
     assert "not the ReduceOp" in WHY["11"][2]
+
+
+def test_the_explorer_s_try_list_asks_and_leaves_the_results_to_the_figure():
+    """Step 5's list says what to try, not what the figure will show (an expert review: it
+    re-stated steps 1 and 2, and the stored figure is uneven batches with OFF already)."""
+    text = next(t for t in markdown_cells() if t.startswith("Try, and say what you expect"))
+    for result in ("names the shapes", "unless it is rank 0", "values are wrong", "no record",
+                   "lose their connection", "wrong value"):
+        assert result not in text, result
+    assert "(the figure above is `OFF`)" in text
+    assert "debug=OFF" in stored_output("explorer = DisagreeExplorer(")
