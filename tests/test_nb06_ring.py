@@ -651,3 +651,33 @@ def test_the_exercise_cells_as_committed():
 def test_the_text_says_the_ring_direction_is_a_choice():
     text = _src(_cells()[_index_of("In reduce-scatter step `s`")])
     assert "direction does not matter" in text and "notebook 02" in text
+
+
+def test_question_3_asks_which_elements_keep_a_1_and_nothing_above_it_says():
+    """The float-order example is a question (an expert review: it was shown, not predicted):
+    the ranks' run gives elements 0 and 2, the stored reveal says so, and neither the result
+    nor the order of the additions per element appears above the answer cell."""
+    x, _ = group_free_ring_result()
+    assert [i for i, v in enumerate(x) if v == 1.0] == [0, 2]
+    cells = _cells()
+    answer, check = _index_of("answer_3 = None"), _index_of("reveal(answer_3")
+    assert answer < check
+    stored = conftest.stored_text(cells[check])
+    assert "The real run gives [0, 2]." in stored and "ring_all_reduce: [1.0, 0.0, 1.0, 0.0]" in stored
+    above = "\n".join(_src(c) + "".join(json.dumps(c.get("outputs", []))) for c in cells[:answer])
+    for spoiler in ("[1.0, 0.0, 1.0, 0.0]", "tensor([1., 0., 1., 0.])", "Element 0 is added",
+                    "Elements 0 and 2", "elements 0 and 2"):
+        assert spoiler not in above, spoiler
+    assert WHY["06"][3].startswith("Elements 0 and 2.")
+
+
+def group_free_ring_result():
+    """Chunk c added in ring order from rank c, in float32, as the notebook's ring does."""
+    values = [1e8, 1.0, -1e8, 1.0]
+    out = []
+    for c in range(4):
+        acc = torch.tensor(values[c], dtype=torch.float32)
+        for k in range(1, 4):
+            acc = torch.tensor(values[(c + k) % 4], dtype=torch.float32) + acc
+        out.append(acc.item())
+    return out, None

@@ -307,8 +307,8 @@ def test_every_notebooks_questions_are_explained_in_their_stored_outputs():
 def test_why_names_the_valid_choices_on_bad_input():
     with pytest.raises(ValueError, match="notebook must be one of 01, 02"):
         why("1", 1)
-    with pytest.raises(ValueError, match="notebook 06 has questions 1, 2; got 3"):
-        why("06", 3)
+    with pytest.raises(ValueError, match="notebook 06 has questions 1, 2, 3; got 4"):
+        why("06", 4)
     with pytest.raises(ValueError, match="takes no values; got held"):
         why("06", 1, held=1.0)
     with pytest.raises(ValueError, match="question 2 of notebook 16"):

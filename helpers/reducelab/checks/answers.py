@@ -100,6 +100,11 @@ WHY = {
             "tensor of S bytes on N ranks: 2 (N - 1) steps of S / N bytes, 2 (N - 1) / N x S "
             "per rank, less than 2 S for any N. A naive all_reduce that sends the whole "
             "tensor to every other rank would send (N - 1) x S = 12 MB per rank.",
+        3: "Elements 0 and 2. Chunk c starts at rank c and picks up the ranks to its right "
+            "(question 1). Element 0: 1e8 + 1 rounds to 1e8, - 1e8 gives 0, + 1 gives 1. "
+            "Element 2: -1e8 + 1 rounds to -1e8, + 1e8 gives 0, + 1 gives 1. Elements 1 and 3 "
+            "add their two 1s while a 1e8 is still in the sum, and lose both: 0. A 1 survives "
+            "only once the two 1e8s have cancelled.",
     },
     "07": {
         1: "gloo listens on 127.0.0.1 because GLOO_SOCKET_IFNAME names the loopback "
