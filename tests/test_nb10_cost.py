@@ -44,7 +44,7 @@ from reducelab.checks.answers import WHY
 from reducelab import RankError
 from reducelab.checks.cost import (COLLECTIVES, _mistakes, algbw, bus_factor, busbw,
                                    check_recursive_doubling, crossover_bytes, gloo_factor,
-                                   model_seconds, ring_seconds, size_label)
+                                   model_seconds, race_outcome, ring_seconds, size_label)
 from reducelab.data import load_digits_tensors
 from reducelab.plots.cost import curve, fits_figure, precision_figure
 from reducelab.widgets.cost import (CostExplorer, Sweep, Timing, available_cores,
@@ -562,12 +562,52 @@ def test_solution_passes_and_races_the_two_algorithms(group):
     assert verdict, verdict.message
     message = verdict.message
     assert "recursive doubling below S = " in message and "Real run on 4 ranks" in message
-    assert message.count("Faster in the real run:") == 2 and "Thakur et al. 2005" in message
+    assert message.count("predicted faster: ") == 2 and "Thakur et al. 2005" in message
+    assert "A size is called only where the two ranges do not overlap" in message
     assert group.world_size == 4
     # the crossover it states is where the two models meet (n = 4: S* = 8 α / β)
     alpha, beta = RING_FITS[4]
     assert f"4 ranks: recursive doubling below S = {size_label(8 * alpha / beta)}" in message
     assert solution(8 * alpha / beta, 4, alpha, beta) == pytest.approx(ring_seconds(8 * alpha / beta, 4, alpha, beta))
+
+
+def test_a_race_is_called_only_where_the_ranges_do_not_overlap():
+    """The real run is never judged, and it names a winner only where every repeat of one
+    algorithm beat every repeat of the other: on a loaded 2-core machine, 4 ranks take
+    turns on the cores and one repeat can invert two medians."""
+    predicted = {"ring": 2e-3, "recursive doubling": 1e-3}
+    apart = {"ring": [3e-3, 4e-3, 5e-3], "recursive doubling": [1e-3, 1.5e-3, 2e-3]}
+    assert race_outcome(predicted, apart) == "as predicted"
+    assert race_outcome(predicted, {"ring": apart["recursive doubling"],
+                                    "recursive doubling": apart["ring"]}) == "not as predicted"
+    overlap = {"ring": [1e-3, 4e-3, 9e-3], "recursive doubling": [2e-3, 3e-3, 8e-3]}
+    assert race_outcome(predicted, overlap).startswith("too close to call")
+
+
+def test_more_ranks_than_cores_is_said_and_a_stopped_real_run_passes_a_right_model(group):
+    """4 ranks on 2 cores: the message says that much of α, and of the race, is the
+    scheduler's wait. A real run that raises (as a timeout on a loaded machine does) does
+    not fail a right model; a wrong model fails before any run, whatever the machine."""
+    solution = load_solution("10_recursive_doubling").recursive_doubling_seconds
+    ns = notebook("ring_all_reduce", "recursive_doubling_all_reduce")
+
+    def stopped(x):
+        raise TimeoutError("the machine is busy")
+
+    before = group.world_size
+    verdict = check_recursive_doubling(group, solution, RING_FITS, ns["ring_all_reduce"], stopped,
+                                       cores=2, sizes=(4 * 2 ** 10,), repeats=2)
+    assert verdict, verdict.message
+    assert "4 ranks on 2 cores: the ranks take turns" in verdict.message
+    assert "did not finish" in verdict.message and "nothing was raced" in verdict.message
+    assert group.world_size == before
+    wrong = lambda S, n, a, b: (n - 1) * (a + b * S)
+    assert not check_recursive_doubling(group, wrong, RING_FITS, ns["ring_all_reduce"],
+                                        ns["recursive_doubling_all_reduce"], cores=2)
+    verdict = check_recursive_doubling(group, solution, RING_FITS, ns["ring_all_reduce"],
+                                       ns["recursive_doubling_all_reduce"], cores=8,
+                                       sizes=(4 * 2 ** 10,), repeats=2)
+    assert verdict and "take turns" not in verdict.message
 
 
 def mistakes():
