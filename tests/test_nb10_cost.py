@@ -188,7 +188,7 @@ def test_the_notebook_tags_every_timing_cell_and_quotes_no_time_in_its_text():
     depends on timing, is tagged; no markdown quotes a time measured on some machine."""
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     timing_calls = ("measure(", "time_ring", "CostExplorer(", "check_recursive_doubling(",
-                    "available_cores()", "first_calls", "sweeps[", "fits[")
+                    "available_cores()", "sweeps[", "fits[")
     tagged = 0
     for cell in cells:
         source = "".join(cell["source"])
@@ -248,49 +248,6 @@ def test_the_code_uses_torch_2_13_names_and_shows_the_old_names_warning(group):
     assert "".join(cell["outputs"][0]["text"]).startswith("\n".join(messages))   # as stored
 
 
-def test_first_calls_find_gloo_connected_when_the_group_was_created(group, tmp_path):
-    """Step 1's warm-up: gloo connects the full mesh at new_group(), not at the first call
-    (TORCH_GLOO_LAZY_INIT is off by default)."""
-    ns = notebook("first_calls")
-    for n in (2, 4):
-        group.resize(n)
-        for counts, seconds in group.run(ns["first_calls"], 2, 256):
-            # the first collective opens no connection; one may close meanwhile (a
-            # socket of an earlier group collected then: [3, 6, 5] in one CI run)
-            assert counts[1] - counts[0] == n - 1 and counts[2] <= counts[1], counts
-            assert len(seconds) == 3 and all(t > 0 for t in seconds)
-    assert os.environ.get("TORCH_GLOO_LAZY_INIT") is None
-    with LocalGroup(world_size=2, env={"TORCH_GLOO_LAZY_INIT": "1"}) as lazy:    # as the text says
-        counts = lazy.run(lazy_connections, str(tmp_path / "counted"))
-    assert counts == [[0, 0, 1]] * 2, counts     # nothing connected until the first collective
-
-
-def lazy_connections(path: str) -> list[int]:
-    """This rank's TCP connections before ``new_group()``, after it, and after one barrier
-    on the new group, with every rank's second count taken before any rank's barrier.
-
-    With lazy init, a faster rank's first barrier connects to the slower one, so rank 0
-    counting after new_group() without waiting saw [0, 1, 1] in one CI run (a0ea72c).
-    The wait is on a FileStore of its own, which opens no socket.
-    """
-    store = dist.FileStore(path, dist.get_world_size())
-
-    def connections():
-        return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process().net_connections("tcp"))
-    counts = [connections()]
-    fresh = dist.new_group()
-    counts.append(connections())
-    store.add("counted", 1)
-    deadline = time.monotonic() + 30
-    while store.add("counted", 0) < dist.get_world_size():
-        assert time.monotonic() < deadline, "the other ranks did not count in 30 s"
-        time.sleep(0.005)
-    dist.barrier(group=fresh)
-    counts.append(connections())
-    dist.destroy_process_group(fresh)
-    return counts
-
-
 def test_sweep_and_fit_give_positive_parameters_and_a_crossover(group):
     ns = notebook("time_collective", "fit_alpha_beta")
     group.resize(2)
@@ -308,8 +265,28 @@ def test_sweep_and_fit_give_positive_parameters_and_a_crossover(group):
     fits_figure({"world_size 2": [curve(sweep, alpha, beta)]})   # audited by conftest
 
 
+def ring_traffic(ring_all_reduce, size_bytes):
+    """Bytes this rank hands to dist.isend during ring_all_reduce of size_bytes."""
+    sent = [0]
+    original = dist.isend
+    def counted(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+    dist.isend = counted
+    try:
+        ring_all_reduce(torch.ones(size_bytes // 4))
+    finally:
+        dist.isend = original
+    return sent[0]
+
+
 def test_the_python_ring_sends_2_n_minus_1_over_n_and_sums_right(group):
-    ns = notebook("ring_traffic", "ring_all_reduce", "time_ring")
+    """Step 4's ring sends 2(n - 1)/n bytes per byte of S, as the misconceptions' first
+    line says gloo's all_reduce does (step 3's stored count)."""
+    ns = notebook("ring_all_reduce", "time_ring")
+    out = stored("print(f\"{'bytes sent per byte of S'")
+    assert re.search(r"all_reduce, 4 ranks\s+1\.50\s+1\.50\s+1\.50", out), out
+    assert "1.5 S on 4 ranks" in markdown()
 
     def ring_vs_gloo(numel):
         torch.manual_seed(dist.get_rank())
@@ -322,7 +299,7 @@ def test_the_python_ring_sends_2_n_minus_1_over_n_and_sums_right(group):
     size = 2**16
     for n in (2, 4):
         group.resize(n)
-        sent = group.run(ns["ring_traffic"], size)
+        sent = group.run(ring_traffic, ns["ring_all_reduce"], size)
         assert sent == [pytest.approx(bus_factor("all_reduce", n) * size)] * n
         assert all(group.run(ring_vs_gloo, 1000))
         S, seconds = group.run(ns["time_ring"], 4, 2)[0]
