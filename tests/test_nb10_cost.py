@@ -539,7 +539,7 @@ def test_solution_passes_and_races_the_two_algorithms(group):
     assert verdict, verdict.message
     message = verdict.message
     assert "recursive doubling below S = " in message and "Real run on 4 ranks" in message, message
-    assert message.count("predicted faster: ") == 2 and "Thakur et al. 2005" in message, message
+    assert message.count("predicted faster; real run: ") == 2 and "Thakur et al. 2005" in message, message
     assert "A size is called only where the two ranges do not overlap" in message, message
     assert group.world_size == 4
     # the crossover it states is where the two models meet (n = 4: S* = 8 α / β)

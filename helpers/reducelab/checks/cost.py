@@ -305,7 +305,7 @@ def race_outcome(predicted: dict, real: dict) -> str:
     Returns:
         ``"as predicted"`` or ``"not as predicted"`` where the two algorithms' real ranges
         (fastest to slowest repeat) do not overlap, so the faster one is faster in every
-        repeat; else ``"too close to call: their ranges overlap"``, since on a loaded
+        repeat; else ``"too close to call (their ranges overlap)"``, since on a loaded
         machine (or with more ranks than cores, where the operating system decides which
         rank runs) one repeat can invert the order of the medians.
     """
@@ -316,7 +316,7 @@ def race_outcome(predicted: dict, real: dict) -> str:
     elif tb.max() < ta.min():
         really = b
     else:
-        return "too close to call: their ranges overlap"
+        return "too close to call (their ranges overlap)"
     return "as predicted" if really == min(predicted, key=predicted.get) else "not as predicted"
 
 
@@ -424,8 +424,8 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
                          f"to {seconds_label(float(t.max()))})")
         outcome = race_outcome(predicted, {k: real[k, S] for k in predicted})
         lines.append(f"S = {size_label(S)}: {'; '.join(cells)}. "
-                     f"{min(predicted, key=predicted.get).capitalize()} predicted faster: "
-                     f"{outcome}.")
+                     f"{min(predicted, key=predicted.get).capitalize()} predicted faster; "
+                     f"real run: {outcome}.")
     body = "\n".join(head + [
         f"Real run on {world_size} ranks (median of {repeats} calls of the slowest rank, after "
         f"a warm-up, with their range):", *lines,
