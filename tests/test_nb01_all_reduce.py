@@ -533,3 +533,24 @@ def test_after_a_world_size_move_the_next_one_starts_on_spares(explorer):
     assert len(spares) == 4
     explorer.controls["world_size"].value = 4
     assert group.run(os.getpid) == spares and explorer.result.world_size == 4
+
+
+def test_stored_max_example_raises_no_value_lowers_none():
+    """Myth vs reality, example 3: the answer says MAX increases "or decreases" a process's
+    values; the text says no value is ever decreased, and the stored run shows it: every
+    element after is the maximum over ranks, at least the element before."""
+    import re
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    assert "increased, or decreased, by the other processes' data" in text
+    assert "No value is ever decreased" in text
+    cell = next(c for c in cells if "".join(c["source"]).startswith("def example_3"))
+    out = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+    rows = re.findall(r"before \[([^\]]*)\] -> after \[([^\]]*)\]", out)
+    assert len(rows) == 4, out
+    before = [[float(v) for v in b.split(",")] for b, _ in rows]
+    after = [[float(v) for v in a.split(",")] for _, a in rows]
+    maximum = [max(col) for col in zip(*before)]
+    assert all(a == maximum for a in after)
+    assert all(x >= y for a, b in zip(after, before) for x, y in zip(a, b))
+    assert after[-1] == before[-1]                       # the rank holding the maximum keeps it

@@ -44,7 +44,7 @@ from reducelab.checks.answers import WHY
 from reducelab import RankError
 from reducelab.checks.cost import (COLLECTIVES, _mistakes, algbw, bus_factor, busbw,
                                    check_recursive_doubling, crossover_bytes, gloo_factor,
-                                   model_seconds, ring_seconds, size_label)
+                                   model_seconds, race_outcome, ring_seconds, size_label)
 from reducelab.data import load_digits_tensors
 from reducelab.plots.cost import curve, fits_figure, precision_figure
 from reducelab.widgets.cost import (CostExplorer, Sweep, Timing, available_cores,
@@ -188,7 +188,7 @@ def test_the_notebook_tags_every_timing_cell_and_quotes_no_time_in_its_text():
     depends on timing, is tagged; no markdown quotes a time measured on some machine."""
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     timing_calls = ("measure(", "time_ring", "CostExplorer(", "check_recursive_doubling(",
-                    "available_cores()", "first_calls", "sweeps[", "fits[")
+                    "available_cores()", "sweeps[", "fits[")
     tagged = 0
     for cell in cells:
         source = "".join(cell["source"])
@@ -248,49 +248,6 @@ def test_the_code_uses_torch_2_13_names_and_shows_the_old_names_warning(group):
     assert "".join(cell["outputs"][0]["text"]).startswith("\n".join(messages))   # as stored
 
 
-def test_first_calls_find_gloo_connected_when_the_group_was_created(group, tmp_path):
-    """Step 1's warm-up: gloo connects the full mesh at new_group(), not at the first call
-    (TORCH_GLOO_LAZY_INIT is off by default)."""
-    ns = notebook("first_calls")
-    for n in (2, 4):
-        group.resize(n)
-        for counts, seconds in group.run(ns["first_calls"], 2, 256):
-            # the first collective opens no connection; one may close meanwhile (a
-            # socket of an earlier group collected then: [3, 6, 5] in one CI run)
-            assert counts[1] - counts[0] == n - 1 and counts[2] <= counts[1], counts
-            assert len(seconds) == 3 and all(t > 0 for t in seconds)
-    assert os.environ.get("TORCH_GLOO_LAZY_INIT") is None
-    with LocalGroup(world_size=2, env={"TORCH_GLOO_LAZY_INIT": "1"}) as lazy:    # as the text says
-        counts = lazy.run(lazy_connections, str(tmp_path / "counted"))
-    assert counts == [[0, 0, 1]] * 2, counts     # nothing connected until the first collective
-
-
-def lazy_connections(path: str) -> list[int]:
-    """This rank's TCP connections before ``new_group()``, after it, and after one barrier
-    on the new group, with every rank's second count taken before any rank's barrier.
-
-    With lazy init, a faster rank's first barrier connects to the slower one, so rank 0
-    counting after new_group() without waiting saw [0, 1, 1] in one CI run (a0ea72c).
-    The wait is on a FileStore of its own, which opens no socket.
-    """
-    store = dist.FileStore(path, dist.get_world_size())
-
-    def connections():
-        return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process().net_connections("tcp"))
-    counts = [connections()]
-    fresh = dist.new_group()
-    counts.append(connections())
-    store.add("counted", 1)
-    deadline = time.monotonic() + 30
-    while store.add("counted", 0) < dist.get_world_size():
-        assert time.monotonic() < deadline, "the other ranks did not count in 30 s"
-        time.sleep(0.005)
-    dist.barrier(group=fresh)
-    counts.append(connections())
-    dist.destroy_process_group(fresh)
-    return counts
-
-
 def test_sweep_and_fit_give_positive_parameters_and_a_crossover(group):
     ns = notebook("time_collective", "fit_alpha_beta")
     group.resize(2)
@@ -308,8 +265,28 @@ def test_sweep_and_fit_give_positive_parameters_and_a_crossover(group):
     fits_figure({"world_size 2": [curve(sweep, alpha, beta)]})   # audited by conftest
 
 
+def ring_traffic(ring_all_reduce, size_bytes):
+    """Bytes this rank hands to dist.isend during ring_all_reduce of size_bytes."""
+    sent = [0]
+    original = dist.isend
+    def counted(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+    dist.isend = counted
+    try:
+        ring_all_reduce(torch.ones(size_bytes // 4))
+    finally:
+        dist.isend = original
+    return sent[0]
+
+
 def test_the_python_ring_sends_2_n_minus_1_over_n_and_sums_right(group):
-    ns = notebook("ring_traffic", "ring_all_reduce", "time_ring")
+    """Step 4's ring sends 2(n - 1)/n bytes per byte of S, as the misconceptions' first
+    line says gloo's all_reduce does (step 3's stored count)."""
+    ns = notebook("ring_all_reduce", "time_ring")
+    out = stored("print(f\"{'bytes sent per byte of S'")
+    assert re.search(r"all_reduce, 4 ranks\s+1\.50\s+1\.50\s+1\.50", out), out
+    assert "1.5 S on 4 ranks" in markdown()
 
     def ring_vs_gloo(numel):
         torch.manual_seed(dist.get_rank())
@@ -322,7 +299,7 @@ def test_the_python_ring_sends_2_n_minus_1_over_n_and_sums_right(group):
     size = 2**16
     for n in (2, 4):
         group.resize(n)
-        sent = group.run(ns["ring_traffic"], size)
+        sent = group.run(ring_traffic, ns["ring_all_reduce"], size)
         assert sent == [pytest.approx(bus_factor("all_reduce", n) * size)] * n
         assert all(group.run(ring_vs_gloo, 1000))
         S, seconds = group.run(ns["time_ring"], 4, 2)[0]
@@ -561,13 +538,53 @@ def test_solution_passes_and_races_the_two_algorithms(group):
                                        ns["recursive_doubling_all_reduce"])
     assert verdict, verdict.message
     message = verdict.message
-    assert "recursive doubling below S = " in message and "Real run on 4 ranks" in message
-    assert message.count("Faster in the real run:") == 2 and "Thakur et al. 2005" in message
+    assert "recursive doubling below S = " in message and "Real run on 4 ranks" in message, message
+    assert message.count("predicted faster; real run: ") == 2 and "Thakur et al. 2005" in message, message
+    assert "A size is called only where the two ranges do not overlap" in message, message
     assert group.world_size == 4
     # the crossover it states is where the two models meet (n = 4: S* = 8 α / β)
     alpha, beta = RING_FITS[4]
     assert f"4 ranks: recursive doubling below S = {size_label(8 * alpha / beta)}" in message
     assert solution(8 * alpha / beta, 4, alpha, beta) == pytest.approx(ring_seconds(8 * alpha / beta, 4, alpha, beta))
+
+
+def test_a_race_is_called_only_where_the_ranges_do_not_overlap():
+    """The real run is never judged, and it names a winner only where every repeat of one
+    algorithm beat every repeat of the other: on a loaded 2-core machine, 4 ranks take
+    turns on the cores and one repeat can invert two medians."""
+    predicted = {"ring": 2e-3, "recursive doubling": 1e-3}
+    apart = {"ring": [3e-3, 4e-3, 5e-3], "recursive doubling": [1e-3, 1.5e-3, 2e-3]}
+    assert race_outcome(predicted, apart) == "as predicted"
+    assert race_outcome(predicted, {"ring": apart["recursive doubling"],
+                                    "recursive doubling": apart["ring"]}) == "not as predicted"
+    overlap = {"ring": [1e-3, 4e-3, 9e-3], "recursive doubling": [2e-3, 3e-3, 8e-3]}
+    assert race_outcome(predicted, overlap).startswith("too close to call")
+
+
+def test_more_ranks_than_cores_is_said_and_a_stopped_real_run_passes_a_right_model(group):
+    """4 ranks on 2 cores: the message says that much of α, and of the race, is the
+    scheduler's wait. A real run that raises (as a timeout on a loaded machine does) does
+    not fail a right model; a wrong model fails before any run, whatever the machine."""
+    solution = load_solution("10_recursive_doubling").recursive_doubling_seconds
+    ns = notebook("ring_all_reduce", "recursive_doubling_all_reduce")
+
+    def stopped(x):
+        raise TimeoutError("the machine is busy")
+
+    before = group.world_size
+    verdict = check_recursive_doubling(group, solution, RING_FITS, ns["ring_all_reduce"], stopped,
+                                       cores=2, sizes=(4 * 2 ** 10,), repeats=2)
+    assert verdict, verdict.message
+    assert "4 ranks on 2 cores: the ranks take turns" in verdict.message
+    assert "did not finish" in verdict.message and "nothing was raced" in verdict.message
+    assert group.world_size == before
+    wrong = lambda S, n, a, b: (n - 1) * (a + b * S)
+    assert not check_recursive_doubling(group, wrong, RING_FITS, ns["ring_all_reduce"],
+                                        ns["recursive_doubling_all_reduce"], cores=2)
+    verdict = check_recursive_doubling(group, solution, RING_FITS, ns["ring_all_reduce"],
+                                       ns["recursive_doubling_all_reduce"], cores=8,
+                                       sizes=(4 * 2 ** 10,), repeats=2)
+    assert verdict and "take turns" not in verdict.message
 
 
 def mistakes():
