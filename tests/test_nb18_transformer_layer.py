@@ -301,7 +301,7 @@ def test_the_explorer_starts_on_four_ranks_with_sequence_parallelism(explorer, g
     assert (r.plan, r.block, r.tp) == ("tp + sp", "MLP", 4) and group.world_size == 4
     assert r.same_calls and r.hop("in") == Hop("all_gather", "reduce_scatter", 384)
     assert r.hop("out") == Hop("reduce_scatter", "all_gather", 384)
-    assert r.held_bytes() == [768] * 4
+    assert r.outside_bytes() == [256] * 4          # 4 stages outside the block, 1 token of 64 B each
     assert bytes(explorer.image.value).startswith(PNG)
     assert "way in all_gather (backward reduce_scatter)" in explorer.message.value
     assert "rank 0 holds 1 of 4 tokens" in explorer.message.value
@@ -355,6 +355,13 @@ def test_sequence_parallelism_holds_a_tp_th_of_the_tokens_outside_the_block(expl
         for s, name in enumerate(STAGES):
             tp_only, sp = held["tp only"][r][s][2], held["tp + sp"][r][s][2]
             assert sp == (tp_only if name in ("into the block", "partial sum") else tp_only // 4)
+    # the right column and the status line count the stages outside the block: a quarter
+    explorer.controls["plan"].value = "tp only"
+    assert explorer.result.outside_bytes() == [1024] * 4
+    assert "outside the block (x, LayerNorm, out, + residual) rank 0 holds 1,024 B" in \
+        explorer.message.value
+    explorer.controls["plan"].value = "tp + sp"
+    assert explorer.result.outside_bytes() == [256] * 4
 
 
 def test_the_figure_says_by_text_what_it_says_by_colour(explorer):
@@ -368,7 +375,7 @@ def test_the_figure_says_by_text_what_it_says_by_colour(explorer):
         plots.AUDITS.remove(caught.append)
     texts = [t.get_text() for t in caught[-1].findobj(lambda a: hasattr(a, "get_text"))]
     for want in ("rank 0", "rank 3", "token 0, 64 B", "all tokens, 256 B", "partial, 256 B",
-                 "fwd: all_gather\nbwd: reduce_scatter\n384 B sent", "768 B"):
+                 "fwd: all_gather\nbwd: reduce_scatter\n384 B sent", "256 B", "outside"):
         assert want in texts, want
     hatched = [c for c in caught[-1].axes[0].collections if c.get_hatch()]
     assert len(hatched) == 1 and len(hatched[0].get_paths()) == 4 * SEQ   # the partial sums

@@ -28,6 +28,9 @@ from matplotlib.patches import Rectangle
 from . import MIN_FONT, NEUTRAL, RANK_COLOURS, TEXT_GREY, kept_figure, png
 
 PARTIAL_HATCH = "xx"
+INSIDE = ("into the block", "partial sum")
+"""The stages inside the tensor-parallel block, where every rank holds all the tokens; the
+figure's right column sums the bytes of the others, outside the block."""
 """Hatch of a token box that holds only a partial sum (a second cue beside the word)."""
 COLUMN = 1.0
 """Width of a stage's column, in data units; a cell's strip takes :data:`STRIP` of it."""
@@ -119,14 +122,16 @@ def layer_figure(stage_names: list, held: list, partial: list, hops: list, seq: 
     right = stages * COLUMN - (COLUMN - STRIP) + 0.05
     for r, row in enumerate(held):
         ax.text(-0.08, r + 0.21, f"rank {r}", ha="right", va="center", fontsize=MIN_FONT)
-        ax.text(right + 0.03, r + 0.21, f"{sum(c[2] for c in row):,} B", ha="left", va="center",
+        outside = sum(c[2] for name, c in zip(stage_names, row) if name not in INSIDE)
+        ax.text(right + 0.03, r + 0.21, f"{outside:,} B", ha="left", va="center",
                 fontsize=MIN_FONT)
-        ax.text(right + 0.03, r + 0.52, "held", ha="left", va="center", fontsize=MIN_FONT,
+        ax.text(right + 0.03, r + 0.52, "outside", ha="left", va="center", fontsize=MIN_FONT,
                 color=TEXT_GREY)
     for s, name in enumerate(stage_names):
         ax.text(s * COLUMN + STRIP / 2, -0.9, name, ha="center", va="bottom", fontsize=MIN_FONT + 1)
     ax.text(right / 2, ranks + 0.05, "each box one token of the sequence: filled, this rank holds "
-            "it; white, it does not; cross-hatched, a partial sum", ha="center", va="top",
+            "it; white, it does not; cross-hatched, a partial sum\nright: the bytes a rank holds "
+            "outside the block (the four stages not inside it)", ha="center", va="top",
             fontsize=MIN_FONT)
     ax.set_xlim(-0.05, right)
     ax.set_ylim(ranks - 0.05, -0.95)

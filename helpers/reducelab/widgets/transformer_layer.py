@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import ipywidgets as W
 
 from ..group import LocalGroup
-from ..plots.transformer_layer import Hop, layer_figure
+from ..plots.transformer_layer import INSIDE, Hop, layer_figure
 from . import Explorer
 
 PLANS = ("tp only", "tp + sp")
@@ -73,22 +73,26 @@ class LayerResult:
         bwd = next((c for when, c, _ in ran if when == "backward"), "nothing")
         return Hop(fwd, bwd, sum(ring_bytes(c, s, self.tp) for _, c, s in ran))
 
-    def held_bytes(self) -> list[int]:
-        """Bytes each rank holds over the stages, summed."""
-        return [sum(b for *_, b in row) for row in self.held]
+    def outside_bytes(self) -> list[int]:
+        """Bytes each rank holds in the stages outside the block (x, LayerNorm, out of the
+        block, + residual), summed: the activations sequence parallelism cuts to a ``1/tp``
+        share of the tokens, the LayerNorm and dropout ones of Korthikanti et al. 2022,
+        section 4.2.2. Inside the block every rank holds all the tokens either way."""
+        return [sum(b for name, (*_, b) in zip(STAGES, row) if name not in INSIDE)
+                for row in self.held]
 
 
 def describe_layer(r: LayerResult) -> str:
     """One line: the collectives each way, the bytes sent, the bytes held."""
     into, out = r.hop("in"), r.hop("out")
-    held = r.held_bytes()
+    outside = r.outside_bytes()
     first, stop, _ = r.held[0][1]
     tokens = "all the tokens" if stop - first == r.seq else f"{stop - first} of {r.seq} tokens"
     same = "every rank ran the same collectives" if r.same_calls else "ranks ran DIFFERENT collectives"
     return (f"{r.block}, {r.plan}, tp={r.tp}: way in {into.forward} (backward {into.backward}), "
             f"way out {out.forward} (backward {out.backward}); a rank sends "
-            f"{into.sent + out.sent:,} B; at the LayerNorm rank 0 holds {tokens}; rank 0 holds "
-            f"{held[0]:,} B over the six stages; {same}.")
+            f"{into.sent + out.sent:,} B; at the LayerNorm rank 0 holds {tokens}; outside the block "
+            f"(x, LayerNorm, out, + residual) rank 0 holds {outside[0]:,} B; {same}.")
 
 
 class TransformerLayerExplorer(Explorer):
