@@ -815,6 +815,11 @@ def test_the_solution_passes_at_both_world_sizes_and_the_size_is_restored(short)
     verdict = check_skip_together(short, solution)
     assert verdict, verdict.message
     assert short.world_size == 4
+    # a second review: GradScaler under DDP reads averaged gradients and never splits the
+    # ranks; the exercise's trap is a test before the sync, and the text and pass say so
+    assert "GradScaler gets this for free" in verdict.message
+    task = next("".join(c["source"]) for c in notebook()["cells"] if "## Exercise: skip a bad step" in "".join(c["source"]))
+    assert "after DDP has averaged them" in task and "The trap is a test of your own" in task
 
 
 def _variant(rule):

@@ -313,4 +313,6 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
                       f"every rank skipped exactly the steps with a corrupt batch, and the "
                       f"weights match a single-process reference within {ATOL:g}. A "
                       f"decision around a collective must be taken the same way on every "
-                      f"rank.")
+                      f"rank. (Under DDP, GradScaler gets this for free: it reads the "
+                      f"gradients after DDP has averaged them, so an inf on one rank is an "
+                      f"inf on all.)")
