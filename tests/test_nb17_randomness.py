@@ -415,3 +415,21 @@ def test_the_exercise_says_whose_choice_differing_dp_seeds_are():
     assert "That is this exercise's choice" in task and "--data-parallel-random-init" in task
     from reducelab.checks import randomness
     assert "as if one mask served" not in pathlib.Path(randomness.__file__).read_text()
+
+
+def salted_by_the_process(base, mesh):           # agrees on forked ranks, not under torchrun
+    dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    replicated = hash(("replicated", base, dp)) % 2 ** 62
+    return replicated, hash(("sharded", base, dp, tp)) % 2 ** 62 + 2 ** 62
+
+
+def test_seeds_that_change_from_process_to_process_fail(group):
+    """A second review: hash() of a string passed, since the forked ranks share one hash
+    salt; the check now calls the function again in the kernel, another process."""
+    verdict = check_dropout_seeds(group, salted_by_the_process)
+    assert not verdict, verdict.message
+    assert "the same call in another Python process gives" in verdict.message
+    assert "hash() of a string" in verdict.message
+    assert not [line for line in solution_lines() if line in verdict.message]
+    solution = check_dropout_seeds(group, conftest.load_solution("17_dropout_seeds").dropout_seeds)
+    assert solution, solution.message

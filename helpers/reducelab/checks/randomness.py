@@ -69,6 +69,65 @@ def mask(seed: int, units: int = MASK_UNITS, p: float = 0.5) -> torch.Tensor:
 
 # --- the exercise's check -----------------------------------------------------------------
 
+class _StandInMesh:
+    """A ``(dp, tp)`` device mesh's coordinates without a process group, for calling the
+    learner's function once more in the kernel, another Python process than the ranks: the
+    common ``DeviceMesh`` queries (``get_local_rank``, ``get_coordinate``, ``size``,
+    ``shape``, ``ndim``, ``mesh_dim_names``, ``mesh["dp"]``). Anything else raises
+    ``AttributeError``, and the check then leaves this comparison out."""
+
+    def __init__(self, sizes: dict, coords: dict, names: tuple):
+        self._sizes, self._coords, self.mesh_dim_names = sizes, coords, names
+        self.shape = tuple(sizes[n] for n in names)
+        self.ndim = len(names)
+
+    def _name(self, dim):
+        return self.mesh_dim_names[dim] if isinstance(dim, int) else dim
+
+    def get_local_rank(self, mesh_dim=None):
+        return self._coords[self._name(0 if mesh_dim is None else mesh_dim)]
+
+    def get_coordinate(self):
+        return [self._coords[n] for n in self.mesh_dim_names]
+
+    def size(self, mesh_dim=None):
+        if mesh_dim is None:
+            out = 1
+            for n in self.mesh_dim_names:
+                out *= self._sizes[n]
+            return out
+        return self._sizes[self._name(mesh_dim)]
+
+    def __getitem__(self, name):
+        names = (name,) if isinstance(name, str) else tuple(name)
+        return _StandInMesh({n: self._sizes[n] for n in names},
+                            {n: self._coords[n] for n in names}, names)
+
+
+def _another_process(fn, dp: int, tp: int, rows: list) -> str | None:
+    """Call ``fn`` in this process (not a rank) with a stand-in mesh of each rank's
+    coordinates; a message if it gives other seeds than that rank did, ``None`` if it gives
+    the same or cannot run here."""
+    for row in rows:
+        mesh = _StandInMesh({"dp": dp, "tp": tp},
+                            {"dp": row["dp_rank"], "tp": row["tp_rank"]}, ("dp", "tp"))
+        for base, seeds in row["seeds"].items():
+            try:
+                here = fn(base, mesh)
+            except Exception:
+                return None
+            if here != seeds:
+                return (f"On a ({dp}, {tp}) mesh, rank (dp {row['dp_rank']}, tp "
+                        f"{row['tp_rank']}) got the seeds {seeds} with base seed {base}, and "
+                        f"the same call in another Python process gives {here}. Under "
+                        f"torchrun every rank is a process of its own, so its seeds would "
+                        f"not follow from base_seed and the mesh alone (rule 3). These ranks "
+                        f"agreed only because they were forked from one process (step 2). "
+                        f"Something in the function changes from process to process: "
+                        f"hash() of a string, say, which Python salts per process.")
+    return None
+
+
 def _is_seed(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
 
@@ -166,7 +225,7 @@ def check_dropout_seeds(group, fn) -> Verdict:
                 rows = group.run(seeds_on_mesh, fn, dp, tp)
             except RankError as err:
                 return raised_on_ranks(f"On a ({dp}, {tp}) mesh", err)
-            problem = _judge(dp, tp, rows)
+            problem = _judge(dp, tp, rows) or _another_process(fn, dp, tp, rows)
             if problem:
                 return failed(problem)
     meshes = ", ".join(f"({dp}, {tp})" for dp, tp in MESHES)
