@@ -44,7 +44,8 @@ from reducelab.checks.answers import WHY
 from reducelab import RankError
 from reducelab.checks.cost import (COLLECTIVES, _mistakes, algbw, bus_factor, busbw,
                                    check_recursive_doubling, crossover_bytes, gloo_factor,
-                                   model_seconds, race_outcome, ring_seconds, size_label)
+                                   model_seconds, race_outcome, ring_seconds, seconds_label,
+                                   size_label)
 from reducelab.data import load_digits_tensors
 from reducelab.plots.cost import curve, fits_figure, precision_figure
 from reducelab.widgets.cost import (CostExplorer, Sweep, Timing, available_cores,
@@ -542,8 +543,13 @@ def test_solution_passes_and_races_the_two_algorithms(group):
     assert message.count("predicted faster; real run: ") == 2 and "Thakur et al. 2005" in message, message
     assert "A size is called only where the two ranges do not overlap" in message, message
     assert group.world_size == 4
-    # the crossover it states is where the two models meet (n = 4: S* = 8 α / β)
-    alpha, beta = RING_FITS[4]
+    # the crossover it states is where the two models meet (n = 4: S* = 8 α / β), with the
+    # ring's α per message: the fit's α per call over the ring's 2(n - 1) = 6 messages (a
+    # second review: the fit's per-call α, used per message, put predictions 6 to 57 times off)
+    per_call, beta = RING_FITS[4]
+    alpha = per_call / 6
+    assert f"α = {seconds_label(per_call)} per call, which holds 6 messages: " \
+           f"{seconds_label(alpha)} per message" in message
     assert f"4 ranks: recursive doubling below S = {size_label(8 * alpha / beta)}" in message
     assert solution(8 * alpha / beta, 4, alpha, beta) == pytest.approx(ring_seconds(8 * alpha / beta, 4, alpha, beta))
 

@@ -332,7 +332,8 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
     (to 1e-6); a wrong prediction is matched against the usual mistakes (the ring's cost,
     ``n - 1`` rounds, the bytes of one round, the natural logarithm, ...) and gets the
     sentence that names it, never the formula. Then, with the learner's fit of notebook
-    06's ring at ``world_size`` ranks, the ring's and recursive doubling's predicted times
+    06's ring at ``world_size`` ranks (its α per call divided by the ring's ``2(n - 1)``
+    messages per call), the ring's and recursive doubling's predicted times
     at ``sizes`` are compared with a real run of both algorithms on ``world_size`` ranks
     (the group is resized, then restored): the median of ``repeats`` calls after a
     warm-up, slowest rank, with its range. The real run is reported, never judged: a
@@ -372,7 +373,10 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
     wrong = _diagnose(fn)
     if wrong:
         return failed(wrong)
-    alpha, beta = ring_fits[world_size]
+    per_call, beta = ring_fits[world_size]
+    # the notebook fits the ring per call, t = α + β·f·S; the ring sends 2(n - 1) messages
+    # per call, so its α per message, the α of the models compared here, is that / 2(n - 1)
+    alpha = per_call / (2 * (world_size - 1))
     cores = _cores() if cores is None else cores
     crossings = []
     for n in (world_size, 2 * world_size):
@@ -389,8 +393,10 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
         crossings.append(f"{n} ranks: recursive doubling below S = {size_label(lo)}, the ring above")
     head = [
         "Your function is the α-β model of recursive doubling at world sizes 2 to 16.",
-        f"With your fit of the Python ring at {world_size} ranks (α = {seconds_label(alpha)}, "
-        f"1/β = {1 / beta / 1e9:.3g} GB/s), the faster algorithm is: {'; '.join(crossings)}."]
+        f"With your fit of the Python ring at {world_size} ranks (α = {seconds_label(per_call)} "
+        f"per call, which holds {2 * (world_size - 1)} messages: {seconds_label(alpha)} per "
+        f"message; 1/β = {1 / beta / 1e9:.3g} GB/s), the faster algorithm is: "
+        f"{'; '.join(crossings)}."]
     if world_size > cores:
         head.append(
             f"{world_size} ranks on {cores} cores: the ranks take turns on the cores, and a "
