@@ -184,14 +184,8 @@ def test_labels_name_runs_of_ranks_around_the_ring():
 
 # --- float order ----------------------------------------------------------------------------
 def test_ring_adds_chunk_c_in_ring_order_from_rank_c(group):
-    values = [1e8, 1.0, -1e8, 1.0]
     x, _ = group.run(NB["order_matters"])[0]
-    want = []
-    for c in range(4):                       # chunk c: rank c's value, then c+1, c+2, c+3
-        acc = torch.tensor(values[c], dtype=torch.float32)
-        for k in range(1, 4):
-            acc = torch.tensor(values[(c + k) % 4], dtype=torch.float32) + acc
-        want.append(acc.item())
+    want, _ = group_free_ring_result()
     assert x.tolist() == want == [1.0, 0.0, 1.0, 0.0]     # not the exact sum, 2
 
 
@@ -672,7 +666,8 @@ def test_question_3_asks_which_elements_keep_a_1_and_nothing_above_it_says():
 
 
 def group_free_ring_result():
-    """Chunk c added in ring order from rank c, in float32, as the notebook's ring does."""
+    """Chunk c added in ring order from rank c (rank c's value, then c+1, c+2, c+3), in
+    float32, as the notebook's ring does."""
     values = [1e8, 1.0, -1e8, 1.0]
     out = []
     for c in range(4):

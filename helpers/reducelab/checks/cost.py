@@ -287,8 +287,9 @@ def _diagnose(fn) -> str | None:
             f"send in each? Each round is one message: α, and β for every byte sent.")
 
 
-def _cores() -> int:
-    """CPU cores this process may run on (as ``reducelab.widgets.cost.available_cores``)."""
+def available_cores() -> int:
+    """CPU cores this process may run on (``os.sched_getaffinity`` where it exists, else
+    ``os.cpu_count()``); notebooks 10 and 16 import it from ``reducelab.widgets.cost``."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
@@ -377,7 +378,7 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
     # the notebook fits the ring per call, t = α + β·f·S; the ring sends 2(n - 1) messages
     # per call, so its α per message, the α of the models compared here, is that / 2(n - 1)
     alpha = per_call / (2 * (world_size - 1))
-    cores = _cores() if cores is None else cores
+    cores = available_cores() if cores is None else cores
     crossings = []
     for n in (world_size, 2 * world_size):
         lo, hi = 1.0, 2.0 ** 40

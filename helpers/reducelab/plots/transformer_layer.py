@@ -31,6 +31,14 @@ PARTIAL_HATCH = "xx"
 INSIDE = ("into the block", "partial sum")
 """The stages inside the tensor-parallel block, where every rank holds all the tokens; the
 figure's right column sums the bytes of the others, outside the block."""
+
+
+def outside_bytes(stage_names, held: list) -> list[int]:
+    """Bytes each rank holds in the stages outside the block (not in :data:`INSIDE`),
+    summed: ``held[rank][stage] = (first, stop, nbytes)``. The figure's right column, and
+    the explorer's status line."""
+    return [sum(c[2] for name, c in zip(stage_names, row) if name not in INSIDE)
+            for row in held]
 """Hatch of a token box that holds only a partial sum (a second cue beside the word)."""
 COLUMN = 1.0
 """Width of a stage's column, in data units; a cell's strip takes :data:`STRIP` of it."""
@@ -120,9 +128,8 @@ def layer_figure(stage_names: list, held: list, partial: list, hops: list, seq: 
                     ha="center", va="bottom", fontsize=MIN_FONT, linespacing=1.1,
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=NEUTRAL))
     right = stages * COLUMN - (COLUMN - STRIP) + 0.05
-    for r, row in enumerate(held):
+    for r, outside in enumerate(outside_bytes(stage_names, held)):
         ax.text(-0.08, r + 0.21, f"rank {r}", ha="right", va="center", fontsize=MIN_FONT)
-        outside = sum(c[2] for name, c in zip(stage_names, row) if name not in INSIDE)
         ax.text(right + 0.03, r + 0.21, f"{outside:,} B", ha="left", va="center",
                 fontsize=MIN_FONT)
         ax.text(right + 0.03, r + 0.52, "outside", ha="left", va="center", fontsize=MIN_FONT,

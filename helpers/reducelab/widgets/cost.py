@@ -21,15 +21,14 @@ busbw and the bus factors).
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 import ipywidgets as W
 import numpy as np
 
-from ..checks.cost import (COLLECTIVES, busbw, crossover_bytes, gloo_factor, model_seconds,
-                           seconds_label, size_label)
+from ..checks.cost import (COLLECTIVES, available_cores, busbw, crossover_bytes, gloo_factor,
+                           model_seconds, seconds_label, size_label)
 from ..group import LocalGroup
 from ..plots.cost import explorer_figure
 from . import Explorer
@@ -63,15 +62,6 @@ def expected_seconds(measured: dict, size_bytes: int) -> float:
     largest = measured[max(measured)]
     floor = min(t.median for t in measured.values())
     return sweep_repeats(size_bytes) * max(floor, largest.median * size_bytes / largest.size_bytes)
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (``os.sched_getaffinity`` where it exists, else
-    ``os.cpu_count()``)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 def sweep_repeats(size_bytes: int) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import ipywidgets as W
 
 from ..group import LocalGroup
-from ..plots.transformer_layer import INSIDE, Hop, layer_figure
+from ..plots.transformer_layer import Hop, layer_figure, outside_bytes
 from . import Explorer
 
 PLANS = ("tp only", "tp + sp")
@@ -78,8 +78,7 @@ class LayerResult:
         block, + residual), summed: the activations sequence parallelism cuts to a ``1/tp``
         share of the tokens, the LayerNorm and dropout ones of Korthikanti et al. 2022,
         section 4.2.2. Inside the block every rank holds all the tokens either way."""
-        return [sum(b for name, (*_, b) in zip(STAGES, row) if name not in INSIDE)
-                for row in self.held]
+        return outside_bytes(STAGES, self.held)
 
 
 def describe_layer(r: LayerResult) -> str:
