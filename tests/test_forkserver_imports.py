@@ -249,3 +249,89 @@ def test_a_setup_cell_of_torch_alone_is_asked_for_nothing_early():
     before the first group or with it, and its ranks never hold DCP."""
     r = run_early("import torch\nimport torch.distributed as dist", wait=5)
     assert r == {"before_group": [], "first_has_dcp": False}
+
+
+KERNEL = """
+import json, os
+os.environ["REDUCELAB_PREWARM"] = "1"          # the pre-warm, as in a Jupyter kernel
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+cells = {cells!r}
+seen = []
+for cell in cells:
+    result = shell.run_cell(cell)
+    assert result.success, result.error_in_exec
+    seen.append(shell.user_ns.pop("seen", None))
+shell.run_cell("group.close()")
+print("RESULT", json.dumps(seen))
+"""
+
+SETUP = """
+from reducelab import LocalGroup, processes
+import torch
+{imports}
+group = LocalGroup(world_size=2, timeout=60)
+{more}
+seen = {{"released_in_cell": processes.released_later(), "held": processes.forked_in_hold()}}
+"""
+
+STATE = """
+def state():
+    import sys
+    return "torch._dynamo" in sys.modules
+dynamo = group.run(state)
+seen = {"released": processes.released_later(), "dynamo": dynamo, "restarts": group.restarts}
+"""
+
+
+def run_kernel_cells(*cells: str) -> list:
+    """Run ``cells`` one after the other in an IPython shell in a fresh process (its
+    ``post_run_cell`` event fires after each, as in a Jupyter kernel); return what each
+    left in ``seen``."""
+    code = textwrap.dedent(KERNEL).format(cells=[textwrap.dedent(c) for c in cells])
+    return run_in_fresh_process(code, REDUCELAB_PRELOAD="full")
+
+
+def test_a_setup_cell_that_imports_ddp_starts_its_group_at_once_and_its_first_run_has_dynamo():
+    """Notebook 03's setup cell imports DDP. The server forks nothing while it imports, and
+    building DDP imports dynamo (about 1.3 s of CPU): the setup cell used to wait for it
+    (2.0 s against 0.75 s for a bare ``import torch``). The request now waits for the end
+    of the cell; then the server imports while the learner reads, and the group, which
+    has run nothing yet, is started again from it before its first run: that run's ranks
+    have dynamo, so the first ``DDP(model)`` does not import it under the group's timeout."""
+    setup, first = run_kernel_cells(
+        SETUP.format(imports="from torch.nn.parallel import DistributedDataParallel as DDP",
+                     more=""), STATE)
+    assert setup == {"released_in_cell": False, "held": True}
+    assert first == {"released": True, "dynamo": [True, True], "restarts": 2}
+
+
+def test_a_run_in_the_setup_cell_itself_gets_ranks_with_dynamo():
+    """The hold ends at a group's first run too: a cell that starts a group and runs DDP
+    at once gets ranks with dynamo, as before the hold."""
+    seen = run_kernel_cells(
+        SETUP.format(imports="from torch.nn.parallel import DistributedDataParallel as DDP",
+                     more="") + STATE)
+    assert seen == [{"released": True, "dynamo": [True, True], "restarts": 2}]
+
+
+def test_a_setup_cell_that_imports_torch_alone_is_not_started_twice():
+    """Notebook 01's case in a kernel: nothing of DDP, DTensor, FSDP or DCP is asked for,
+    so the group's first run runs on the ranks the setup cell started."""
+    setup, first = run_kernel_cells(SETUP.format(imports="", more=""), STATE)
+    assert setup == {"released_in_cell": False, "held": True}
+    assert first == {"released": False, "dynamo": [False, False], "restarts": 1}
+
+
+def test_a_second_group_in_the_setup_cell_does_not_wait_either():
+    """Notebook 13's setup cell starts two groups: the second one's ranks would have
+    waited for the server's import of dynamo. Both start at once, and each gets dynamo
+    before its first run."""
+    setup, first, other = run_kernel_cells(
+        SETUP.format(imports="from torch.nn.parallel import DistributedDataParallel as DDP",
+                     more="other = LocalGroup(world_size=2, timeout=60)"),
+        STATE,
+        'seen = {"dynamo": other.run(state), "restarts": other.restarts}\nother.close()')
+    assert setup == {"released_in_cell": False, "held": True}
+    assert first == {"released": True, "dynamo": [True, True], "restarts": 2}
+    assert other == {"dynamo": [True, True], "restarts": 2}

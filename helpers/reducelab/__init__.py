@@ -16,7 +16,9 @@ def _prewarm() -> None:
     imports it in its own process, and the first ``LocalGroup`` finds it ready, instead
     of paying for the two imports one after the other. Then, until the first group
     starts, the same thread asks the server for what the setup cell imports of DDP,
-    DTensor, FSDP or DCP as soon as it is imported (:func:`reducelab.processes.ask_early`).
+    DTensor, FSDP or DCP as soon as it is imported (:func:`reducelab.processes.ask_early`),
+    except in a Jupyter kernel, where those requests wait for the end of the cell that
+    starts the first group (:func:`reducelab.processes.hold_requests_for_first_cell`).
     Only in a Jupyter kernel's main process (or with ``REDUCELAB_PREWARM=1``);
     ``REDUCELAB_PREWARM=0`` turns it off.
     """
@@ -32,8 +34,9 @@ def _prewarm() -> None:
     if flag != "1" and "ipykernel" not in sys.modules:
         return
 
-    from .processes import watch_kernel_shutdown
+    from .processes import hold_requests_for_first_cell, watch_kernel_shutdown
     watch_kernel_shutdown()  # before the server starts: a restart may come at any time
+    hold_requests_for_first_cell()  # a Jupyter kernel's setup cell waits for torch alone
 
     def warm_up() -> None:
         from .processes import ask_early, context, warm

@@ -20,7 +20,11 @@ them: 0.45 GB instead of 0.53 GB for one learner of notebook 01 (PSS, one run).
 A fork asked for while imports run waits until they are done (``os.register_at_fork``):
 no rank is forked with a half-imported module, and a group started while they run gets
 them all. The kernel asks before it starts a group (see
-:func:`reducelab.processes.ask_for_later`), so that group's ranks have them.
+:func:`reducelab.processes.ask_for_later`), so that group's ranks have them; except that
+a Jupyter kernel holds its requests until the end of the cell that starts its first
+group, and then starts again, before its first run, a group whose ranks were forked
+without them (:func:`reducelab.processes.hold_requests_for_first_cell`): a setup cell
+that imports DDP no longer waits for the server to import dynamo.
 
 Source: ``os.register_at_fork``, ``gc.freeze``
 (https://docs.python.org/3/library/gc.html#gc.freeze).

@@ -154,6 +154,8 @@ class LocalGroup:
         self._backend = backend
         self._timeout = float(timeout)
         self._procs: list[_Proc] = []
+        self._forked_in_hold = False  # ranks forked while the setup cell held requests
+        self._runs_since_start = 0
         self._tmpdir: str | None = None
         self._state = "stopped"
         self._sent_sources: set[str] = set()  # cells the ranks have seen (this start)
@@ -242,8 +244,12 @@ class LocalGroup:
                 restart at the next call.
 
         The bound: the call returns or raises within ``timeout`` + :data:`MARGIN`
-        seconds, a restart of the ranks included. Two allowances: the first start in a
-        kernel also waits for the forkserver to import torch (2 to 3 s, once); and
+        seconds, a restart of the ranks included. Three allowances: the first start in a
+        kernel also waits for the forkserver to import torch (2 to 3 s, once); in a
+        Jupyter kernel whose setup cell imported DDP, DTensor, FSDP or DCP, a group's
+        first run starts its ranks again, with what the forkserver imported for them
+        after the setup cell, and waits for what is left of that import (at most about
+        1.3 s of CPU, once; :func:`reducelab.processes.hold_requests_for_first_cell`); and
         once ``fn`` has returned on every rank within the timeout, large return values
         keep arriving for as long as they make progress: they travel in chunks of
         :data:`reducelab.rank_loop.CHUNK` bytes, and the call fails only when no chunk
@@ -262,8 +268,20 @@ class LocalGroup:
                 if dead:
                     print(reports.idle_deaths(dead, self._world_size), file=sys.stderr)
                     self._shutdown()
+            processes.release_requests()  # a first run ends the setup cell's hold
+            if self._state == "idle" and self._runs_since_start == 0 and \
+                    self._forked_in_hold and processes.released_later():
+                # Ranks that have run nothing, forked before the server was asked for
+                # DDP, DTensor, FSDP or DCP: new ones have them (the first DDP(model)
+                # imports dynamo on every rank otherwise, about 2 s of CPU each).
+                leaving = self._detach_ranks(polite=True)
+                try:
+                    deadline = self._start(deadline)
+                finally:
+                    leaving()
             if self._state != "idle":
                 deadline = self._start(deadline)
+            self._runs_since_start += 1
             # after any restart: fresh ranks need every cell
             sources = new_sources(self._sent_sources)
             payload = pack(fn, args, kwargs, sources)
@@ -439,6 +457,8 @@ class LocalGroup:
         self._restart_next = False
         ctx = processes.context()
         deadline += processes.warm(ctx)
+        self._forked_in_hold = processes.forked_in_hold()  # without what the kernel imported
+        self._runs_since_start = 0
         ifname = loopback_interface()
         env = {**os.environ, **self._env}
         procs: list[_Proc] = []

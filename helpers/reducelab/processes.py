@@ -261,6 +261,8 @@ _groups_started: dict[int, int] = {}  # {forkserver pid: groups started from it}
 _later_asked: dict[int, set[str]] = {}  # {forkserver pid: modules of LATER asked for}
 _later_unserved: set[int] = set()  # forkservers asked since their last group start
 _imports_served: dict[int, int] = {}  # {forkserver pid: later-import requests waited for}
+_held: list[bool] = []  # [True] while requests wait for the end of the first group's cell
+_released_later: list[int] = []  # [forkserver pid] once the released requests named LATER's
 
 
 def _server():
@@ -315,7 +317,7 @@ def ask_for_later(modules) -> None:
     from .forkserver_imports import FILE_ENV, SIGNAL, askable
     pid, later = _server()
     path = os.environ.get(FILE_ENV)
-    if not (pid and later and path):
+    if not (pid and later and path) or _held:
         return
     asked = _later_asked.setdefault(pid, set())
     new = {m for m in modules if askable(m)} - asked
@@ -332,6 +334,72 @@ def ask_for_later(modules) -> None:
     _later_unserved.add(pid)
 
 
+def forked_in_hold() -> bool:
+    """``True`` while :func:`hold_requests_for_first_cell` holds requests: ranks forked now
+    lack what the kernel's imports call for (:meth:`reducelab.LocalGroup.run`)."""
+    return bool(_held)
+
+
+def released_later() -> bool:
+    """``True`` once the held requests have been sent to the running forkserver and named
+    a module of :data:`~reducelab.forkserver_imports.LATER` that ``import torch`` does not
+    bring (DDP's dynamo, DTensor, FSDP, DCP): ranks forked in the hold lack it."""
+    pid, _ = _server()
+    return bool(pid) and _released_later == [pid]
+
+
+def hold_requests_for_first_cell() -> bool:
+    """In a Jupyter kernel, hold every later-import request from now until the end of the
+    cell that starts the kernel's first group (IPython's ``post_run_cell`` event), or
+    until a group's first run, whichever comes first (:func:`release_requests`); return
+    ``True`` if held.
+
+    Why: the server forks nothing while it imports (a fork in the middle of an import
+    would leave the rank with a half-imported module), and DDP's first use imports
+    ``torch._dynamo`` (about 1.3 s of CPU). A setup cell that imported DDP waited for
+    that before its first group could start: 2.0 s against 0.75 s for a bare ``import
+    torch`` in notebook 03 (workshop benchmark, idle 2-core machine). Held, the setup
+    cell's groups start at once; the server imports while the learner reads, and a
+    group whose ranks have run nothing yet is started again from it before its first
+    run (about 60 ms for 4 ranks, plus whatever of the import is left). Called once, at
+    ``import reducelab``, by the background pre-warm's caller."""
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        return False
+    if shell is None or not hasattr(shell, "events") or _held:
+        return False
+
+    def at_cell_end(result=None) -> None:
+        if _groups_started.get(_server()[0]):
+            release_requests()
+    _held[:] = [True]
+    hold_requests_for_first_cell.callback = at_cell_end
+    shell.events.register("post_run_cell", at_cell_end)
+    return True
+
+
+def release_requests() -> None:
+    """End the hold of :func:`hold_requests_for_first_cell`, if any: ask the server for
+    what the kernel's imports call for (:func:`kernel_later`), in the background."""
+    if not _held:
+        return
+    from .forkserver_imports import LATER, WITH_TORCH
+    _held.clear()
+    callback = getattr(hold_requests_for_first_cell, "callback", None)
+    try:
+        from IPython import get_ipython
+        get_ipython().events.unregister("post_run_cell", callback)
+    except Exception:  # noqa: BLE001 - no shell, or already gone: nothing fires it again
+        pass
+    wanted = kernel_later()
+    ask_for_later(wanted)
+    pid, _ = _server()
+    if pid and any(m in LATER and m not in WITH_TORCH for m in wanted):  # the server has WITH_TORCH
+        _released_later[:] = [pid]
+
+
 def _before_group(ctx) -> None:
     """Count a group start. Ask for the later imports this kernel's own imports call for
     (from the second group on; for the first group too when the kernel has imported some
@@ -340,7 +408,11 @@ def _before_group(ctx) -> None:
     loaded machine); then, if the server has requests this kernel has not waited for,
     wait until it has made them (the fork of a no-op process waits for them in the
     server), so that this group's ranks are forked with them. A first group whose kernel
-    imported none of them starts at once: that setup cell waits for nothing but torch."""
+    imported none of them starts at once: that setup cell waits for nothing but torch. In
+    a Jupyter kernel, requests are held until the end of the cell that starts the first
+    group (:func:`hold_requests_for_first_cell`): its groups start at once, and each is
+    started again before its first run if the released requests named DDP, DTensor, FSDP
+    or DCP (:meth:`reducelab.LocalGroup.run`)."""
     pid, _ = _server()
     if not pid:
         return
@@ -377,11 +449,13 @@ def ask_early(limit: float = EARLY_LIMIT, poll: float = EARLY_POLL) -> None:
     anything. The same test as the first group's decides what to ask for, so a notebook
     that never imports them never gets them; from the second group on,
     :func:`_before_group` asks as before. Returns when a group has started, after
-    ``limit`` seconds, or at once where the server makes no later imports (``limit``
-    and ``poll`` in seconds)."""
+    ``limit`` seconds, or at once where the server makes no later imports or requests
+    are held (:func:`hold_requests_for_first_cell`, a Jupyter kernel: there the server
+    imports only once the setup cell's groups have started, since it forks nothing while
+    it imports; ``limit`` and ``poll`` in seconds)."""
     from .forkserver_imports import LATER
     pid, later = _server()
-    if not (pid and later):
+    if not (pid and later) or _held:
         return
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline and not _groups_started.get(pid):
