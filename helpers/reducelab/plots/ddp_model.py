@@ -212,7 +212,7 @@ class _MaskPanel:
     cross-hatched for a dropped unit, white for a kept one; the right side says whether
     the row is rank 0's mask."""
 
-    def __init__(self, ax, ranks: int, units: int, title: str, row_labels=None):
+    def __init__(self, ax, ranks: int, units: int, title: str, row_labels=None, reference=None):
         self.ax, self.ranks = ax, ranks
         self.cells = [[ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white",
                                               edgecolor=NEUTRAL, lw=0.6))
@@ -224,33 +224,63 @@ class _MaskPanel:
         ax.set_xlabel("hidden unit")
         ax.set_title(title, fontsize=MIN_FONT + 1)
         self.right = ax.secondary_yaxis("right")
-        self.right.set_yticks(range(ranks), ["rank 0's"] * ranks)             # the widest label
+        self.reference = list(reference) if reference is not None else None
+        widest = "differs from rank 0" if reference is not None else "rank 0's"
+        self.right.set_yticks(range(ranks), [widest] * ranks)
         self.right.tick_params(length=0)
+        for r in range(1, ranks if reference is not None else 0):   # a thick line between groups
+            if self.reference[r] != self.reference[r - 1]:
+                ax.axhline(r - 0.5, color="black", lw=3)
 
     def update(self, dropped: np.ndarray) -> None:
         for (i, j), d in np.ndenumerate(dropped):
             rect = self.cells[i][j]
             rect.set_facecolor(DROPPED if d else "white")
             rect.set_hatch("xx" if d else None)
-        self.right.set_yticks(range(self.ranks),
-                              ["rank 0's" if r == 0 else
-                               ("same" if np.array_equal(dropped[r], dropped[0]) else "differs")
-                               for r in range(self.ranks)])
+        self.right.set_yticks(range(self.ranks), mask_labels(dropped, self.reference))
 
 
-def mask_figure(panels: dict, row_labels=None, title: str = "") -> bytes:
+def mask_labels(dropped: np.ndarray, reference=None) -> list[str]:
+    """The right-hand label of each row of a mask panel: ``"rank k's"`` on a reference
+    row; on another row, against rank 0 (``reference`` None) ``"same"`` or ``"differs"``,
+    and against its own reference row k ``"same as rank k"`` or ``"differs from rank k"``.
+
+    Args:
+        dropped: ``(ranks, units)``, truthy for a dropped unit.
+        reference: per row, the row it is compared with (a reference row names itself).
+    """
+    d = np.asarray(dropped).astype(bool)
+    ref = list(reference) if reference is not None else [0] * d.shape[0]
+    out = []
+    for r, k in enumerate(ref):
+        same = np.array_equal(d[r], d[k])
+        if r == k:
+            out.append(f"rank {k}'s")
+        elif reference is None:
+            out.append("same" if same else "differs")
+        else:
+            out.append(f"same as rank {k}" if same else f"differs from rank {k}")
+    return out
+
+
+def mask_figure(panels: dict, row_labels=None, title: str = "", reference=None) -> bytes:
     """One panel per seeding pattern, 9.6 in wide: each row is a rank's dropout mask
-    (black, cross-hatched: dropped; white: kept), and the right side says
-    whether the row is the same mask as rank 0's.
+    (black, cross-hatched: dropped; white: kept, as a key under the panels says), and
+    the right side says whether the row is the same mask as its reference row's: rank
+    0's, or with ``reference`` each row's own (a thick line then separates the groups
+    of rows that share a reference, such as the tp groups of a dp x tp mesh).
 
     Args:
         panels: ``{title: array-like of shape (ranks, units)}``, truthy where a unit
             was dropped; every panel has the same shape.
         row_labels: a label per row (default ``"rank r"``).
         title: figure title.
+        reference: per row, the index of the row it is compared with (a reference row
+            gives its own index); default: every row against row 0.
 
     Raises:
-        ValueError: no panel, or panels of different shapes.
+        ValueError: no panel, panels of different shapes, or a ``row_labels`` or
+            ``reference`` of another length than the rows.
     """
     arrays = {k: np.asarray(v).astype(bool) for k, v in panels.items()}
     if not arrays:
@@ -262,10 +292,17 @@ def mask_figure(panels: dict, row_labels=None, title: str = "") -> bytes:
     labels = row_labels or [f"rank {r}" for r in range(ranks)]
     if len(labels) != ranks:
         raise ValueError(f"row_labels has {len(labels)} labels for {ranks} rows")
-    fig = new_figure(9.6, 1.6 + 0.4 * ranks)
+    if reference is not None and (len(reference) != ranks
+                                  or any(not 0 <= int(k) < ranks for k in reference)):
+        raise ValueError(f"reference needs one row index in [0, {ranks}) per row, got {reference}")
+    fig = new_figure(9.6, 2.0 + 0.4 * ranks)
     axes = fig.subplots(1, len(arrays), squeeze=False)[0]
     for k, (ax, (name, a)) in enumerate(zip(axes, arrays.items())):
-        _MaskPanel(ax, ranks, a.shape[1], name, labels if k == 0 else None).update(a)
+        _MaskPanel(ax, ranks, a.shape[1], name, labels if k == 0 else None, reference).update(a)
+    key = [Rectangle((0, 0), 1, 1, facecolor=DROPPED, edgecolor=NEUTRAL, hatch="xx", lw=0.6),
+           Rectangle((0, 0), 1, 1, facecolor="white", edgecolor=NEUTRAL, lw=0.6)]
+    fig.legend(key, ["a dropped unit (black, cross-hatched)", "a kept unit (white)"],
+               loc="outside lower center", ncols=2, fontsize=MIN_FONT, frameon=False)
     fig.suptitle(title, fontsize=MIN_FONT + 1)
     return png(fig)
 
@@ -357,4 +394,4 @@ class StepFigure(BuiltFigures):
 
 
 __all__ = ["NO_VALUE", "StepFigure", "buffers_figure", "construction_figure",
-           "mask_figure", "same_as_rank0"]
+           "mask_figure", "mask_labels", "same_as_rank0"]
