@@ -54,18 +54,52 @@ def same_as_rank0(values: np.ndarray) -> list[bool]:
     return [bool(np.array_equal(row, a[0], equal_nan=True)) for row in a]
 
 
-def _group_ticks(ax, groups) -> None:
-    """Label column groups (``[(name, n_columns), ...]``) under the panel and separate
-    them with vertical lines."""
-    start, centres, names = 0, [], []
-    for name, n in groups:
+def _group_ticks(ax, groups, names=None) -> list[float]:
+    """Label column groups (``[(name, n_columns), ...]``) under the panel (``names``
+    instead of the groups' names, if given) and separate them with vertical lines;
+    return the tick positions."""
+    start, centres = 0, []
+    for _, n in groups:
         centres.append(start + (n - 1) / 2)
-        names.append(name)
         start += n
         if start < sum(n for _, n in groups):
             ax.axvline(start - 0.5, color="white", lw=2.5)
-    ax.set_xticks(centres, names)
+    ax.set_xticks(centres, names if names is not None else [name for name, _ in groups])
     ax.tick_params(axis="x", length=0)
+    return centres
+
+
+NEAR_ZERO = "~0"
+"""A cell's label where a value that is not zero rounds to 0 in its unit: "0" is kept
+for an exact zero (a gradient that is exactly zero, such as a unit dropped for every
+sample), so a small value never reads as none."""
+
+
+def cell_labels(values: np.ndarray, group_of=None) -> tuple[list, np.ndarray]:
+    """The labels of a heatmap's cells and their units: whole numbers in units of
+    ``10**e`` (:func:`~reducelab.plots.sharded.scaled_labels`), :data:`NEAR_ZERO` where a
+    value that is not zero rounds to 0.
+
+    Args:
+        values: ``(rows, columns)`` float; NaN where there is no value.
+        group_of: per column, the index of its column group: each group then gets its
+            own exponent (a group's values may be a hundred times smaller than
+            another's, as a body's gradient against a head's); ``None``: one exponent.
+
+    Returns:
+        ``(exponents, labels)``: one exponent per group (one in all without
+        ``group_of``), and an array of ``str`` of the shape of ``values``.
+    """
+    a = np.asarray(values, dtype=float)
+    groups = np.zeros(a.shape[1], int) if group_of is None else np.asarray(group_of)
+    exponents, labels = [], np.full(a.shape, "", dtype=object)
+    for g in range(int(groups.max()) + 1):
+        columns = groups == g
+        e, part = scaled_labels(a[:, columns])
+        exponents.append(e)
+        labels[:, columns] = part
+    labels[(labels == "0") & np.isfinite(a) & (a != 0)] = NEAR_ZERO
+    return exponents, labels
 
 
 def _hatched_cell(x: float, y: float) -> Rectangle:
@@ -80,9 +114,10 @@ class _HeatPanel:
     would touch its neighbour's and read as one word across the cells); the right side
     says whether each row equals rank 0's."""
 
-    def __init__(self, ax, world_size: int, groups, title: str):
+    def __init__(self, ax, world_size: int, groups, title: str, unit_per_group: bool = False):
         n = sum(int(k) for _, k in groups)
         self.ax, self.title, self.world_size = ax, title, world_size
+        self.names, self.unit_per_group = [str(name) for name, _ in groups], unit_per_group
         self.group_of = np.repeat(np.arange(len(groups)), [int(k) for _, k in groups])
         ax.set_facecolor(NO_VALUE)
         self.image = ax.imshow(np.zeros((world_size, n)), cmap=CMAP, aspect="auto")
@@ -96,11 +131,13 @@ class _HeatPanel:
                                            fontsize=MIN_FONT)))
             self.cells.append(row)
         ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
-        _group_ticks(ax, groups)
+        self.centres = _group_ticks(ax, groups, [f"{name}\n×10⁻²" for name in self.names]
+                                    if unit_per_group else None)             # room for a unit
         self.right = ax.secondary_yaxis("right")
         self.right.set_yticks(range(world_size), ["differs"] * world_size)   # the widest label
         self.right.tick_params(length=0)
-        ax.set_title(f"{title}  (×10⁻²)", fontsize=MIN_FONT + 1)          # room for a unit
+        ax.set_title(f"{title}  (×10⁻²)" if not unit_per_group else title,
+                     fontsize=MIN_FONT + 1)
 
     def update(self, values: np.ndarray) -> None:
         finite = values[np.isfinite(values)]
@@ -109,7 +146,7 @@ class _HeatPanel:
             lo, hi = lo - 1, hi + 1
         self.image.set_data(np.ma.masked_invalid(values))
         self.image.set_clim(lo, hi)
-        e, labels = scaled_labels(values)
+        exponents, labels = cell_labels(values, self.group_of if self.unit_per_group else None)
         mid = (lo + hi) / 2
         for (i, j), v in np.ndenumerate(values):
             patch, text = self.cells[i][j]
@@ -136,7 +173,12 @@ class _HeatPanel:
         self.right.set_yticks(range(self.world_size),
                               ["rank 0" if r == 0 else ("same" if s else "differs")
                                for r, s in enumerate(same_as_rank0(values))])
-        unit = scale_text(e)
+        if self.unit_per_group:                  # the unit under each group's name
+            present = [np.isfinite(values[:, self.group_of == g]).any() for g in range(len(self.names))]
+            self.ax.set_xticks(self.centres, [f"{name}\n{scale_text(e) or '×1'}" if has else name
+                                              for name, e, has in zip(self.names, exponents, present)])
+            return
+        unit = scale_text(exponents[0])
         self.ax.set_title(self.title + (f"  ({unit})" if unit else ""), fontsize=MIN_FONT + 1)
 
 
@@ -329,7 +371,8 @@ class StepFigure(BuiltFigures):
         grid = fig.add_gridspec(2, 3, width_ratios=[1.5, 1.5, 0.8])
         names = [(grid[0, 0], "built, own generator"), (grid[0, 1], "after DDP(model)"),
                  (grid[1, 0], "gradient after backward"), (grid[1, 1], "after one SGD step")]
-        self.panels = [_HeatPanel(fig.add_subplot(spec), world_size, groups, name)
+        self.panels = [_HeatPanel(fig.add_subplot(spec), world_size, groups, name,
+                                  unit_per_group=name.startswith("gradient"))
                        for spec, name in names]
         self.mask = _MaskPanel(fig.add_subplot(grid[0, 2]), world_size, units,
                                "dropout mask in the step", [f"rank {r}" for r in range(world_size)])
@@ -344,6 +387,8 @@ class StepFigure(BuiltFigures):
         key.text(0.24, 0.50, "a dropped unit", va="center", fontsize=MIN_FONT,
                  transform=key.transAxes)
         key.text(0.02, 0.18, "same / differs: this rank's row\nagainst rank 0's",
+                 va="center", fontsize=MIN_FONT, transform=key.transAxes)
+        key.text(0.02, -0.12, f"{NEAR_ZERO}: not zero, under half\nthe unit (0: exactly zero)",
                  va="center", fontsize=MIN_FONT, transform=key.transAxes)
         self.title = fig.suptitle("aux used on rank 0 only, find_unused_parameters, seed + rank, "
                                   "4 ranks", fontsize=MIN_FONT + 1)     # room for the longest title
