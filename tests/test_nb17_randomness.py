@@ -135,7 +135,11 @@ def test_turning_dropout_on_changes_the_data_order(group):
     assert "0.0" not in source_with("def epoch_order(", "code")
     stored = stored_text(cell_with("actual_3 = "))
     assert "The real run gives False." in stored and "p=0.0" not in stored
-    assert f"order without dropout: {before}" in stored and f"order with dropout, p=0.1: {after}" in stored
+    # the order after dropout's draw depends on how many numbers the CPU's bernoulli kernel
+    # draws (torch's own kernel, or MKL's on Intel CPUs in some builds), so the stored
+    # output shows only the order without dropout, which randperm alone decides
+    assert f"order without dropout: {before}" in stored
+    assert "order with dropout, p=0.1: another order of the same 16 samples" in stored
 
 
 def test_a_generator_per_purpose_and_fork_rng(group):
