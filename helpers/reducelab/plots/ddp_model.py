@@ -109,7 +109,9 @@ def _hatched_cell(x: float, y: float) -> Rectangle:
 
 class _HeatPanel:
     """One heatmap panel, built once and updated: rows are ranks, each cell shows its
-    value in the panel's unit; a NaN cell is grey and hatched, and each run of NaN cells
+    value in the panel's unit (``unit_per_group``: in its column group's unit, written
+    under the group's name; :data:`NEAR_ZERO` for a value that is not zero but rounds
+    to 0); a NaN cell is grey and hatched, and each run of NaN cells
     within a column group says "none" once, centred on the run (one label per cell
     would touch its neighbour's and read as one word across the cells); the right side
     says whether each row equals rank 0's."""
@@ -354,8 +356,11 @@ class StepFigure(BuiltFigures):
 
     Top: an element of every parameter as each rank built it, after ``DDP(model)``,
     and each rank's dropout mask in the step. Bottom: the gradient after ``backward()``
-    ("none" where a parameter received none) and the parameters after one SGD step.
-    Every panel marks each rank's row "same" as rank 0's or "differs".
+    ("none" where a parameter received none; each column group in a unit of its own,
+    written under its name, since a body's gradient can be a hundred times smaller than
+    a head's) and the parameters after one SGD step. Every panel marks each rank's row
+    "same" as rank 0's or "differs"; a value that is not zero but rounds to 0 in its
+    unit reads :data:`NEAR_ZERO`.
 
     The figure is built once per world size, number of columns and of hidden units, its
     layout computed once and kept; a :meth:`draw` only updates it (a widget redraws on
