@@ -397,6 +397,19 @@ def test_issue_148976_is_cited_as_detail_false_alarm_not_as_which_rank_is_stuck(
     assert "#138322" in row and "148976" not in row
 
 
+def test_issue_54059_points_to_notebook_13s_step_where_ddp_evaluation_hangs():
+    """#54059 is a validation run on one GPU that hangs the job; its DDP form, rank 0
+    evaluating alone through the wrapper, is taught in notebook 13's step 5 (a second
+    review): the sentence that cites #54059 says so, and notebook 13's step 5 is that step."""
+    first = next(text for text in markdown_cells() if "54059" in text)
+    sentence = next(s for s in re.split(r"(?<=\.)\s+", first) if "54059" in s)
+    assert "notebook 13's step 5" in sentence and "evaluating" in sentence
+    nb13 = json.loads((ROOT / "notebooks" / "13_what_ddp_expects_of_a_model.ipynb").read_text())
+    assert any(line.startswith("## Step 5: evaluating on rank 0 alone")
+               for c in nb13["cells"] if c["cell_type"] == "markdown"
+               for line in "".join(c["source"]).splitlines())
+
+
 # --- step 3: the flight recorder --------------------------------------------------------------
 
 def test_the_cpu_build_has_fr_dumps_but_no_nccl_dump():

@@ -24,8 +24,8 @@ from reducelab.checks.answers import WHY
 from reducelab.checks.ddp_model import (SHARD_SIZES, check_evaluate_together, first_elements,
                                         stderr_during)
 from reducelab.plots import MAX_WIDTH, MIN_FONT
-from reducelab.plots.ddp_model import (StepFigure, buffers_figure, construction_figure,
-                                       same_as_rank0)
+from reducelab.plots.ddp_model import (NEAR_ZERO, StepFigure, buffers_figure, cell_labels,
+                                       construction_figure, same_as_rank0)
 from reducelab.widgets.ddp_model import (AUX_USED_ON, GROUPS, OPTIONS, SEEDINGS,
                                          DDPStepExplorer, StepResult, describe_result)
 
@@ -303,6 +303,32 @@ def test_explorer_default_shows_the_unaveraged_step(explorer):
     assert "The next forward raises on 4 of 4 ranks: RuntimeError: Expected to have finished " \
            "reduction in the prior iteration before starting a new one." in explorer.message.value
     assert explorer.text() in stored_text(cell_with("explorer = DDPStepExplorer("))
+    # the body's gradient, far smaller than the head's, is never labelled "0" (a second review)
+    group_of = np.repeat(np.arange(len(GROUPS)), [k for _, k in GROUPS])
+    _, labels = cell_labels(r.grad, group_of)
+    assert not ((labels == "0") & (r.grad != 0)).any()
+    assert (labels[:, :2] != NEAR_ZERO).sum() >= 4                    # body's own unit: digits
+
+
+def test_a_small_gradient_never_reads_as_zero(drawn):
+    """The explorer's body gradient is about a hundred times smaller than the head's, and in
+    the panel's one unit it read "0 0" beside "differs" (a second review). The gradient panel
+    gives each column group its own unit, written under its name; a value that is not zero
+    but rounds to 0 reads "~0", which the key explains; an exact zero stays "0"."""
+    nan = np.nan
+    grad = np.array([[2.4e-2, 9.6e-3, -0.14, 0.29, nan, nan],
+                     [-3.9e-4, 0.0, 0.56, -0.48, nan, nan]])
+    data = np.full((2, 6), 0.1)
+    StepFigure().draw(data, data, np.zeros((2, 8), bool), grad, data, GROUPS, "t")
+    fig = drawn[-1]
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("gradient"))
+    assert [t.get_text() for t in panel.get_xticklabels()] == ["body\n×10⁻³", "head\n×10⁻²", "aux"]
+    shown = [t.get_text() for t in panel.texts if t.get_text() and t.get_text() != "none"]
+    assert shown == ["24", "10", "-14", "29", NEAR_ZERO, "0", "56", "-48"]
+    key = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert f"{NEAR_ZERO}: not zero, under half" in key
+    exponents, labels = cell_labels(np.array([[0.5, 0.001, 0.0]]))   # one unit for the panel
+    assert exponents == [-2] and labels.tolist() == [["50", NEAR_ZERO, "0"]]
 
 
 @pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph"])

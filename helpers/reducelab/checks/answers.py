@@ -336,10 +336,10 @@ WHY = {
             "gives. With one seed every step trains about half of the units on the whole "
             "global batch; with a seed per rank each sample gets a mask of its own, as in one "
             "process.",
-        3: "With p=0.0 dropout returns its input and draws nothing from the global "
-            "generator; with p=0.1 it draws a mask from it. Every draw after that, the "
-            "data order included, starts from another state of the generator, so the order "
-            "changes although the seed did not. Two purposes shared one stream.",
+        3: "Without dropout, torch.randperm is the first draw after the seed. With "
+            "dropout, F.dropout first draws its mask from the same global generator, and "
+            "every draw moves the generator on: randperm then starts from another state, so "
+            "the order changes although the seed did not. Two purposes shared one stream.",
     },
     "18": {
         1: "The parameters used where a rank holds only its own tokens: both LayerNorms' "

@@ -54,18 +54,52 @@ def same_as_rank0(values: np.ndarray) -> list[bool]:
     return [bool(np.array_equal(row, a[0], equal_nan=True)) for row in a]
 
 
-def _group_ticks(ax, groups) -> None:
-    """Label column groups (``[(name, n_columns), ...]``) under the panel and separate
-    them with vertical lines."""
-    start, centres, names = 0, [], []
-    for name, n in groups:
+def _group_ticks(ax, groups, names=None) -> list[float]:
+    """Label column groups (``[(name, n_columns), ...]``) under the panel (``names``
+    instead of the groups' names, if given) and separate them with vertical lines;
+    return the tick positions."""
+    start, centres = 0, []
+    for _, n in groups:
         centres.append(start + (n - 1) / 2)
-        names.append(name)
         start += n
         if start < sum(n for _, n in groups):
             ax.axvline(start - 0.5, color="white", lw=2.5)
-    ax.set_xticks(centres, names)
+    ax.set_xticks(centres, names if names is not None else [name for name, _ in groups])
     ax.tick_params(axis="x", length=0)
+    return centres
+
+
+NEAR_ZERO = "~0"
+"""A cell's label where a value that is not zero rounds to 0 in its unit: "0" is kept
+for an exact zero (a gradient that is exactly zero, such as a unit dropped for every
+sample), so a small value never reads as none."""
+
+
+def cell_labels(values: np.ndarray, group_of=None) -> tuple[list, np.ndarray]:
+    """The labels of a heatmap's cells and their units: whole numbers in units of
+    ``10**e`` (:func:`~reducelab.plots.sharded.scaled_labels`), :data:`NEAR_ZERO` where a
+    value that is not zero rounds to 0.
+
+    Args:
+        values: ``(rows, columns)`` float; NaN where there is no value.
+        group_of: per column, the index of its column group: each group then gets its
+            own exponent (a group's values may be a hundred times smaller than
+            another's, as a body's gradient against a head's); ``None``: one exponent.
+
+    Returns:
+        ``(exponents, labels)``: one exponent per group (one in all without
+        ``group_of``), and an array of ``str`` of the shape of ``values``.
+    """
+    a = np.asarray(values, dtype=float)
+    groups = np.zeros(a.shape[1], int) if group_of is None else np.asarray(group_of)
+    exponents, labels = [], np.full(a.shape, "", dtype=object)
+    for g in range(int(groups.max()) + 1):
+        columns = groups == g
+        e, part = scaled_labels(a[:, columns])
+        exponents.append(e)
+        labels[:, columns] = part
+    labels[(labels == "0") & np.isfinite(a) & (a != 0)] = NEAR_ZERO
+    return exponents, labels
 
 
 def _hatched_cell(x: float, y: float) -> Rectangle:
@@ -75,14 +109,17 @@ def _hatched_cell(x: float, y: float) -> Rectangle:
 
 class _HeatPanel:
     """One heatmap panel, built once and updated: rows are ranks, each cell shows its
-    value in the panel's unit; a NaN cell is grey and hatched, and each run of NaN cells
+    value in the panel's unit (``unit_per_group``: in its column group's unit, written
+    under the group's name; :data:`NEAR_ZERO` for a value that is not zero but rounds
+    to 0); a NaN cell is grey and hatched, and each run of NaN cells
     within a column group says "none" once, centred on the run (one label per cell
     would touch its neighbour's and read as one word across the cells); the right side
     says whether each row equals rank 0's."""
 
-    def __init__(self, ax, world_size: int, groups, title: str):
+    def __init__(self, ax, world_size: int, groups, title: str, unit_per_group: bool = False):
         n = sum(int(k) for _, k in groups)
         self.ax, self.title, self.world_size = ax, title, world_size
+        self.names, self.unit_per_group = [str(name) for name, _ in groups], unit_per_group
         self.group_of = np.repeat(np.arange(len(groups)), [int(k) for _, k in groups])
         ax.set_facecolor(NO_VALUE)
         self.image = ax.imshow(np.zeros((world_size, n)), cmap=CMAP, aspect="auto")
@@ -96,11 +133,13 @@ class _HeatPanel:
                                            fontsize=MIN_FONT)))
             self.cells.append(row)
         ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
-        _group_ticks(ax, groups)
+        self.centres = _group_ticks(ax, groups, [f"{name}\n×10⁻²" for name in self.names]
+                                    if unit_per_group else None)             # room for a unit
         self.right = ax.secondary_yaxis("right")
         self.right.set_yticks(range(world_size), ["differs"] * world_size)   # the widest label
         self.right.tick_params(length=0)
-        ax.set_title(f"{title}  (×10⁻²)", fontsize=MIN_FONT + 1)          # room for a unit
+        ax.set_title(f"{title}  (×10⁻²)" if not unit_per_group else title,
+                     fontsize=MIN_FONT + 1)
 
     def update(self, values: np.ndarray) -> None:
         finite = values[np.isfinite(values)]
@@ -109,7 +148,7 @@ class _HeatPanel:
             lo, hi = lo - 1, hi + 1
         self.image.set_data(np.ma.masked_invalid(values))
         self.image.set_clim(lo, hi)
-        e, labels = scaled_labels(values)
+        exponents, labels = cell_labels(values, self.group_of if self.unit_per_group else None)
         mid = (lo + hi) / 2
         for (i, j), v in np.ndenumerate(values):
             patch, text = self.cells[i][j]
@@ -136,7 +175,12 @@ class _HeatPanel:
         self.right.set_yticks(range(self.world_size),
                               ["rank 0" if r == 0 else ("same" if s else "differs")
                                for r, s in enumerate(same_as_rank0(values))])
-        unit = scale_text(e)
+        if self.unit_per_group:                  # the unit under each group's name
+            present = [np.isfinite(values[:, self.group_of == g]).any() for g in range(len(self.names))]
+            self.ax.set_xticks(self.centres, [f"{name}\n{scale_text(e) or '×1'}" if has else name
+                                              for name, e, has in zip(self.names, exponents, present)])
+            return
+        unit = scale_text(exponents[0])
         self.ax.set_title(self.title + (f"  ({unit})" if unit else ""), fontsize=MIN_FONT + 1)
 
 
@@ -212,7 +256,7 @@ class _MaskPanel:
     cross-hatched for a dropped unit, white for a kept one; the right side says whether
     the row is rank 0's mask."""
 
-    def __init__(self, ax, ranks: int, units: int, title: str, row_labels=None):
+    def __init__(self, ax, ranks: int, units: int, title: str, row_labels=None, reference=None):
         self.ax, self.ranks = ax, ranks
         self.cells = [[ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white",
                                               edgecolor=NEUTRAL, lw=0.6))
@@ -224,33 +268,63 @@ class _MaskPanel:
         ax.set_xlabel("hidden unit")
         ax.set_title(title, fontsize=MIN_FONT + 1)
         self.right = ax.secondary_yaxis("right")
-        self.right.set_yticks(range(ranks), ["rank 0's"] * ranks)             # the widest label
+        self.reference = list(reference) if reference is not None else None
+        widest = "differs from rank 0" if reference is not None else "rank 0's"
+        self.right.set_yticks(range(ranks), [widest] * ranks)
         self.right.tick_params(length=0)
+        for r in range(1, ranks if reference is not None else 0):   # a thick line between groups
+            if self.reference[r] != self.reference[r - 1]:
+                ax.axhline(r - 0.5, color="black", lw=3)
 
     def update(self, dropped: np.ndarray) -> None:
         for (i, j), d in np.ndenumerate(dropped):
             rect = self.cells[i][j]
             rect.set_facecolor(DROPPED if d else "white")
             rect.set_hatch("xx" if d else None)
-        self.right.set_yticks(range(self.ranks),
-                              ["rank 0's" if r == 0 else
-                               ("same" if np.array_equal(dropped[r], dropped[0]) else "differs")
-                               for r in range(self.ranks)])
+        self.right.set_yticks(range(self.ranks), mask_labels(dropped, self.reference))
 
 
-def mask_figure(panels: dict, row_labels=None, title: str = "") -> bytes:
+def mask_labels(dropped: np.ndarray, reference=None) -> list[str]:
+    """The right-hand label of each row of a mask panel: ``"rank k's"`` on a reference
+    row; on another row, against rank 0 (``reference`` None) ``"same"`` or ``"differs"``,
+    and against its own reference row k ``"same as rank k"`` or ``"differs from rank k"``.
+
+    Args:
+        dropped: ``(ranks, units)``, truthy for a dropped unit.
+        reference: per row, the row it is compared with (a reference row names itself).
+    """
+    d = np.asarray(dropped).astype(bool)
+    ref = list(reference) if reference is not None else [0] * d.shape[0]
+    out = []
+    for r, k in enumerate(ref):
+        same = np.array_equal(d[r], d[k])
+        if r == k:
+            out.append(f"rank {k}'s")
+        elif reference is None:
+            out.append("same" if same else "differs")
+        else:
+            out.append(f"same as rank {k}" if same else f"differs from rank {k}")
+    return out
+
+
+def mask_figure(panels: dict, row_labels=None, title: str = "", reference=None) -> bytes:
     """One panel per seeding pattern, 9.6 in wide: each row is a rank's dropout mask
-    (black, cross-hatched: dropped; white: kept), and the right side says
-    whether the row is the same mask as rank 0's.
+    (black, cross-hatched: dropped; white: kept, as a key under the panels says), and
+    the right side says whether the row is the same mask as its reference row's: rank
+    0's, or with ``reference`` each row's own (a thick line then separates the groups
+    of rows that share a reference, such as the tp groups of a dp x tp mesh).
 
     Args:
         panels: ``{title: array-like of shape (ranks, units)}``, truthy where a unit
             was dropped; every panel has the same shape.
         row_labels: a label per row (default ``"rank r"``).
         title: figure title.
+        reference: per row, the index of the row it is compared with (a reference row
+            gives its own index); default: every row against row 0.
 
     Raises:
-        ValueError: no panel, or panels of different shapes.
+        ValueError: no panel, panels of different shapes, or a ``row_labels`` or
+            ``reference`` of another length than the rows.
     """
     arrays = {k: np.asarray(v).astype(bool) for k, v in panels.items()}
     if not arrays:
@@ -262,10 +336,17 @@ def mask_figure(panels: dict, row_labels=None, title: str = "") -> bytes:
     labels = row_labels or [f"rank {r}" for r in range(ranks)]
     if len(labels) != ranks:
         raise ValueError(f"row_labels has {len(labels)} labels for {ranks} rows")
-    fig = new_figure(9.6, 1.6 + 0.4 * ranks)
+    if reference is not None and (len(reference) != ranks
+                                  or any(not 0 <= int(k) < ranks for k in reference)):
+        raise ValueError(f"reference needs one row index in [0, {ranks}) per row, got {reference}")
+    fig = new_figure(9.6, 2.0 + 0.4 * ranks)
     axes = fig.subplots(1, len(arrays), squeeze=False)[0]
     for k, (ax, (name, a)) in enumerate(zip(axes, arrays.items())):
-        _MaskPanel(ax, ranks, a.shape[1], name, labels if k == 0 else None).update(a)
+        _MaskPanel(ax, ranks, a.shape[1], name, labels if k == 0 else None, reference).update(a)
+    key = [Rectangle((0, 0), 1, 1, facecolor=DROPPED, edgecolor=NEUTRAL, hatch="xx", lw=0.6),
+           Rectangle((0, 0), 1, 1, facecolor="white", edgecolor=NEUTRAL, lw=0.6)]
+    fig.legend(key, ["a dropped unit (black, cross-hatched)", "a kept unit (white)"],
+               loc="outside lower center", ncols=2, fontsize=MIN_FONT, frameon=False)
     fig.suptitle(title, fontsize=MIN_FONT + 1)
     return png(fig)
 
@@ -275,8 +356,11 @@ class StepFigure(BuiltFigures):
 
     Top: an element of every parameter as each rank built it, after ``DDP(model)``,
     and each rank's dropout mask in the step. Bottom: the gradient after ``backward()``
-    ("none" where a parameter received none) and the parameters after one SGD step.
-    Every panel marks each rank's row "same" as rank 0's or "differs".
+    ("none" where a parameter received none; each column group in a unit of its own,
+    written under its name, since a body's gradient can be a hundred times smaller than
+    a head's) and the parameters after one SGD step. Every panel marks each rank's row
+    "same" as rank 0's or "differs"; a value that is not zero but rounds to 0 in its
+    unit reads :data:`NEAR_ZERO`.
 
     The figure is built once per world size, number of columns and of hidden units, its
     layout computed once and kept; a :meth:`draw` only updates it (a widget redraws on
@@ -292,7 +376,8 @@ class StepFigure(BuiltFigures):
         grid = fig.add_gridspec(2, 3, width_ratios=[1.5, 1.5, 0.8])
         names = [(grid[0, 0], "built, own generator"), (grid[0, 1], "after DDP(model)"),
                  (grid[1, 0], "gradient after backward"), (grid[1, 1], "after one SGD step")]
-        self.panels = [_HeatPanel(fig.add_subplot(spec), world_size, groups, name)
+        self.panels = [_HeatPanel(fig.add_subplot(spec), world_size, groups, name,
+                                  unit_per_group=name.startswith("gradient"))
                        for spec, name in names]
         self.mask = _MaskPanel(fig.add_subplot(grid[0, 2]), world_size, units,
                                "dropout mask in the step", [f"rank {r}" for r in range(world_size)])
@@ -307,6 +392,8 @@ class StepFigure(BuiltFigures):
         key.text(0.24, 0.50, "a dropped unit", va="center", fontsize=MIN_FONT,
                  transform=key.transAxes)
         key.text(0.02, 0.18, "same / differs: this rank's row\nagainst rank 0's",
+                 va="center", fontsize=MIN_FONT, transform=key.transAxes)
+        key.text(0.02, -0.12, f"{NEAR_ZERO}: not zero, under half\nthe unit (0: exactly zero)",
                  va="center", fontsize=MIN_FONT, transform=key.transAxes)
         self.title = fig.suptitle("aux used on rank 0 only, find_unused_parameters, seed + rank, "
                                   "4 ranks", fontsize=MIN_FONT + 1)     # room for the longest title
@@ -357,4 +444,4 @@ class StepFigure(BuiltFigures):
 
 
 __all__ = ["NO_VALUE", "StepFigure", "buffers_figure", "construction_figure",
-           "mask_figure", "same_as_rank0"]
+           "mask_figure", "mask_labels", "same_as_rank0"]
