@@ -648,7 +648,7 @@ def test_the_gqa_sentence_comes_after_question_2_and_names_its_source():
     gqa = [k for k, (src, _) in enumerate(all_cells) if "grouped-query attention" in src]
     assert len(gqa) == 1 and gqa[0] > reveal_2, (gqa, reveal_2)
     text = " ".join(all_cells[gqa[0]][0].split())
-    for fact in ("a multiple or a divisor of `tp`", "all-gathers", "several ranks compute the same one",
+    for fact in ("a multiple or a divisor of `tp`", "all-gathers", "several ranks hold the same one",
                  "`SelfAttention.get_query_key_value_tensors` in `megatron/core/transformer/attention.py`",
                  "`TransformerConfig`", "August 2026"):
         assert fact in text, fact
