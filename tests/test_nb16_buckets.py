@@ -517,7 +517,7 @@ def test_the_texts_say_what_ddp_runs_without_a_hook_and_what_the_timeline_can_sh
     assert text.count("Reducer::run_allreduce_hook") >= 2 and "_AllReduceBySumCommHook" in text
     assert "can fail on gloo" in text and "functools.wraps" in text and "@functools.wraps(inner)" in code
     assert "on {cores} cores" in code and "the count printed above" in text   # overlap needs cores
-    assert "saves about (P − B)·α" not in text and "The model gives the direction and a floor" in text
+    assert "saves about (P − B)·α" not in text and "The model gives the direction, and here a floor" in text
 
 
 def test_the_gpu_part_says_what_was_not_run():
