@@ -633,3 +633,22 @@ def test_nothing_before_question_3_counts_the_row_then_column_collectives():
     for spoiler in ("two collectives", "2 collectives", "Two: g's", "Column → row needs one"):
         assert spoiler not in before, spoiler
     assert "Column → row needs one" in WHY["09"][3]
+
+
+def test_the_gqa_sentence_comes_after_question_2_and_names_its_source():
+    """A review asked about grouped-query attention with fewer key/value heads than tp ranks.
+    Megatron-LM's main branch (August 2026) answers it: TransformerConfig raises unless
+    num_query_groups is a multiple or a divisor of tensor_model_parallel_size, and
+    SelfAttention.get_query_key_value_tensors all-gathers the fused QKV output and keeps the
+    slice of the key/value head a rank's query heads share. The sentence sits after question
+    2's reveal (it names an all_gather, which would prime a count of collectives), cites that
+    code and claims nothing else."""
+    all_cells = cells()
+    reveal_2 = next(k for k, (src, _) in enumerate(all_cells) if "reveal(answer_2" in src)
+    gqa = [k for k, (src, _) in enumerate(all_cells) if "grouped-query attention" in src]
+    assert len(gqa) == 1 and gqa[0] > reveal_2, (gqa, reveal_2)
+    text = " ".join(all_cells[gqa[0]][0].split())
+    for fact in ("a multiple or a divisor of `tp`", "all-gathers", "several ranks hold the same one",
+                 "`SelfAttention.get_query_key_value_tensors` in `megatron/core/transformer/attention.py`",
+                 "`TransformerConfig`", "August 2026"):
+        assert fact in text, fact

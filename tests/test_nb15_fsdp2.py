@@ -645,6 +645,9 @@ def test_questions_1_and_2_stay_unspoiled():
     assert "torch.chunk" not in before_1 and "ceil(" not in before_1
     before_2 = _markdown_before("answer_2 = None")
     assert "for the root" not in before_2 and "but the root" not in before_2
+    # nor the mechanism (a second review: "backward starts where forward ended: at the root,
+    # whose forward ran last" stood right above the question)
+    assert "backward starts" not in before_2 and "forward ran last" not in before_2
     assert "torch.chunk(param, n, dim=0)" in markdown()[len(before_1):]   # said once answered
     assert "`False` for the root" in markdown()[len(before_2):]
 

@@ -291,9 +291,9 @@ WHY = {
             "group, and for the root the default None means False: it keeps the gathered "
             "parameters after forward, because backward starts with them. So one all_gather "
             "before forward serves backward too, and one reduce_scatter averages every "
-            "gradient. It is the fewest bytes and the largest peak: every parameter stays "
-            "gathered from the start of forward to the end of backward, as in notebook 08's "
-            "ZeRO-3.",
+            "gradient. It sends the fewest bytes and holds the most gathered parameters: "
+            "every parameter stays gathered from the start of forward to the end of "
+            "backward, as in notebook 08's ZeRO-3.",
         3: "After FSDP2's reduce-scatter, rank 0's local gradient holds the first rows of "
             "each weight and rank 1's the last rows, both already averaged. all_reduce(AVG) "
             "of to_local() over the same ranks averages rank 0's rows with rank 1's rows: "
