@@ -889,3 +889,22 @@ def test_a_wrong_prediction_is_shown_where_it_differs_visibly_from_the_model():
     from reducelab.checks.cost import _diagnose
     said = _diagnose(lambda S, n, alpha, beta: math.log2(n) * (alpha + beta * S / n))
     assert said.startswith("For S = 64 MiB on 16 ranks"), said
+
+
+def test_the_exercise_crossover_is_where_the_two_models_meet():
+    """The check names the size below which recursive doubling's model is faster than the
+    ring's: the two models are equal there, recursive doubling is faster just below it and
+    the ring just above; at 2 ranks neither is ever faster."""
+    import math
+
+    from reducelab.checks.cost import (_recursive_doubling_seconds,
+                                       ring_recursive_doubling_crossover, ring_seconds)
+    alpha, beta = 40e-6, 1 / 2e9
+    assert math.isinf(ring_recursive_doubling_crossover(2, alpha, beta))
+    for n in (4, 8, 16):
+        S = ring_recursive_doubling_crossover(n, alpha, beta)
+        assert 0 < S < math.inf
+        assert math.isclose(_recursive_doubling_seconds(S, n, alpha, beta),
+                            ring_seconds(S, n, alpha, beta), rel_tol=1e-12)
+        assert _recursive_doubling_seconds(0.9 * S, n, alpha, beta) < ring_seconds(0.9 * S, n, alpha, beta)
+        assert _recursive_doubling_seconds(1.1 * S, n, alpha, beta) > ring_seconds(1.1 * S, n, alpha, beta)

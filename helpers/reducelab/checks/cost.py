@@ -179,6 +179,20 @@ def _recursive_doubling_seconds(size_bytes: float, world_size: int, alpha: float
     return rounds * (alpha + beta * size_bytes)
 
 
+def ring_recursive_doubling_crossover(world_size: int, alpha: float, beta: float) -> float:
+    """The size ``S*`` (bytes) below which recursive doubling's model
+    (:func:`_recursive_doubling_seconds`) is faster than the ring's (:func:`ring_seconds`),
+    with ``alpha`` seconds per message and ``beta`` seconds per byte; ``inf`` where
+    recursive doubling is never slower (2 ranks: both send one message of ``S`` bytes
+    per round, and the ring has as many rounds). Both models are linear in ``S``, so
+    ``L (α + β S) = 2 (n - 1) α + 2 (n - 1) / n · β S`` with ``L = log2 n`` gives
+    ``S* = (2 (n - 1) - L) α / ((L - 2 (n - 1) / n) β)``."""
+    n = world_size
+    rounds, ring_share = math.log2(n), 2 * (n - 1) / n
+    slope = (rounds - ring_share) * beta   # how much faster recursive doubling's time grows
+    return math.inf if slope <= 0 else (2 * (n - 1) - rounds) * alpha / slope
+
+
 def time_algorithm(algorithm, size_bytes: int, repeats: int = 5) -> list[float]:
     """Rank function of the exercise's real run: ``algorithm(x)`` all-reduces a float32
     tensor ``x`` of ``size_bytes`` in place; one warm-up call, then ``repeats`` calls,
@@ -381,17 +395,9 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
     cores = available_cores() if cores is None else cores
     crossings = []
     for n in (world_size, 2 * world_size):
-        lo, hi = 1.0, 2.0 ** 40
-        if _recursive_doubling_seconds(hi, n, alpha, beta) <= ring_seconds(hi, n, alpha, beta):
-            crossings.append(f"{n} ranks: recursive doubling at every size")
-            continue
-        for _ in range(200):  # bisection on log(S): where the two models cross
-            mid = math.sqrt(lo * hi)
-            if _recursive_doubling_seconds(mid, n, alpha, beta) < ring_seconds(mid, n, alpha, beta):
-                lo = mid
-            else:
-                hi = mid
-        crossings.append(f"{n} ranks: recursive doubling below S = {size_label(lo)}, the ring above")
+        S = ring_recursive_doubling_crossover(n, alpha, beta)
+        crossings.append(f"{n} ranks: recursive doubling at every size" if math.isinf(S) else
+                         f"{n} ranks: recursive doubling below S = {size_label(S)}, the ring above")
     head = [
         "Your function is the α-β model of recursive doubling at world sizes 2 to 16.",
         f"With your fit of the Python ring at {world_size} ranks (α = {seconds_label(per_call)} "
