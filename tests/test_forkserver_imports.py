@@ -284,12 +284,12 @@ seen = {"released": processes.released_later(), "dynamo": dynamo, "restarts": gr
 """
 
 
-def run_kernel_cells(*cells: str) -> list:
+def run_kernel_cells(*cells: str, preload: str = "full") -> list:
     """Run ``cells`` one after the other in an IPython shell in a fresh process (its
     ``post_run_cell`` event fires after each, as in a Jupyter kernel); return what each
     left in ``seen``."""
     code = textwrap.dedent(KERNEL).format(cells=[textwrap.dedent(c) for c in cells])
-    return run_in_fresh_process(code, REDUCELAB_PRELOAD="full")
+    return run_in_fresh_process(code, REDUCELAB_PRELOAD=preload)
 
 
 def test_a_setup_cell_that_imports_ddp_starts_its_group_at_once_and_its_first_run_has_dynamo():
@@ -335,3 +335,12 @@ def test_a_second_group_in_the_setup_cell_does_not_wait_either():
     assert setup == {"released_in_cell": False, "held": True}
     assert first == {"released": True, "dynamo": [True, True], "restarts": 2}
     assert other == {"dynamo": [True, True], "restarts": 2}
+
+
+def test_an_eager_server_s_first_group_is_not_started_twice():
+    """``REDUCELAB_PRELOAD=eager`` imported dynamo before it served the setup cell's ranks:
+    their first run needs no new ones."""
+    setup, first = run_kernel_cells(
+        SETUP.format(imports="from torch.nn.parallel import DistributedDataParallel as DDP",
+                     more=""), STATE, preload="eager")
+    assert first == {"released": False, "dynamo": [True, True], "restarts": 1}

@@ -395,9 +395,9 @@ def release_requests() -> None:
         pass
     wanted = kernel_later()
     ask_for_later(wanted)
-    pid, _ = _server()
-    if pid and any(m in LATER and m not in WITH_TORCH for m in wanted):  # the server has WITH_TORCH
-        _released_later[:] = [pid]
+    pid, later = _server()  # an eager server imported all of LATER before it served ranks
+    if pid and later and any(m in LATER and m not in WITH_TORCH for m in wanted):
+        _released_later[:] = [pid]  # the server has WITH_TORCH: torch imports it
 
 
 def _before_group(ctx) -> None:
