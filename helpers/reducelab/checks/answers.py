@@ -41,9 +41,18 @@ WHY = {
             "reduce wrote into the elements it covers. On rank 3 gloo wrote elements 2 and 3 "
             "only (x after the reduce, above): x.view(2, 2) covers them, x[:2] does not. y = "
             "x + 1 was computed before the reduce into storage of its own, and nothing writes "
-            "to it later.",
-        3: "dist.reduce returned before rank 1 had even joined, so dst's x still held its "
-            "input. Only once work.wait() has returned is the result sure to be in x.",
+            "to it later; x.clone() is a copy, with storage of its own too (copy: False on "
+            "every rank).",
+        3: "async_op=True does not copy x: gloo reads rank 1's x only when it sends it, on a "
+            "background thread, and over TCP it sends only once the receiver has posted its "
+            "receive (\"Execute this send if there is a remote pending receive\", Pair::send "
+            "in gloo/transport/tcp/pair.cc). In run (a) dst had not called reduce yet, so the "
+            "write came first: rank 1 sent 15 and dst ended with 16. In run (b) dst's reduce "
+            "was done, and the write changed only rank 1's own x. The docs promise the result "
+            "only once wait() has returned (for CPU collectives it blocks \"until the operation "
+            "is completed\") and nothing about a tensor written before that. In a real "
+            "program nothing pins the moment: the next cell shows what timing alone does. "
+            "Wait first, then write.",
     },
     "03": {
         1: "(2.0 + 0.0) / 2 = 1.0: each rank's mean counts once, whatever its batch size. "
