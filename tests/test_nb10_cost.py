@@ -798,6 +798,48 @@ def test_the_gpu_part_says_what_was_not_run_and_shows_gloos_timeout():
         assert "the default value (3 - SkipCleanUp)" in source
 
 
+def test_the_gpu_part_says_what_nccl_does_with_a_16_bit_sum_as_torch_s_source_does():
+    """An expert review: the GPU part said nothing on precision. Its bullet cites the
+    table that hands NCCL the tensor's own dtype (no float32 upcast), as the installed
+    headers hold it, and claims nothing about NCCL's internal arithmetic."""
+    text = markdown()
+    part = text[text.index("## On GPUs with NCCL"):text.index("## Summary")]
+    bullet = next(line for line in part.splitlines() if line.startswith("- **bf16 and fp16 sums.**"))
+    for fact in ("`ncclDataType`", "`torch/csrc/distributed/c10d/NCCLUtils.hpp`", "`at::kHalf` to `ncclHalf`",
+                 "`at::kBFloat16` to `ncclBfloat16`", "`HAS_NCCL_BF16_DATATYPE`", "`torch/csrc/cuda/nccl.h`",
+                 "bits can differ", "cast before the all_reduce, at twice the bytes"):
+        assert fact in bullet, fact
+    for unsupported in ("accumulates in", "in float32 inside", "tensor cores", "always", "exactly"):
+        assert unsupported not in bullet, unsupported
+    include = pathlib.Path(torch.__file__).parent / "include/torch/csrc"
+    utils, nccl_h = include / "distributed/c10d/NCCLUtils.hpp", include / "cuda/nccl.h"
+    if utils.exists() and nccl_h.exists():              # the CPU wheel ships both headers
+        table = utils.read_text()
+        table = table[table.index("ncclDataType = {"):]
+        table = table[:table.index("};")]
+        assert "{at::kHalf, ncclHalf}" in table
+        assert "#if HAS_NCCL_BF16_DATATYPE\n    {at::kBFloat16, ncclBfloat16}," in table
+        assert "kFloat, ncclFloat}" in table and "kBFloat16, ncclFloat}" not in table
+        assert "#define HAS_NCCL_BF16_DATATYPE" in nccl_h.read_text()
+
+
+def test_question_2_states_its_three_algorithms_evenly_and_none_as_gloos():
+    """An expert review: question 2 named only the chain (the bus factor's 1), which primed
+    the answer. It now describes the chain, the tree and the star alike, one line each,
+    and nothing above it says which one gloo runs."""
+    mds = markdown_cells()
+    q = next(i for i, t in enumerate(mds) if t.startswith("**Question 2.**"))
+    asked = mds[q]
+    options = [line for line in asked.splitlines() if line.startswith("- a **")]
+    assert [o.split("**")[1] for o in options] == ["chain", "tree", "star"]
+    assert all(": " in o and o.endswith((";", ".")) for o in options)
+    assert "bus factor" not in asked and "at most 1 byte" not in asked and "Pick one of 1, 2 and 3." in asked
+    above = "\n".join(mds[:q + 1])
+    for hint in ("gloo/broadcast.cc", "broadcast is a tree", "question 2's tree", "ceil(log2", "log₂"):
+        assert hint not in above, hint
+    assert "question 2's tree" in "\n".join(mds[q + 1:])          # named after it
+
+
 def _cost_view(world_size: int, collective: str, spot_bytes: int, seed: int):
     from reducelab.widgets.cost import CostView, Sweep, Timing
     rng = np.random.default_rng(seed)
