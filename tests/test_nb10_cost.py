@@ -840,6 +840,19 @@ def test_question_2_states_its_three_algorithms_evenly_and_none_as_gloos():
     assert "question 2's tree" in "\n".join(mds[q + 1:])          # named after it
 
 
+def test_question_3_does_not_say_how_torch_sum_adds_before_it_asks():
+    """Question 3 (gloo's bf16 sum or one process's torch.sum: which is closer?) used to
+    say, in its own text, that torch.sum adds in float32 and rounds once: with step 6's
+    'rounds after every addition' for gloo, that was the answer. How torch.sum adds is
+    now its reveal's (WHY["10"][3]), and the run re-derives it (the precision test)."""
+    mds = markdown_cells()
+    q = next(i for i, t in enumerate(mds) if t.startswith("**Question 3.**"))
+    above = "\n".join(mds[:q + 1])
+    for hint in ("in float32 and rounds once", "rounds once", "accumulates in float32", "adds bf16 values in float32"):
+        assert hint not in above, hint
+    assert "float32 and rounds to bf16 once" in WHY["10"][3]
+
+
 def _cost_view(world_size: int, collective: str, spot_bytes: int, seed: int):
     from reducelab.widgets.cost import CostView, Sweep, Timing
     rng = np.random.default_rng(seed)
