@@ -415,6 +415,11 @@ def test_the_gpu_part_says_what_was_not_run_and_its_facts_hold_in_the_installed_
     assert "10 minutes for NCCL and 30 minutes for other backends" in part
     # notebook 11's tools (py-spy, the NCCL watchdog) stay in notebook 11: 08 is one study unit
     assert "py-spy" not in part and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in part
+    # every bullet names its source: NCCL's reduce_scatter bytes are nccl-tests' count, and
+    # the order of NCCL's additions is not claimed (an instructor's read found it unsourced)
+    bullet = next(line for line in part.splitlines() if line.startswith("- **reduce_scatter.**"))
+    assert "nccl-tests" in bullet and "`doc/PERFORMANCE.md`" in bullet and "(n-1)/n · S" in bullet
+    assert "ring order" not in part and "not with `==`" in bullet
 
 
 # --- saving a ZeroRedundancyOptimizer (the practice an expert expects) --------------------------
