@@ -238,6 +238,29 @@ def write_after_wait(delay):
     return sorted(int(v) for v in x.unique())
 
 
+def test_question_3_a_write_before_wait_reaches_dst_only_if_it_lands_first(group):
+    """Question 3 runs the notebook's own rank function: with the write pinned before dst
+    calls reduce, dst ends with 16 everywhere; pinned after dst's wait(), with 11. The
+    stored reveal says "C", and the explanation cites gloo's send-on-posted-receive."""
+    cells = notebook_cells()
+    cell = next(c for c in cells if "def write_at_a_pinned_moment" in c)
+    namespace = {"__name__": "__main__", "dist": dist, "torch": torch}
+    exec(cell[:cell.index("group.resize(2)")], namespace)
+    fn = namespace["write_at_a_pinned_moment"]
+    group.resize(2)
+    for _ in range(3):
+        assert group.run(fn, True)[0] == [16.0] * 4
+        assert group.run(fn, False)[0] == [11.0] * 4
+    stored = json.loads(NOTEBOOK.read_text())["cells"]
+    asked = next(c for c in stored if "reveal(answer_3," in "".join(c["source"]))
+    shown = conftest.stored_text(asked)
+    assert "The real run gives 'C'." in shown
+    assert "run (a): dst's x ends with [16.0, 16.0, 16.0, 16.0]" in shown
+    assert "run (b): dst's x ends with [11.0, 11.0, 11.0, 11.0]" in shown
+    from reducelab.checks import why
+    assert "Execute this send if there is a remote pending receive" in why("02", 3)
+
+
 def test_a_write_after_wait_never_reaches_dst(group):
     group.resize(2)
     assert {tuple(group.run(write_after_wait, k * 0.0003)[0]) for k in range(10)} == {(11,)}
@@ -692,13 +715,21 @@ def test_the_notebook_asks_before_it_explains():
     # question 2 gives what the reduce writes on rank 3, so that it asks about the names only
     assert "writes elements 2 and 3 of `x` and leaves elements 0 and 1" in cells[q2 - 1]
     q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
-    # the late start is part of the setting, with no word that points at the answer
-    assert "rank 1 0.5 s after rank 0" in cells[q3 - 1]
-    for hint in ("slow rank", "late", "straggler", "arrives"):
-        assert hint not in cells[q3 - 1].split("## Step 7")[1], hint
-    assert "To make" not in cells[q3 - 1] and "not guaranteed" not in cells[q3 + 1]
+    # an expert review: question 3 (read before wait) was near-trivial. It now asks what a
+    # write before wait() does to dst's result, at two pinned moments, with the three
+    # outcomes stated evenly and nothing above it that says whether reduce copies x
+    asked_3 = cells[q3 - 1].split("## Step 7")[1]
+    for option in ('`"A"`: 11 in both runs', '`"B"`: 16 in both runs',
+                   '`"C"`: 16 in run (a), 11 in run (b)'):
+        assert option in asked_3, option
+    assert "before `dst` (rank 0) has called `reduce`" in asked_3
+    assert "after `dst`'s `work.wait()` has returned" in asked_3
+    above_3 = "\n".join(cells[:q3 + 2])
+    for hint in ("does not copy", "copies x", "snapshot", "pending receive", "remote pending",
+                 "timing decides", "either value"):
+        assert hint not in above_3, hint
     race = next(c for c in cells if "def write_before_wait" in c)
-    assert "2 ** 18" in race
+    assert "2 ** 18" in race and cells.index(race) > q3
 
 
 def test_question_2s_stated_layout_is_what_the_ranks_do(group):

@@ -41,9 +41,18 @@ WHY = {
             "reduce wrote into the elements it covers. On rank 3 gloo wrote elements 2 and 3 "
             "only (x after the reduce, above): x.view(2, 2) covers them, x[:2] does not. y = "
             "x + 1 was computed before the reduce into storage of its own, and nothing writes "
-            "to it later.",
-        3: "dist.reduce returned before rank 1 had even joined, so dst's x still held its "
-            "input. Only once work.wait() has returned is the result sure to be in x.",
+            "to it later; x.clone() is a copy, with storage of its own too (copy: False on "
+            "every rank).",
+        3: "async_op=True does not copy x: gloo reads rank 1's x only when it sends it, on a "
+            "background thread, and over TCP it sends only once the receiver has posted its "
+            "receive (\"Execute this send if there is a remote pending receive\", Pair::send "
+            "in gloo/transport/tcp/pair.cc). In run (a) dst had not called reduce yet, so the "
+            "write came first: rank 1 sent 15 and dst ended with 16. In run (b) dst's reduce "
+            "was done, and the write changed only rank 1's own x. The docs promise the result "
+            "only once wait() has returned (for CPU collectives it blocks \"until the operation "
+            "is completed\") and nothing about a tensor written before that. In a real "
+            "program nothing pins the moment: the next cell shows what timing alone does. "
+            "Wait first, then write.",
     },
     "03": {
         1: "(2.0 + 0.0) / 2 = 1.0: each rank's mean counts once, whatever its batch size. "
@@ -122,8 +131,8 @@ WHY = {
         1: "Element i summed over the 4 ranks is i + (i + 10) + (i + 20) + (i + 30) = 4i + "
             "60. The sum is cut into 4 pieces of 2 elements, and rank 2 keeps piece 2: "
             "elements 4 and 5, that is 76 and 80.",
-        2: "They are equal, in float32 and in bfloat16. The table gave it away: gloo's "
-            "reduce_scatter sends as many bytes as its all_reduce because it runs one. The "
+        2: "They are equal, in float32 and in bfloat16. The clue was the table's last column: "
+            "gloo's reduce_scatter sends as many bytes as its all_reduce because it runs one. The "
             "gloo library has a reduce_scatter algorithm of its own "
             "(ReduceScatterHalvingDoubling, in gloo/reduce_scatter.h), but ProcessGroupGloo, "
             "torch's gloo backend, does not use it: reduce_scatter_single reaches "
@@ -138,13 +147,16 @@ WHY = {
             "(pytorch/pytorch#118911) notes that it sends twice what a real reduce_scatter "
             "sends. Another backend (NCCL's ring reduce_scatter) adds in its own order, so "
             "compare there with a tolerance of a few units in the last place, not with ==.",
-        3: "ZeRO-1 shards Adam's state only. Per parameter, DDP keeps 4 bytes of it, 4 of its "
-            "gradient and 8 of Adam's state (exp_avg and exp_avg_sq): 16. ZeRO-1 keeps the same "
-            "4 + 4 and a quarter of the 8: 10 of 16, 0.625, not a quarter. Measured on rank 0: "
-            "24,124 of 38,596 bytes (Adam's 4-byte step counter and the 2 elements of padding, "
-            "2,410 to 2,412, move the last digits). With the paper's mixed precision (2 + 2 bytes "
-            "and K = 12) it is (2 + 2 + 3) / 16 = 0.44 at 4 ranks: the larger K, the more stage 1 "
-            "saves. About a quarter takes stage 3, which shards all three.",
+        3: "ZeRO-1 shards the optimizer's state only, and SGD with momentum keeps one "
+            "float32 tensor of it per parameter. Per parameter, DDP keeps 4 bytes of the "
+            "parameter, 4 of its gradient and 4 of momentum_buffer: 12. ZeRO-1 keeps the same "
+            "4 + 4 and a quarter of the 4: 9 of 12, 0.75. Measured on rank 0: 21,708 of 28,944 "
+            "bytes (the 2 elements of padding, 2,410 to 2,412, are in both). With Adam (two "
+            "state tensors, K = 8) the same stage keeps 10 of 16, 0.625 (Adam's line above; "
+            "its 4-byte step counter moves the last digit), and with the paper's "
+            "mixed-precision Adam (2 + 2 bytes and K = 12), (2 + 2 + 3) / 16 = 0.44: the "
+            "larger the optimizer's state, the more stage 1 saves. Stage 3, which shards all "
+            "three, keeps about a quarter.",
     },
     "09": {
         1: "Without f, forward is unchanged, and so is every parameter's gradient: a rank's "

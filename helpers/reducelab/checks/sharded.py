@@ -246,11 +246,13 @@ def storage_bytes(*tensors) -> int:
 
 
 def zero_train(stage: str, X: torch.Tensor, y: torch.Tensor, steps: int = 1,
-               reduce_dtype: str = "float32") -> dict:
-    """Runs on every rank: ``steps`` Adam steps of ``stage`` (``"DDP"``, ``"ZeRO-1"``,
+               reduce_dtype: str = "float32", optimizer_name: str = "Adam") -> dict:
+    """Runs on every rank: ``steps`` optimizer steps of ``stage`` (``"DDP"``, ``"ZeRO-1"``,
     ``"ZeRO-2"`` or ``"ZeRO-3"``) on the flat vector padded to ``n * k`` elements,
-    ``k = ceil(NUMEL / n)``; the gradient travels in ``reduce_dtype``. Notebook 08's
-    step 2, where the learner reads it line by line.
+    ``k = ceil(NUMEL / n)``; the gradient travels in ``reduce_dtype``. The optimizer is
+    Adam, or with ``optimizer_name="SGD"`` SGD with momentum 0.9 (one state tensor per
+    parameter: notebook 08's question 3). Notebook 08's step 2, where the learner reads
+    it line by line.
 
     Returns:
         ``{"params": [flat float32 (NUMEL,) after each step], "before", "grad", "after"
@@ -268,7 +270,10 @@ def zero_train(stage: str, X: torch.Tensor, y: torch.Tensor, steps: int = 1,
         mine, full = full[lo:lo + k].clone(), None
     else:
         mine = full[lo:lo + k]
-    optimizer = torch.optim.Adam([mine], lr=LR)
+    if optimizer_name == "Adam":
+        optimizer = torch.optim.Adam([mine], lr=LR)
+    else:
+        optimizer = torch.optim.SGD([mine], lr=LR, momentum=0.9)
     dtype = getattr(torch, reduce_dtype)
     out = {"params": []}
     for idx in global_batches(steps):
