@@ -104,11 +104,16 @@ WHY = {
         1: "Rank r finishes chunk (r + 1) % N: chunk c starts at rank c, picks up one rank "
             "per step, and after N - 1 steps it has reached rank c - 1 = rank r, holding all "
             "N inputs. Each rank now owns one complete chunk: a reduce_scatter.",
-        2: "6 steps (3 reduce-scatter + 3 all-gather), each sending one chunk of 4,000,000 / "
-            "4 = 1,000,000 bytes: 6,000,000 bytes, 1.5 times the tensor. In general, for a "
-            "tensor of S bytes on N ranks: 2 (N - 1) steps of S / N bytes, 2 (N - 1) / N x S "
-            "per rank, less than 2 S for any N. A naive all_reduce that sends the whole "
-            "tensor to every other rank would send (N - 1) x S = 12 MB per rank.",
+        2: "Rank 1, 64 bytes. Over the 6 steps rank r sends each chunk twice but two, "
+            "which it sends once: in reduce-scatter it never sends chunk (r + 1) % N, the "
+            "one it completes (question 1), and in all-gather it never sends chunk "
+            "(r + 2) % N, the last one it receives. For rank 1 those are chunks 2 and 3, "
+            "the two short ones: 2 x 10 - 2 - 2 = 16 elements, 64 bytes. "
+            "Rank 3 skips the two long ones (56 bytes), ranks 0 and 2 one of each (60). "
+            "On average a rank sends 2 (N - 1) steps of S / N bytes: 2 (N - 1) / N x S, "
+            "here 60 bytes, 1.5 times the tensor, and less than 2 S for any N. A naive "
+            "all_reduce that sends the whole tensor to every other rank sends (N - 1) x S "
+            "= 120 bytes per rank.",
         3: "Elements 0 and 2. Chunk c starts at rank c and picks up the ranks to its right "
             "(question 1). Element 0: 1e8 + 1 rounds to 1e8, - 1e8 gives 0, + 1 gives 1. "
             "Element 2: -1e8 + 1 rounds to -1e8, + 1e8 gives 0, + 1 gives 1. Elements 1 and 3 "
