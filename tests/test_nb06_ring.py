@@ -140,6 +140,27 @@ def test_each_rank_sends_2_n_minus_1_over_n_times_s(group):
     assert ring_bytes_per_rank(4, 4_000_000) == 6_000_000
 
 
+def test_question_2_rank_1_sends_the_most_of_10_elements_on_4_ranks(group):
+    """Question 2 (an expert review: the even case was arithmetic): 10 elements on 4 ranks
+    split 3, 3, 2, 2; rank 1 never sends the two short chunks twice, so it sends the most,
+    16 elements = 64 bytes, and the stored reveal says so."""
+    assert [c.numel() for c in torch.ones(10).tensor_split(4)] == [3, 3, 2, 2]
+    group.resize(4)
+    sent = group.run(ring_bytes, NB["ring_all_reduce"], 10)
+    assert sent == [60, 64, 60, 56]
+    assert sum(sent) / 4 == ring_bytes_per_rank(4, 40)
+    cells = _cells()
+    stored = conftest.stored_text(cells[_index_of("reveal(answer_2")])
+    assert "The real run gives (1, 64)." in stored and "[60, 64, 60, 56]" in stored
+    assert WHY["06"][2].startswith("Rank 1, 64 bytes.")
+    question = _src(cells[_index_of("**Question 2.**")])
+    assert "**10** elements" in question and "3, 3, 2 and 2" in question
+    answer = _index_of("answer_2 = None")
+    above = "\n".join(_src(c) + json.dumps(c.get("outputs", [])) for c in cells[:answer])
+    for spoiler in ("(1, 64)", "64 bytes", "16 elements", "[60, 64, 60, 56]", "chunk (r + 2)"):
+        assert spoiler not in above, spoiler
+
+
 @pytest.mark.parametrize("world_size,numel", [(3, 1000), (5, 12), (8, 100)])
 def test_ring_bytes_mean_equals_formula_and_ranks_differ_by_at_most_a_few_elements(
         group, world_size, numel):
@@ -542,6 +563,79 @@ def test_the_chain_sends_s_per_rank_where_the_root_sends_n_minus_1_times_s(group
         starred = group.run(bytes_sent, star, src)
         assert starred[src][0] == 3 * size == root_bytes(4, size)
     group.resize(4)
+
+
+# --- the exercise's pipeline, timed (an expert review: with blocking send and recv, src's send
+# of piece 1 waited until its neighbour had forwarded piece 0; cell 31 now says so) ---------------
+SLOW = 0.6     # seconds the last rank of the chain waits before it posts each receive
+
+
+def timed_chain(fn):
+    """``fn(x, 0, 4)`` on 3 ranks; rank 2, the last of the chain, posts every receive SLOW s
+    late. Returns, by rank, the time each of its sends returned, and its x."""
+    rank = dist.get_rank()
+    returned, send, recv, irecv = [], dist.send, dist.recv, dist.irecv
+
+    def timed_send(*args, **kwargs):
+        send(*args, **kwargs)
+        returned.append(time.time())
+
+    def late(original):
+        def wrapper(*args, **kwargs):
+            time.sleep(SLOW)
+            return original(*args, **kwargs)
+        return wrapper
+
+    x = exercise_input(0) if rank == 0 else torch.zeros(EXERCISE_NUMEL)
+    dist.barrier()
+    dist.send = timed_send
+    if rank == 2:
+        dist.recv, dist.irecv = late(recv), late(irecv)
+    try:
+        fn(x, 0, EXERCISE_PIECES)
+    finally:
+        dist.send, dist.recv, dist.irecv = send, recv, irecv
+    return returned, x
+
+
+def test_the_solution_lets_src_send_piece_1_while_its_neighbour_forwards_piece_0(group):
+    group.resize(3)
+    out = group.run(timed_chain, load_solution().chain_broadcast)
+    assert all(torch.equal(x, exercise_input(0)) for _, x in out)
+    src_sent, middle_sent = out[0][0], out[1][0]
+    # rank 1's send of piece 0 waits about SLOW s for rank 2; src's send of piece 1 does not
+    assert middle_sent[0] - src_sent[1] > SLOW / 2, (src_sent, middle_sent)
+    group.resize(4)
+
+
+def test_a_chain_of_blocking_recv_then_send_makes_neighbouring_links_take_turns(group):
+    group.resize(3)
+    out = group.run(timed_chain, right)
+    assert all(torch.equal(x, exercise_input(0)) for _, x in out)
+    src_sent, middle_sent = out[0][0], out[1][0]
+    assert src_sent[1] >= middle_sent[0] - 0.05, (src_sent, middle_sent)
+    assert verdict_passes(right)          # it is still a right answer to the check
+    group.resize(4)
+
+
+def verdict_passes(fn):
+    return bool(check_chain_broadcast(fn, world_sizes=(3,)))
+
+
+def test_the_text_claims_only_the_overlap_the_tests_time():
+    """No cell or message promises piece-times or links working at once without the
+    irecv the solution uses; the reveal says when src waits, and why."""
+    cells = _cells()
+    text = "\n".join(_src(c) for c in cells)
+    assert "piece-time" not in text and "the links work at the same time" not in text
+    reveal_cell = _src(cells[_index_of("The exercise asked two questions")])
+    for claim in ("src's `send` of piece 1 waits too", "neighbouring links take turns",
+                  "with `irecv` before it forwards piece `j`"):
+        assert claim in reveal_cell, claim
+    verdict = check_chain_broadcast(load_solution().chain_broadcast, world_sizes=(3,))
+    assert "piece-time" not in verdict.message and "Now open the answer below" in verdict.message
+    assert "dist.irecv(parts[j + 1]" in (ROOT / "notebooks" / "solutions" /
+                                        "06_chain_broadcast.py").read_text()
 
 
 # --- the ring's direction ---------------------------------------------------------------------

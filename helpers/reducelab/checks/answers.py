@@ -104,11 +104,16 @@ WHY = {
         1: "Rank r finishes chunk (r + 1) % N: chunk c starts at rank c, picks up one rank "
             "per step, and after N - 1 steps it has reached rank c - 1 = rank r, holding all "
             "N inputs. Each rank now owns one complete chunk: a reduce_scatter.",
-        2: "6 steps (3 reduce-scatter + 3 all-gather), each sending one chunk of 4,000,000 / "
-            "4 = 1,000,000 bytes: 6,000,000 bytes, 1.5 times the tensor. In general, for a "
-            "tensor of S bytes on N ranks: 2 (N - 1) steps of S / N bytes, 2 (N - 1) / N x S "
-            "per rank, less than 2 S for any N. A naive all_reduce that sends the whole "
-            "tensor to every other rank would send (N - 1) x S = 12 MB per rank.",
+        2: "Rank 1, 64 bytes. Over the 6 steps rank r sends each chunk twice but two, "
+            "which it sends once: in reduce-scatter it never sends chunk (r + 1) % N, the "
+            "one it completes (question 1), and in all-gather it never sends chunk "
+            "(r + 2) % N, the last one it receives. For rank 1 those are chunks 2 and 3, "
+            "the two short ones: 2 x 10 - 2 - 2 = 16 elements, 64 bytes. "
+            "Rank 3 skips the two long ones (56 bytes), ranks 0 and 2 one of each (60). "
+            "On average a rank sends 2 (N - 1) steps of S / N bytes: 2 (N - 1) / N x S, "
+            "here 60 bytes, 1.5 times the tensor, and less than 2 S for any N. A naive "
+            "all_reduce that sends the whole tensor to every other rank sends (N - 1) x S "
+            "= 120 bytes per rank.",
         3: "Elements 0 and 2. Chunk c starts at rank c and picks up the ranks to its right "
             "(question 1). Element 0: 1e8 + 1 rounds to 1e8, - 1e8 gives 0, + 1 gives 1. "
             "Element 2: -1e8 + 1 rounds to -1e8, + 1e8 gives 0, + 1 gives 1. Elements 1 and 3 "
@@ -195,14 +200,22 @@ WHY = {
             "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
     },
     "11": {
-        1: "monitored_barrier is run by rank 0: the other ranks report to rank 0 and wait "
-            "for its answer, and only rank 0 counts the time and names the ranks that are "
-            "missing. Here rank 0 is the rank stuck in all_reduce, so it never reaches the "
-            "barrier. Ranks 1 to 3 wait for its answer for as long as the process group's own "
-            "timeout (30 minutes by default on gloo; 7 s on these ranks, which LocalGroup "
-            "stops after 2 s), not the barrier's 1 second, and no error names anyone. Only "
-            "the timeout's report says where each rank is. Put a monitored_barrier where rank "
-            "0 is sure to arrive, such as the top of each training step.",
+        1: "None: []. monitored_barrier is run by rank 0: the other ranks report to rank 0 "
+            "and wait for its answer, and only rank 0 counts the barrier's timeout and names "
+            "the ranks that are missing. Here rank 0 is stuck in all_reduce and never "
+            "reaches the barrier, so nobody counts the 1 second. Ranks 1 to 3 wait as long "
+            "as their process group's own timeout (30 minutes by default on gloo; 7 s on "
+            "these ranks, which LocalGroup stops after 2 s). Then each raises, in torch's "
+            "words: \"Rank 1 successfully reached monitoredBarrier, but received errors while "
+            "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.\" "
+            "That points at rank 0, but rank 0's log holds only its own all_reduce's "
+            "timeout (\"Timed out waiting ... for recv operation to complete\"), not where "
+            "anyone is. Put a monitored_barrier where rank 0 is sure to arrive, such as the "
+            "top of each training step while you hunt a hang. On an NCCL job it needs a "
+            "gloo group (on NCCL it raises \"monitored_barrier is only implemented for GLOO "
+            "backend.\"): make one once with dist.new_group(backend=\"gloo\", timeout=...) "
+            "and pass it as group=; each call then costs N - 1 send/recv round trips "
+            "through rank 0, on the CPU.",
         2: "The fingerprint holds the collective, the sequence number and each tensor's "
             "shape, dtype and device, not the ReduceOp (CollectiveFingerPrint in torch's "
             "ProcessGroupWrapper.cpp). Every rank ran an all_reduce of 4 float32 numbers, so "

@@ -313,6 +313,9 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
                       f"every rank skipped exactly the steps with a corrupt batch, and the "
                       f"weights match a single-process reference within {ATOL:g}. A "
                       f"decision around a collective must be taken the same way on every "
-                      f"rank. (Under DDP, GradScaler gets this for free: it reads the "
-                      f"gradients after DDP has averaged them, so an inf on one rank is an "
-                      f"inf on all.)")
+                      f"rank. Two ways do it: all-reduce first and test the averaged "
+                      f"gradients (an inf on one rank is then an inf on all), or all-reduce "
+                      f"a flag. Under DDP, GradScaler gets the first for free: it reads the "
+                      f"gradients after DDP has averaged them. FSDP's ShardedGradScaler "
+                      f"does the second: it all-reduces its found-inf flag "
+                      f"(torch/distributed/fsdp/sharded_grad_scaler.py).")

@@ -359,12 +359,12 @@ def check_chain_broadcast(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXE
     return passed(
         f"At world sizes {', '.join(map(str, world_sizes))}, with src the first or the last "
         f"rank, every rank but src received src's x from its left neighbour in {pieces} "
-        f"pieces, and every rank but the last of the chain passed each piece on as soon as it "
-        f"had it: "
+        f"pieces, and every rank but the last of the chain passed the pieces on one by one, "
+        f"without waiting for the whole of x: "
         f"each sent S = {size} bytes, src too, where the root of reduce-then-broadcast sent "
-        f"(N - 1) x S. Counting bytes only, the last rank has all {pieces} pieces after "
-        f"N + {pieces} - 2 piece-times instead of (N - 1) x {pieces}. NCCL's ring broadcast "
-        f"does this (runRing in its src/device/broadcast.h).")
+        f"(N - 1) x S. NCCL's ring broadcast does this (runRing in its "
+        f"src/device/broadcast.h). Now open the answer below: do neighbouring links of your "
+        f"chain work at the same time?")
 
 
 def _check_pieces(n: int, src: int, numel: int, pieces: int, size: int, out) -> Verdict | None:
@@ -394,7 +394,8 @@ def _check_pieces(n: int, src: int, numel: int, pieces: int, size: int, out) -> 
         if pieces > 1 and blocking and recvs and sends and sends[0] > recvs[-1]:
             return failed(
                 f"{at} rank {r} received all {pieces} pieces before it sent the first: store "
-                f"and forward. Each rank then waits for the whole of x, and the last rank "
-                f"has it after (N - 1) x {pieces} piece-times; passing each piece on as soon "
-                f"as it arrives keeps every link busy at once.")
+                f"and forward. Each rank then waits for the whole of x before the next "
+                f"one can start; passing each piece on as soon as it arrives lets rank "
+                f"{order[order.index(r) + 1]} receive piece 0 before rank {r} has the whole "
+                f"of x.")
     return None
