@@ -566,6 +566,16 @@ def test_what_skipping_the_sync_costs_as_the_text_says(group):
         assert words in text
 
 
+def test_what_skipping_the_sync_costs_is_one_bullet_per_point():
+    """A third review: memory, reduce-scatters, all-gathers, zero_grad and the never-synced
+    case were packed into two paragraphs."""
+    text = cell_with("### What skipping the sync costs")
+    bullets = [line for line in text.splitlines() if line.startswith("- **")]
+    assert [b.split("**")[1] for b in bullets] == ["Memory.", "Reduce-scatters.", "All-gathers.",
+                                                   "Counts per rank.", "`zero_grad()`",
+                                                   "A sync never turned on"]
+
+
 def test_a_sync_never_turned_on_stops_training_as_the_verdict_says(group):
     """The text and the check's verdict: with the sync never on, 0 reduce-scatters in every
     step, no p.grad, the parameters unchanged, Adam's state empty, and each rank's unsharded
