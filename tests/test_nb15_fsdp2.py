@@ -566,6 +566,14 @@ def test_what_skipping_the_sync_costs_as_the_text_says(group):
         assert words in text
 
 
+def test_the_gpu_part_claims_no_unmeasured_order_of_additions():
+    """Like WHY["08"][2] (a third review: "NCCL's ring reduce_scatter adds in its own order",
+    unsourced): the GPU part says only that NCCL's order was not measured here."""
+    part = cell_with("## On GPUs with NCCL")
+    assert "add in other orders" not in part
+    assert "with an order of additions not measured here, so check the bands on your machine" in part
+
+
 def test_what_skipping_the_sync_costs_is_one_bullet_per_point():
     """A third review: memory, reduce-scatters, all-gathers, zero_grad and the never-synced
     case were packed into two paragraphs."""
