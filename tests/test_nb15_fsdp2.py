@@ -309,6 +309,9 @@ def test_one_study_unit():
     prose = markdown().split("## Further reading")[0]
     assert 1500 < len(prose.split()) < 3000, len(prose.split())
     assert "About 40 min to study" in "".join(CELLS[0]["source"])
+    # the review's 60-70 min: the GPU part is marked optional, with its time in the header
+    assert "· plus about 5 min for the optional part on GPUs*" in "".join(CELLS[0]["source"])
+    assert "## On GPUs with NCCL (optional, after the lesson)" in markdown()
 
 
 # --- the explorer, with FSDP2 -------------------------------------------------------------------
@@ -330,6 +333,29 @@ def test_explorer_offers_fsdp2_beside_the_zero_stages(group):
     ex.controls["sharding"].value = "FSDP2"
     held = np.isfinite(ex.result.grad)
     assert (held.sum(axis=0) == 1).all()                       # each element on one rank
+
+
+def test_explorer_columns_show_rows_of_every_parameter_on_every_rank(group):
+    """Cell 30's first prompt, "rows of every parameter on every rank, not one block of the
+    flat vector" (a third review: 6 of the 8 evenly spaced elements lay in 0.weight and no
+    boundary was marked): the columns are 4 rows of each parameter, grouped by name; at 4
+    ranks FSDP2 holds some column of every parameter on every rank, ZeRO-3 does not."""
+    group.resize(4)
+    ex = ShardingExplorer(group, zero_train, NB.fsdp_train, X, y, world_size=4, sharding="FSDP2")
+    figure = ex.figure
+    assert [name for name, _, _ in figure.groups] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(b - a == 4 for _, a, b in figure.groups)
+    def holders(r):
+        held = np.isfinite(r.before[:, figure.columns])
+        return {name: {int(k) for k in np.nonzero(held[:, a:b].any(axis=1))[0]}
+                for name, a, b in figure.groups}
+    assert holders(ex.result) == {name: {0, 1, 2, 3} for name, _, _ in figure.groups}
+    ex.controls["sharding"].value = "ZeRO-3"
+    zero3 = holders(ex.result)
+    assert zero3["0.weight"] == {0, 1, 2, 3} and zero3["0.bias"] == zero3["2.bias"] == {3}
+    # notebook 08's explorer keeps its evenly spaced columns
+    assert ShardingExplorer(group, zero_train, None, X, y, world_size=4).figure.groups == []
+    assert "a black line between parameters" in markdown()
 
 
 # --- the exercise ---------------------------------------------------------------------------------
@@ -540,6 +566,24 @@ def test_what_skipping_the_sync_costs_as_the_text_says(group):
         assert words in text
 
 
+def test_the_gpu_part_claims_no_unmeasured_order_of_additions():
+    """Like WHY["08"][2] (a third review: "NCCL's ring reduce_scatter adds in its own order",
+    unsourced): the GPU part says only that NCCL's order was not measured here."""
+    part = cell_with("## On GPUs with NCCL")
+    assert "add in other orders" not in part
+    assert "with an order of additions not measured here, so check the bands on your machine" in part
+
+
+def test_what_skipping_the_sync_costs_is_one_bullet_per_point():
+    """A third review: memory, reduce-scatters, all-gathers, zero_grad and the never-synced
+    case were packed into two paragraphs."""
+    text = cell_with("### What skipping the sync costs")
+    bullets = [line for line in text.splitlines() if line.startswith("- **")]
+    assert [b.split("**")[1] for b in bullets] == ["Memory.", "Reduce-scatters.", "All-gathers.",
+                                                   "Counts per rank.", "`zero_grad()`",
+                                                   "A sync never turned on"]
+
+
 def test_a_sync_never_turned_on_stops_training_as_the_verdict_says(group):
     """The text and the check's verdict: with the sync never on, 0 reduce-scatters in every
     step, no p.grad, the parameters unchanged, Adam's state empty, and each rank's unsharded
@@ -643,13 +687,37 @@ def test_questions_1_and_2_stay_unspoiled():
     root for question 2. A fact review found both stated just above their questions."""
     before_1 = _markdown_before("answer_1 = None")
     assert "torch.chunk" not in before_1 and "ceil(" not in before_1
+    # a third review: a guess between two layouts; now both are given, with the two facts
+    # that make the answer a deduction (equal padded pieces, the first rows taken as they lie)
+    for words in ("3, 3, 2, 2 (as notebook 06's `tensor_split` cuts) or 3, 3, 3, 1",
+                  "every rank stores its rows padded to the same size",
+                  "FSDP2 takes the first 10 rows of the gathered buffer, as they lie, as the whole parameter"):
+        assert words in before_1, words
     before_2 = _markdown_before("answer_2 = None")
-    assert "for the root" not in before_2 and "but the root" not in before_2
-    # nor the mechanism (a second review: "backward starts where forward ended: at the root,
-    # whose forward ran last" stood right above the question)
+    # the third review: question 2 hung on an unstated default; the docstring's rule is now
+    # stated above it, so the question is a deduction, but not the reason the root keeps them
+    assert ('`None`, is in `fully_shard`\'s docstring words "`True` for non-root modules and '
+            '`False` for root modules"') in before_2
     assert "backward starts" not in before_2 and "forward ran last" not in before_2
+    assert "backward needs" not in before_2
     assert "torch.chunk(param, n, dim=0)" in markdown()[len(before_1):]   # said once answered
-    assert "`False` for the root" in markdown()[len(before_2):]
+
+
+def test_question_1s_facts_are_torchs():
+    """The facts above question 1: FSDP2 cuts with _chunk_with_empty and pads every chunk to
+    the first's size, and the unsharded parameter is the all-gather output's first rows, as
+    they lie (as_strided at storage offset 0, of the original size)."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    init = inspect.getsource(FSDPParam._init_sharded_param)
+    assert "_chunk_with_empty(param_data, shard_world_size, dim=shard_dim)" in init
+    unsharded = inspect.getsource(FSDPParam.init_unsharded_param)
+    assert ("torch.as_strided(\n            unsharded_tensor,\n            self._orig_size,\n"
+            "            self._contiguous_orig_stride,\n            storage_offset=0,") in unsharded
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+    doc = " ".join(_fully_shard.fully_shard.__doc__.split())
+    assert "If ``None``, it is set to ``True`` for non-root modules and ``False`` for root modules." in doc
 
 
 def test_an_optimizer_built_before_fully_shard_trains_nothing_and_raises_nothing(group):

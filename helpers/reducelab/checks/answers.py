@@ -150,8 +150,10 @@ WHY = {
             "the same additions in the same order, and all_gather only copies bits. Neither "
             "is the exact sum: both round. The pull request that wrote it this way "
             "(pytorch/pytorch#118911) notes that it sends twice what a real reduce_scatter "
-            "sends. Another backend (NCCL's ring reduce_scatter) adds in its own order, so "
-            "compare there with a tolerance of a few units in the last place, not with ==.",
+            "sends. The equality is this one function's, not a promise: ProcessGroupNCCL "
+            "calls ncclReduceScatter and ncclAllReduce, two different collectives (in "
+            "ProcessGroupNCCL.cpp), whose order of additions nothing documents as the same, "
+            "so compare there with a tolerance of a few units in the last place, not with ==.",
         3: "ZeRO-1 shards the optimizer's state only, and SGD with momentum keeps one "
             "float32 tensor of it per parameter. Per parameter, DDP keeps 4 bytes of the "
             "parameter, 4 of its gradient and 4 of momentum_buffer: 12. ZeRO-1 keeps the same "
@@ -308,10 +310,12 @@ WHY = {
             "whose process group does not exist there.",
     },
     "15": {
-        1: "Shard(0) cuts the 10 rows the way torch.chunk does: c = ceil(10 / 4) = 3 rows "
-            "per rank while rows last, so ranks 0, 1 and 2 hold 3 rows and rank 3 holds the 1 "
-            "row left. FSDP2 pads every rank's storage to 3 rows, so that the all_gather and "
-            "reduce_scatter get equal pieces.",
+        1: "Every rank stores ceil(10 / 4) = 3 rows, padding included, so the all_gather "
+            "fills a buffer of 12 rows, 3 from each rank in rank order. FSDP2 takes its first "
+            "10 rows as the parameter, so the padding can only lie at the end: ranks 0, 1 and "
+            "2 hold rows 0 to 8, and rank 3 holds row 9, the 1 row left, then 2 rows of "
+            "padding. That is how torch.chunk cuts. With 3, 3, 2, 2, padding would sit after "
+            "rows 7 and 9, and the first 10 rows of the buffer would not be the parameter.",
         2: "One. With fully_shard on the root only, every parameter is in the root's one "
             "group, and for the root the default None means False: it keeps the gathered "
             "parameters after forward, because backward starts with them. So one all_gather "

@@ -92,8 +92,10 @@ last batch of a split often is (notebook 12)."""
 def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
     """Runs on the ranks (the check of notebook 13's exercise). Every rank builds the same
     model with a BatchNorm and a dropout layer, wraps it in DDP and trains it ``steps``
-    SGD steps on its own batch of 8 (so each rank's BatchNorm running statistics differ,
-    as in notebook 13's step 2); then it calls ``fn(model, x, y)`` with the DDP wrapper and
+    SGD steps on its own batch of 8, whose inputs have mean ``rank + 1`` as in notebook
+    13's step 2, and a BatchNorm with ``momentum=None`` (the plain average of the batches
+    it saw), so that each rank's running statistics differ by far more than noise and a
+    mistake that evaluates with them misses by several percent; then it calls ``fn(model, x, y)`` with the DDP wrapper and
     its share of a validation set of ``sum(sizes)`` samples (rank r holds ``sizes[r]``, as
     float32 ``(n, 4)`` and ``(n, 1)``); then it trains one more step.
 
@@ -119,11 +121,11 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
         raise ValueError(f"{len(sizes)} shard sizes need world size {len(sizes)}, "
                          f"not {dist.get_world_size()}")
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.5),
-                              nn.Linear(8, 1)))
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.Tanh(),
+                              nn.Dropout(0.5), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
-    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    x, y = torch.randn(8, 4, generator=g) + (rank + 1), torch.randn(8, 1, generator=g)
     torch.manual_seed(1000 + rank)                      # dropout: a stream per rank
     for _ in range(steps):
         opt.zero_grad()
@@ -270,8 +272,8 @@ def check_evaluate_together(group, fn) -> Verdict:
     if problem:
         return failed(*problem)
     how = (" Rank 0's BatchNorm statistics reached every rank through the wrapper: called in "
-           "forward, DDP broadcasts rank 0's buffers (broadcast_buffers=True, notebook 13's "
-           "step 2), a collective every rank must join; through model.module that broadcast "
+           "forward, DDP broadcasts rank 0's buffers (forward_sync_buffers=True, the default, "
+           "notebook 13's step 2), a collective every rank must join; through model.module that broadcast "
            "is yours to make." if any(row["through_wrapper"] for row in rows) else "")
     return passed(f"Every rank returned {rows[0]['value']:.4f}, the mean squared error over all "
                   f"{sum(SHARD_SIZES)} validation samples (shares of "

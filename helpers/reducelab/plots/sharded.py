@@ -322,17 +322,40 @@ class ShardingFigure(BuiltFigures):
     The figure is built once per world size and its layout frozen; a redraw only updates
     the images, texts and bars (a widget redraw, several times faster than a new figure).
 
+    With ``parameters`` (notebook 15), the columns are instead the first element of
+    ``rows_per_parameter`` evenly spaced rows of each parameter, grouped under the
+    parameter's name, with a black line at each boundary between parameters: so that a
+    sharding per parameter (FSDP2's rows of every parameter on every rank) and one of the
+    flat vector (ZeRO's blocks) can be told apart.
+
     Args:
         numel: length of the flat parameter vector.
         columns: how many of its elements the heatmaps show (evenly spaced).
+        parameters: ``[(name, shape), ...]`` of the flat vector's parameters, in order, or
+            ``None``: columns evenly spaced over the flat vector.
+        rows_per_parameter: with ``parameters``, the rows sampled in each.
     """
 
     TITLES = ("parameters before the step", "gradient kept after reduction",
               "parameters after the step")
 
-    def __init__(self, numel: int, columns: int = 8):
+    def __init__(self, numel: int, columns: int = 8, parameters=None, rows_per_parameter: int = 4):
         self.numel = numel
-        self.columns = np.unique(np.linspace(0, numel - 1, columns).round().astype(int))
+        self.groups = []                         # (name, first column, last column + 1)
+        if parameters is None:
+            self.columns = np.unique(np.linspace(0, numel - 1, columns).round().astype(int))
+        else:
+            cols, offset = [], 0
+            for name, shape in parameters:
+                rows = int(shape[0])
+                row_len = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+                picked = np.unique(np.linspace(0, rows - 1, min(rows_per_parameter, rows)).round().astype(int))
+                self.groups.append((name, len(cols), len(cols) + len(picked)))
+                cols.extend(offset + int(r) * row_len for r in picked)
+                offset += rows * row_len
+            if offset != numel:
+                raise ValueError(f"the parameters hold {offset} elements, not numel={numel}")
+            self.columns = np.asarray(cols)
         self.fig = None
         self.world_size = None
 
@@ -347,7 +370,11 @@ class ShardingFigure(BuiltFigures):
             self.images.append(ax.imshow(np.zeros((ws, len(cols))), cmap=CMAP, aspect="auto"))
             self.titles.append(ax.set_title(f"{name}, ×10⁻⁸\n(1 of 8 rank holds all 8)",
                                             fontsize=MIN_FONT))
-            ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=90)
+            if self.groups:                      # the parameter's name under its columns
+                ax.set_xticks([(a + b - 1) / 2 for _, a, b in self.groups],
+                              [name for name, _, _ in self.groups])
+            else:
+                ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=90)
             ax.set_yticks(range(ws), [f"rank {r}" if ws <= 4 else str(r) for r in range(ws)])
             # white lines between the cells: two line collections, not a grid on minor
             # ticks (each tick is several artists; they were a third of building this)
@@ -355,13 +382,18 @@ class ShardingFigure(BuiltFigures):
                       linewidth=2)
             ax.hlines(np.arange(ws + 1) - 0.5, -0.5, len(cols) - 0.5, colors="white",
                       linewidth=2)
+            if self.groups:                      # black lines between the parameters
+                ax.vlines([a - 0.5 for _, a, _ in self.groups[1:]], -0.5, ws - 0.5,
+                          colors=PALETTE["black"], linewidth=2.5)
             ax.tick_params(length=0)
             self.cell_texts.append([[ax.text(j, i, "", ha="center", va="center", fontsize=MIN_FONT)
                                      for j in range(len(cols))] for i in range(ws)])
         if ws > 4:
             self.heat_axes[0].set_ylabel("rank")
-        self.heat_axes[1].set_xlabel(f"element of the flat parameter vector ({len(cols)} of "
-                                     f"{self.numel:,}; grey: not held)")
+        self.heat_axes[1].set_xlabel(
+            f"the first element of {len(cols) // len(self.groups)} rows spread over each "
+            f"parameter (grey: not held)" if self.groups else
+            f"element of the flat parameter vector ({len(cols)} of {self.numel:,}; grey: not held)")
         self.suptitle = top.suptitle("DDP on 8 ranks, gradients reduced in bfloat16: one Adam step",
                                      fontsize=12)
 
@@ -399,7 +431,7 @@ class ShardingFigure(BuiltFigures):
         self._sent_formula_handle = self.sent_legend.legend_handles[labels.index(self.sent_formula.get_label())]
         # world sizes 3-4 share a layout, and 5-8 do (tests/test_nb08 checks each against
         # its own); 1 and 2 have their own (their bar labels reach out differently)
-        freeze_layout(fig, key=("sharding", self.numel, tuple(self.columns),
+        freeze_layout(fig, key=("sharding", self.numel, tuple(self.columns), bool(self.groups),
                                 str(ws) if ws <= 2 else ("3-4" if ws <= 4 else "5-8")))
         # values only where the widest label, "-88", fits a cell with a margin
         probe = self.cell_texts[0][0][0]

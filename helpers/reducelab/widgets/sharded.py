@@ -18,7 +18,7 @@ import ipywidgets as W
 import numpy as np
 import torch
 
-from ..checks.sharded import ATOL, LR, NUMEL, placed, placed_dtensors, reference_run  # noqa: F401 (re-exported)
+from ..checks.sharded import ATOL, LR, NUMEL, make_model, placed, placed_dtensors, reference_run  # noqa: F401 (re-exported)
 from ..determinism import within
 from ..errors import RankError
 from ..group import LocalGroup
@@ -101,7 +101,10 @@ class ShardingExplorer(Explorer):
                 or not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world_size must be an int from 1 to {MAX_WORLD_SIZE}; got {world_size!r}")
         self.group, self.fns, self.X, self.y = group, (zero_train, fsdp_train), X, y
-        self.figure = ShardingFigure(NUMEL)
+        # notebook 15 (FSDP2 offered): rows of each parameter, its boundaries marked, so
+        # that FSDP2's rows of every parameter show against ZeRO's blocks of the flat vector
+        self.figure = ShardingFigure(NUMEL) if fsdp_train is None else ShardingFigure(
+            NUMEL, parameters=[(name, tuple(p.shape)) for name, p in make_model().named_parameters()])
         self._reference = None
         style = {"description_width": "initial"}
         super().__init__({
