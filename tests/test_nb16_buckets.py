@@ -418,6 +418,11 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
     assert ratios("per parameter ÷ DDP")[1][0] > 2, rows["per parameter ÷ DDP"]
     assert saved256[1] > saved16[2], (saved16, saved256)
     assert 14 * alpha16[2] < 0.015, alpha16                    # "a few milliseconds"
+    assert saved16[2] - saved16[1] > 14 * alpha16[0], (saved16, alpha16)   # "changes ... by as much"
+    assert "half of the loop's calls carry a 16 KiB weight" in text
+    ns = notebook("make_model")
+    sizes = [p.numel() * 4 for p in ns["make_model"](128, 64).parameters()]
+    assert len(sizes) == 256 and sizes.count(16 * 1024) == 127 and sizes[:2] == [16 * 1024, 256]
     assert 0.5 < ratios("saved ÷ (P − B)·α")[1][2] < 5, rows["saved ÷ (P − B)·α"]
     assert "7 repeats after a warm-up" in out
 
@@ -498,6 +503,10 @@ def test_the_outline_follows_the_skeleton_one_purpose_per_markdown_cell():
     head = markdown_cells()[0].splitlines()[2]
     assert head.startswith("*About ") and " min to study · about " in head and "s to run top to bottom" in head
     assert "follows notebooks 04 and 10" in head
+    # a third review estimated about 60 min: the explorer and the GPU part are optional, and the header says so
+    assert head.endswith("· the two parts marked optional add about 10 min, after the lesson*")
+    optional = [t.splitlines()[0] for t in markdown_cells() if "*Optional, after the lesson.*" in t]
+    assert optional == ["## Step 6: explore", "## On GPUs with NCCL"]
 
 
 def test_the_notebook_tags_every_timing_cell_and_quotes_no_time_in_its_text():
