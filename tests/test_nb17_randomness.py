@@ -312,14 +312,23 @@ def ignores_base(base, mesh):
     return mesh.get_local_rank("dp"), 100 + dist.get_rank()
 
 
+def dp_only_sharded(base, mesh):
+    return base + mesh.get_local_rank("dp"), base + 100 + mesh.get_local_rank("dp")
+
+
 def not_a_pair(base, mesh):
     return base
 
 
 @pytest.mark.parametrize("mistake, explanation", [
     (rank_as_both, "is both the replicated and the sharded seed of rank (dp 0, tp 0)"),
-    (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101"),
-    (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100"),
+    (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101: they hold "
+                         "different units of different samples"),
+    (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100: they hold the same "
+              "shard (the same units) of different samples, and would drop the same units of both. "
+              "That is Megatron-LM's default"),   # a third review: not "their different shards"
+    (dp_only_sharded, "ranks (dp 0, tp 0) and (dp 0, tp 1) get the same sharded seed 100: they hold "
+                      "different units of the same samples"),
     (global_rank_replicated, "are in the same tensor-parallel group but get the replicated seeds 0 and 1"),
     (one_replicated_seed, "dp 0 and dp 1 get the same replicated seed 0: sample k of dp 0's batch and "
                           "sample k of dp 1's lose the same units (step 2)"),
@@ -391,8 +400,13 @@ def test_mask_figure_names_each_mask_by_letter_not_colour_alone(drawn):
 # --- the notebook's text --------------------------------------------------------------------------------
 def test_header_and_cited_questions():
     head = source_with("# Which random numbers should match across ranks?", "markdown")
-    assert re.search(r"\*About (3\d|40) min to study · about \d+ s to run top to bottom · world size 4 · "
-                     r"CPU only \(gloo\) · follows notebooks 05, 09 and 13\*", head)
+    assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · world size 4 · "
+                     r"CPU only \(gloo\) · follows notebooks 05, 09 and 13 · the two parts marked optional "
+                     r"add about 10 min, after the lesson\*", head)
+    # the two optional parts (a third review: about 60 min for the whole): the DTensor aside and step 5
+    optional = [s for s in ("".join(c["source"]) for c in CELLS) if "*Optional, after the lesson.*" in s]
+    assert len(optional) == 2 and optional[1].startswith("## Step 5: explore")
+    assert optional[0].startswith("*Optional, after the lesson.* torch has its own answer for DTensors")
     assert "## What you will learn" in head and "## Prerequisites" in head
     text = markdown()
     for cited in ("huggingface/transformers#31412, 2024-06-14", "huggingface/transformers#37932, 2025-05-02",
@@ -464,3 +478,70 @@ def test_seeds_that_change_from_process_to_process_fail(group):
     assert not [line for line in solution_lines() if line in verdict.message]
     solution = check_dropout_seeds(group, conftest.load_solution("17_dropout_seeds").dropout_seeds)
     assert solution, solution.message
+
+
+def test_two_seeds_become_two_streams_with_the_solution(group):
+    """A third review: the exercise stopped at two seeds, yet F.dropout takes no generator.
+    RNGStreams (the idea of Megatron-LM's CudaRNGStatesTracker.fork) swaps a stream's state
+    in around each draw. With the solution's seeds: the replicated mask agrees within each tp
+    group and differs across dp, every rank's sharded mask is its own, and the global stream
+    is untouched; with the stub (the stored run) every mask is one."""
+    stub = NB.dropout_seeds
+    NB.dropout_seeds = conftest.load_solution("17_dropout_seeds").dropout_seeds
+    try:
+        out = group.run(NB.two_streams)
+    finally:
+        NB.dropout_seeds = stub
+    whole = {coord: w for coord, w, _, _ in out}
+    assert torch.equal(whole[0, 0], whole[0, 1]) and torch.equal(whole[1, 0], whole[1, 1])
+    assert not torch.equal(whole[0, 0], whole[1, 0])
+    assert len({tuple(shard.tolist()) for _, _, shard, _ in out}) == 4
+    assert all(untouched for *_, untouched in out)
+    stored = stored_text(cell_with("import contextlib\n\n\nclass RNGStreams"))
+    assert "sharded masks all different: False | the global stream untouched on every rank: True" in stored
+    text = " ".join(markdown().split())
+    assert "`F.dropout` takes no generator" in text and "CudaRNGStatesTracker.fork" in text
+    assert "run it once your function passes the check" in text
+
+
+def broadcast_from_rank0():
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    wanted = nn.Linear(4, 8).state_dict()                    # the checkpoint, read on rank 0 only
+    expected = wanted["weight"].clone()                      # (set_model_state_dict changes the dict)
+    torch.manual_seed(dist.get_rank())                       # step 1's seed per rank
+    model = nn.Linear(4, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    set_model_state_dict(model, wanted if dist.get_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return torch.equal(model.weight.full_tensor(), expected)
+
+
+def test_the_fsdp2_remedies_are_torch_2_13s(group):
+    """A third review: "load the same checkpoint" left out what production code does. On
+    real ranks, set_model_state_dict with broadcast_from_rank0 turns step 1's patchwork into
+    rank 0's checkpoint; fully_shard has no sync_module_states, FSDP1 had."""
+    import inspect
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    assert group.run(broadcast_from_rank0) == [True] * 4
+    assert "sync_module_states" not in inspect.signature(fully_shard).parameters
+    assert "sync_module_states" in inspect.signature(FullyShardedDataParallel.__init__).parameters
+    text = " ".join(markdown().split())
+    for fact in ("StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)", "reset_parameters()",
+                 "meta device", "FSDP1's `sync_module_states=True` has no FSDP2 counterpart"):
+        assert fact in text, fact
+
+
+def test_the_myths_and_summary_say_what_the_notebook_showed():
+    """A third review: the myth's "depends on the model" said nothing the notebook ran; and a
+    resume needs the generator states and the sampler's epoch (notebook 14 saves the rest)."""
+    text = " ".join(markdown().split())
+    assert "depends on the model" not in text
+    assert "about half of the first layer's 64 weight rows got no gradient in the step, against about 4" in text
+    assert "about 32 of 64" in WHY["17"][2] and "about 4 of 64" in WHY["17"][2]
+    assert "`torch.get_rng_state()`, different on every rank) and the sampler's epoch" in text
+    assert "one_seed = dp_masks" not in "".join("".join(c["source"]) for c in CELLS)   # the repeat was cut

@@ -335,7 +335,10 @@ WHY = {
     },
     "16": {
         1: lambda: (
-            "With the default bucket_cap_mb (None), DDP caps the first bucket at "
+            "False: 2 buckets. A bucket's all_reduce can start only once all of its gradients are "
+            "ready; one bucket of every gradient would wait for the first layer's, the last one "
+            "ready, and could not overlap backward() at all. "
+            "So with the default bucket_cap_mb (None), DDP caps the first bucket at "
             f"dist._DEFAULT_FIRST_BUCKET_BYTES = {_first_bucket()} and the others at "
             "25 MiB (_BucketCapacityConfig in torch/nn/parallel/distributed.py): the first bucket "
             "holds the last layers, whose gradients are ready first, so that communication starts "

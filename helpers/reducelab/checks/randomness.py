@@ -171,10 +171,22 @@ def _judge(dp: int, tp: int, rows: list[dict]) -> str | None:
                         f"differ between dp ranks (rule 1).")
         for a, b in itertools.combinations(sorted(shd), 2):
             if shd[a] == shd[b]:
+                if a[1] == b[1]:      # the same tp rank in two dp groups: Megatron-LM's default
+                    what = (f"they hold the same shard (the same units) of different samples, and "
+                            f"would drop the same units of both. That is Megatron-LM's default "
+                            f"(its tensor-parallel seed depends on the tp rank only); the "
+                            f"exercise's rule 2 excludes it on purpose, as rule 1 does for the "
+                            f"replicated seed")
+                elif a[0] == b[0]:    # one tp group: two shards of the same samples
+                    what = (f"they hold different units of the same samples, and would drop the "
+                            f"same positions of their shards, so the mask of the whole activation "
+                            f"repeats itself shard by shard")
+                else:
+                    what = (f"they hold different units of different samples, and would draw one "
+                            f"mask where two independent ones belong")
                 return (f"{shape}, ranks {_where(*a)} and {_where(*b)} get the same sharded "
-                        f"seed {shd[a]}: they would drop the same positions of their "
-                        f"different shards. Every rank of the mesh needs a sharded seed of "
-                        f"its own.")
+                        f"seed {shd[a]}: {what}. Every rank of the mesh needs a sharded seed of "
+                        f"its own (rule 2).")
         both = set(rep.values()) & set(shd.values())
         if both:
             s = min(both)
