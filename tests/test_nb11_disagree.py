@@ -1106,7 +1106,7 @@ def test_the_header_gives_study_time_and_run_time():
                   r"world sizes 2 and 4 · CPU only \(gloo\)", title)
     assert m and 30 <= int(m.group(1)) <= 45
     # review r6: the core fits 45 min; the two late parts are marked optional, and timed
-    assert "· the optional parts: about 15 min more*" in title
+    assert "· parts marked optional: about 15 min more, after the lesson*" in title
     optional = [t.splitlines()[0] for t in markdown_cells() if "(optional, after the lesson)" in t.splitlines()[0]]
     assert optional == ["## Common misconceptions (optional, after the lesson)",
                         "## On GPUs with NCCL (optional, after the lesson)"]

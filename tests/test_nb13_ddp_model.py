@@ -732,7 +732,7 @@ def test_header_and_cited_questions():
     head = source_with("# What does DDP expect of my model?", "markdown")
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom", head)
     # the review's 60-70 min against a 45 min header: the myths are marked optional, with their time
-    assert "· plus about 10 min for the optional Myth vs reality*" in head
+    assert "· parts marked optional: about 10 min more, after the lesson*" in head
     assert "## Myth vs reality (optional, after the lesson)" in markdown()
     text = markdown()
     for cited in ("open-mmlab/mmdetection#2153", "open-mmlab/mmdetection#4742, 2021-03-10",

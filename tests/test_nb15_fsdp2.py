@@ -310,7 +310,7 @@ def test_one_study_unit():
     assert 1500 < len(prose.split()) < 3000, len(prose.split())
     assert "About 40 min to study" in "".join(CELLS[0]["source"])
     # the review's 60-70 min: the GPU part is marked optional, with its time in the header
-    assert "· plus about 5 min for the optional part on GPUs*" in "".join(CELLS[0]["source"])
+    assert "· parts marked optional: about 5 min more, after the lesson*" in "".join(CELLS[0]["source"])
     assert "## On GPUs with NCCL (optional, after the lesson)" in markdown()
 
 

@@ -504,7 +504,7 @@ def test_the_outline_follows_the_skeleton_one_purpose_per_markdown_cell():
     assert head.startswith("*About ") and " min to study · about " in head and "s to run top to bottom" in head
     assert "follows notebooks 04 and 10" in head
     # a third review estimated about 60 min: the explorer and the GPU part are optional, and the header says so
-    assert head.endswith("· the two parts marked optional add about 10 min, after the lesson*")
+    assert head.endswith("· parts marked optional: about 10 min more, after the lesson*")
     optional = [t.splitlines()[0] for t in markdown_cells() if "*Optional, after the lesson.*" in t]
     assert optional == ["## Step 6: explore", "## On GPUs with NCCL"]
 

@@ -401,8 +401,8 @@ def test_mask_figure_names_each_mask_by_letter_not_colour_alone(drawn):
 def test_header_and_cited_questions():
     head = source_with("# Which random numbers should match across ranks?", "markdown")
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · world size 4 · "
-                     r"CPU only \(gloo\) · follows notebooks 05, 09 and 13 · the two parts marked optional "
-                     r"add about 10 min, after the lesson\*", head)
+                     r"CPU only \(gloo\) · follows notebooks 05, 09 and 13 · parts marked optional: "
+                     r"about 10 min more, after the lesson\*", head)
     # the two optional parts (a third review: about 60 min for the whole): the DTensor aside and step 5
     optional = [s for s in ("".join(c["source"]) for c in CELLS) if "*Optional, after the lesson.*" in s]
     assert len(optional) == 2 and optional[1].startswith("## Step 5: explore")

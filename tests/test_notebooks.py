@@ -335,6 +335,29 @@ def test_the_header_gives_the_study_time_and_the_run_time_the_readme_gives(path)
     assert row.rstrip().endswith(f"| about {run} s |"), \
         f"README.md gives another run time for {path.name} than its header ({run} s): {row[-40:]}"
 
+OPTIONAL = re.compile(r" · parts marked optional: about (\d+) min more, after the lesson\*$", re.M)
+OPTIONAL_MARK = re.compile(r"^## .*\(optional, after the lesson\)$|^\*Optional, after the lesson\.\*",
+                           re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_optional_parts_are_marked_where_they_start_and_counted_in_the_header_alike(path):
+    """A notebook whose whole would run past one study unit may mark late parts optional
+    (reviewers timed 11, 13, 15, 16 and 17 at 50 to 70 min): each such part says so where
+    it starts, and the header then adds their time in one form, the same in every
+    notebook; a header that counts optional time has a part that is marked."""
+    cells = load(path)["cells"]
+    header = source(cells[0])
+    marked = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+              and OPTIONAL_MARK.search(source(c))]
+    counted = OPTIONAL.search(header.strip())
+    if "optional" in header.lower():
+        assert counted, f"{path.name}: the header names optional parts in another form"
+    assert bool(counted) == bool(marked), (path.name, bool(counted), marked)
+    if counted:
+        assert 5 <= int(counted.group(1)) <= 20
+
+
 MOVED = {"08": ("15", re.compile(r"FSDP2|fully_shard|reshard_after_forward")),
          "10": ("16", re.compile(r"bucket|overlap|hides?\b|\bhooks?\b|powerSGD")),
          "13": ("17", re.compile(r"dropout|\bseeds?\b|random|dropout_seeds")),
