@@ -733,3 +733,63 @@ def test_an_optimizer_built_before_fully_shard_trains_nothing_and_raises_nothing
     assert text.index("The order matters") < text.index("No error, no training")
     assert "optimizer = torch.optim.Adam(model.parameters(), lr=LR)    # before fully_shard" \
         in cell_with("def optimizer_first")
+
+
+def _gathered_during_layer_2s_backward():
+    """Which units hold gathered parameters after forward, inside the backward of layer 2
+    (the first unit backward runs) and after backward: (layer 0, layer 2)."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from reducelab.checks.sharded import load_digits_tensors, make_model
+    warnings.simplefilter("ignore")
+    X, y = load_digits_tensors()
+    model = make_model()
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    def held(m):
+        return (m._get_fsdp_state()._fsdp_param_group._all_gather_result is not None
+                or not isinstance(m.weight, DTensor))
+    seen = {}
+    def in_layer_2s_backward(module, grad_input, grad_output):
+        seen.setdefault("in", (held(model[0]), held(model[2])))
+    model[2].register_full_backward_hook(in_layer_2s_backward)
+    out = model(X[:8])
+    seen["after forward"] = (held(model[0]), held(model[2]))
+    F.cross_entropy(out, y[:8]).backward()
+    seen["after backward"] = (held(model[0]), held(model[2]))
+    return seen
+
+
+def test_the_use_ddp_myth_quotes_the_page_and_says_what_the_flag_selects():
+    """Review 4 (15-1): the myth misquoted the page as `use_ddp = True`, and argued against a
+    claim the flag never makes. The page has `use_ddp = False  # Set to True if using FSDP`,
+    and the flag picks the mesh of the hand-written sync; with FSDP, False reduces over dp
+    twice (question 3, re-derived in test_a_manual_sync_after_fsdp2_mixes_shards)."""
+    text = cell_with("**Claim: `use_ddp")
+    assert "**Claim: `use_ddp = False  # Set to True if using FSDP`.**" in text
+    assert "use_ddp = True  #" not in markdown()
+    assert "The flag picks no wrapper, only the mesh of the page's hand-written sync" in text
+    assert 'with `True`, cp alone ("FSDP/DDP takes care of DP syncing")' in text
+    assert "with `False`, dp and cp flattened into one mesh" in text
+    assert "a flag left at the page's `False` reduces over dp a second time: question 3's wrong gradient" in text
+    assert "hides both differences" not in markdown()
+    # the page's first FSDP sentence is quoted whole, its parenthesis included
+    assert markdown().count("When FSDP is used (use_ddp=True), it handles DP gradient synchronization") == 2
+    assert "When FSDP is used, it handles" not in markdown()
+
+
+def test_fsdp2s_quarter_holds_between_steps_and_its_peak_holds_two_gathered_units(group):
+    """Review 4 (15-3): "a quarter of DDP's memory" was measured after the step. At peak, in
+    backward, a rank holds the gathered parameters of the unit it runs and of the one it
+    prefetches (FSDPParamGroup._backward_prefetch, on by default)."""
+    text = cell_with("FSDP2 keeps a quarter of DDP's memory per rank")
+    assert ("Between steps, FSDP2 keeps a quarter of DDP's memory per rank (shards only); at its peak a rank "
+            "also holds the gathered parameters of the unit it runs and of the one it prefetches") in text
+    assert "(with `fully_shard` on the root only, the whole model, as DDP)" in text
+    for seen in group.run(_gathered_during_layer_2s_backward):
+        assert seen == {"after forward": (False, False), "in": (True, True), "after backward": (False, False)}

@@ -536,6 +536,49 @@ def test_the_fsdp2_remedies_are_torch_2_13s(group):
         assert fact in text, fact
 
 
+def meta_then_reset_parameters():
+    """The recommendation review 4 ran: build on the meta device, fully_shard, to_empty, one
+    seed, reset_parameters(). Returns whether each rank's two rows equal rank 0's, and the
+    warnings torch gave."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    with torch.device("meta"):
+        model = nn.Linear(4, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.reset_parameters()
+    whole = model.weight.full_tensor()
+    return ([torch.equal(whole[2 * k:2 * k + 2], whole[:2]) for k in range(4)],
+            sorted({str(w.message) for w in caught}))
+
+
+def test_reset_parameters_after_sharding_repeats_one_shard_on_a_cpu_mesh(group):
+    """Review 4 (17-1): the text recommended meta device, fully_shard, reset_parameters()
+    without a device. On a CPU mesh with one seed, every rank's 2 rows of nn.Linear(4, 8) are
+    the same (torch's is_rng_supported_mesh: "correct RNG on cuda/cuda-like devices" only);
+    the text now keeps that remedy to GPU meshes and sends CPU meshes to the checkpoint."""
+    from torch.distributed.tensor import _random as dtensor_random
+    assert "Currently we only support correct RNG on cuda/cuda-like devices" in dtensor_random.is_rng_supported_mesh.__doc__
+    warning = "DTensor random operators may not have complete support on cpu device mesh"
+    for same_as_rank_0, caught in group.run(meta_then_reset_parameters):
+        assert same_as_rank_0 == [True] * 4 and caught == [warning]
+    text = " ".join(source_with("Under FSDP2, seed every rank the same", kind="markdown").split())
+    assert ("On GPU meshes `reset_parameters()` can do that: DTensor's random-number tracker gives each shard "
+            "its own part of one stream (step 4)") in text
+    assert ("On a CPU mesh, like this notebook's, it cannot: with one seed, every rank fills its rows with "
+            f'the same values, and torch only warns "{warning}". There, load a checkpoint:') in text
+    step_4 = " ".join(source_with("`OffsetBasedRNGTracker`", kind="markdown").split())
+    assert "On this CPU mesh, that `reset_parameters()` repeats one shard's values on every rank" in step_4
+    assert "Production code builds it on the meta device" not in " ".join(markdown().split())
+
+
 def test_the_myths_and_summary_say_what_the_notebook_showed():
     """A third review: the myth's "depends on the model" said nothing the notebook ran; and a
     resume needs the generator states and the sampler's epoch (notebook 14 saves the rest)."""
