@@ -651,6 +651,64 @@ def test_join_keeps_a_rank_that_ran_out_inside_the_block_until_every_rank_has(sh
     assert "stays at the end of the `with` block" in text
 
 
+def _join_with_a_loss_for_the_log(inside, folder=None):
+    """DDP under Join on ranks that take 3 and 2 steps, the loss all-reduced for the log
+    each step inside the block (inside=True) or once after it (False). With a folder, the
+    rank's stderr (where a C++ abort writes) goes to folder/stderr_<rank> meanwhile."""
+    rank = dist.get_rank()
+    if folder is not None:
+        saved = os.dup(2)
+        with open(os.path.join(folder, f"stderr_{rank}"), "wb") as f:
+            os.dup2(f.fileno(), 2)
+        try:
+            return _join_with_a_loss_for_the_log(inside)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = torch.zeros(1)
+    with Join([model]):
+        for _ in range(3 if rank == 0 else 2):
+            opt.zero_grad()
+            loss = F.mse_loss(model(torch.ones(1, 3)), torch.ones(1, 1))
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+            if inside:
+                dist.all_reduce(loss.detach().clone())         # the loss, for the log
+    if not inside:
+        dist.all_reduce(total)
+    return total.item()
+
+
+def test_join_does_not_shadow_an_all_reduce_of_your_own():
+    """Review r8 (11-1): Join stands in only for its Joinables' collectives. An all_reduce
+    of the learner's own inside the block kills the joined rank with gloo's size check (the
+    words the text quotes); the same all_reduce after the block works."""
+    folder = tempfile.mkdtemp()
+    with LocalGroup(world_size=2, timeout=HANG, env=FR) as two:
+        err = failure_of(two, _join_with_a_loss_for_the_log, True, folder)
+        with open(os.path.join(folder, "stderr_1"), "rb") as f:
+            printed = f.read().decode(errors="replace")
+        shutil.rmtree(folder, ignore_errors=True)
+        assert states(err)[1] == "died" and "SIGABRT" in err.reports[1].summary
+        words = "Received data size doesn't match expected size. " \
+                "Is there a distributed collective mismatch in your code?"
+        assert words in printed
+        after = two.run(_join_with_a_loss_for_the_log, False)
+        assert after[0] == after[1] > 0
+    text = next(t for t in markdown_cells() if t.startswith("Join matches the single-process"))
+    assert "It shadows only the collectives of its `Joinable`s" in text
+    assert "On 2 ranks with 3 and 2 steps, rank 1 dies of SIGABRT (\"" + words + "\")" in text
+    assert "all-reduce such values after the block" in text
+    summary = next(t for t in markdown_cells() if t.startswith("## Summary"))
+    assert "- `Join` stands in only for its Joinables' collectives: an `all_reduce` of your own " \
+           "inside `with Join` still mismatches (\"Received data size doesn't match expected " \
+           "size\"); all-reduce such values after the block." in summary
+
+
 def test_distributed_sampler_pads_by_repeating_and_drops_the_tail():
     """Step 4 leaves DistributedSampler to notebook 12 ("which repeats or drops samples")."""
     text = next(t for t in markdown_cells() if t.startswith("Join matches the single-process"))
