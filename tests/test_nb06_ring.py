@@ -770,3 +770,54 @@ def group_free_ring_result():
             acc = torch.tensor(values[(c + k) % 4], dtype=torch.float32) + acc
         out.append(acc.item())
     return out, None
+
+
+def _the_two_phases_as_torchs_collectives():
+    """reduce_scatter_single, then all_gather_single, on integers (exact in any order), beside
+    all_reduce: the piece each rank keeps and whether the pair equals all_reduce."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.arange(2 * n, dtype=torch.float32) + 100 * rank
+    piece = torch.empty(2)
+    dist.reduce_scatter_single(piece, x)
+    gathered = torch.empty(2 * n)
+    dist.all_gather_single(gathered, piece)
+    whole = x.clone()
+    dist.all_reduce(whole)
+    return torch.equal(piece, whole[2 * rank:2 * rank + 2]), torch.equal(gathered, whole)
+
+
+def test_the_phases_are_torchs_own_collectives_and_sharded_training_calls_them_apart(group):
+    """Review r8 (06-1): the text names the two phases as torch 2.13's collectives (piece r on
+    rank r; the older names deprecated there), and says what notebooks 08 and 15 measure when
+    ZeRO-2 and FSDP2 call them apart; the bytes only after question 2's reveal."""
+    group.resize(4)
+    assert group.run(_the_two_phases_as_torchs_collectives) == [(True, True)] * 4
+    for old, new in (("reduce_scatter_tensor", "reduce_scatter_single"),
+                     ("all_gather_into_tensor", "all_gather_single")):
+        assert f"`{old}` is deprecated. Users should use\n    `{new}` instead." in \
+            inspect.getdoc(getattr(dist, old))
+    cells = _cells()
+    phases = _src(cells[_index_of("## Step 3: phase 2, all-gather")])
+    assert "Each phase is also a collective of torch's own: phase 1 is `dist.reduce_scatter_single`, " \
+           "which leaves each rank one complete piece (piece `r` on rank `r`), and phase 2 is " \
+           "`dist.all_gather_single` (torch 2.13's names; older releases call them " \
+           "`dist.reduce_scatter_tensor` and `dist.all_gather_into_tensor`)." in phases
+    apart = _index_of("Sharded training calls the two phases apart")
+    assert apart > _index_of("reveal(answer_2")
+    text = _src(cells[apart])
+    assert "ZeRO-2 (notebook 08) reduce-scatters the gradient, updates its piece of the parameters " \
+           "and all-gathers them, which on a ring sends DDP's 2 (N - 1) / N × S per rank" in text
+    assert "FSDP2 (notebook 15) gathers the parameters once more, before backward, for about 1.5 " \
+           "times those bytes." in text
+    summary = _src(cells[_index_of("## Summary")])
+    assert "- torch has each phase as a collective, `dist.reduce_scatter_single` and " \
+           "`dist.all_gather_single`. ZeRO-2 and FSDP2 (notebooks 08 and 15) call them apart: on a " \
+           "ring ZeRO-2 sends DDP's bytes per rank and keeps only its piece; FSDP2 gathers once " \
+           "more, about 1.5 times those bytes." in summary
+    # what notebooks 08 and 15 measure and say (their own tests re-derive it from runs)
+    def markdown_of(name):
+        nb = json.loads((ROOT / "notebooks" / name).read_text())
+        return "\n".join(_src(c) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert "- ZeRO-2 sends what DDP sends." in markdown_of("08_sharded_data_parallel.ipynb")
+    assert "FSDP2 keeps a quarter of DDP's memory per rank and sends about 1.5 times its bytes" in \
+        markdown_of("15_fsdp2.ipynb")

@@ -492,10 +492,11 @@ def test_step_3_says_what_is_private_and_what_a_cluster_uses_and_torch_has_them(
     assert 'record["pg_config"] =' not in code and "fr_trace.main" not in code
 
 
-def fr_trace(folder):
+def fr_trace(folder, *flags):
     """torch's flight-recorder analyzer (the torchfrtrace command); it reports on stderr."""
     run = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
-                          folder, "--prefix", "rank_"], capture_output=True, text=True, timeout=120)
+                          folder, "--prefix", "rank_", *flags],
+                         capture_output=True, text=True, timeout=120)
     return [line for line in run.stderr.splitlines() if line and "tabulate" not in line]
 
 
@@ -523,7 +524,16 @@ def test_flight_records_dumped_after_a_hang_show_which_rank_is_behind():
         # torchfrtrace (the text: it "names the ranks missing from the first collective that
         # not all of them joined"): on gloo's dumps it stops with KeyError, and names rank 2
         # once the default group has its name back
-        assert fr_trace(folder)[-1].startswith("KeyError")
+        # review r8 (11-2): the text says torch 2.13's version cannot read these gloo dumps,
+        # with its words, whatever the flags a learner tries
+        for flags in ((), ("--allow-incomplete-ranks",), ("-j",)):
+            assert re.fullmatch(r"KeyError: \('0', [0-3]\)", fr_trace(folder, *flags)[-1]), flags
+        text = next(t for t in markdown_cells() if t.startswith("Ranks 0, 1 and 3 entered"))
+        assert "On NCCL's dumps, torch's analyzer `torchfrtrace` makes this comparison" in text
+        assert "torch 2.13's version cannot read these gloo dumps: their default group has an " \
+               "empty name in `pg_config`, and it stops with a `KeyError` such as `KeyError: ('0', 0)` " \
+               "(a group and a rank it looks for)." in text
+        assert "makes this comparison for you" not in text
         assert records[0]["pg_config"] == {"": {"name": "", "desc": "", "ranks": "[0, 1, 2, 3]"}}
         for rank, record in records.items():
             record["pg_config"] = {"0": {"name": "0", "desc": "default_pg",
@@ -639,6 +649,64 @@ def test_join_keeps_a_rank_that_ran_out_inside_the_block_until_every_rank_has(sh
     assert min(out.values()) > 0.5, out                # ranks 2 and 3 waited for steps 3 of 0 and 1
     text = next(c for c in markdown_cells() if "Join.__exit__" in c)
     assert "stays at the end of the `with` block" in text
+
+
+def _join_with_a_loss_for_the_log(inside, folder=None):
+    """DDP under Join on ranks that take 3 and 2 steps, the loss all-reduced for the log
+    each step inside the block (inside=True) or once after it (False). With a folder, the
+    rank's stderr (where a C++ abort writes) goes to folder/stderr_<rank> meanwhile."""
+    rank = dist.get_rank()
+    if folder is not None:
+        saved = os.dup(2)
+        with open(os.path.join(folder, f"stderr_{rank}"), "wb") as f:
+            os.dup2(f.fileno(), 2)
+        try:
+            return _join_with_a_loss_for_the_log(inside)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = torch.zeros(1)
+    with Join([model]):
+        for _ in range(3 if rank == 0 else 2):
+            opt.zero_grad()
+            loss = F.mse_loss(model(torch.ones(1, 3)), torch.ones(1, 1))
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+            if inside:
+                dist.all_reduce(loss.detach().clone())         # the loss, for the log
+    if not inside:
+        dist.all_reduce(total)
+    return total.item()
+
+
+def test_join_does_not_shadow_an_all_reduce_of_your_own():
+    """Review r8 (11-1): Join stands in only for its Joinables' collectives. An all_reduce
+    of the learner's own inside the block kills the joined rank with gloo's size check (the
+    words the text quotes); the same all_reduce after the block works."""
+    folder = tempfile.mkdtemp()
+    with LocalGroup(world_size=2, timeout=HANG, env=FR) as two:
+        err = failure_of(two, _join_with_a_loss_for_the_log, True, folder)
+        with open(os.path.join(folder, "stderr_1"), "rb") as f:
+            printed = f.read().decode(errors="replace")
+        shutil.rmtree(folder, ignore_errors=True)
+        assert states(err)[1] == "died" and "SIGABRT" in err.reports[1].summary
+        words = "Received data size doesn't match expected size. " \
+                "Is there a distributed collective mismatch in your code?"
+        assert words in printed
+        after = two.run(_join_with_a_loss_for_the_log, False)
+        assert after[0] == after[1] > 0
+    text = next(t for t in markdown_cells() if t.startswith("Join matches the single-process"))
+    assert "It shadows only the collectives of its `Joinable`s" in text
+    assert "On 2 ranks with 3 and 2 steps, rank 1 dies of SIGABRT (\"" + words + "\")" in text
+    assert "all-reduce such values after the block" in text
+    summary = next(t for t in markdown_cells() if t.startswith("## Summary"))
+    assert "- `Join` stands in only for its Joinables' collectives: an `all_reduce` of your own " \
+           "inside `with Join` still mismatches (\"Received data size doesn't match expected " \
+           "size\"); all-reduce such values after the block." in summary
 
 
 def test_distributed_sampler_pads_by_repeating_and_drops_the_tail():
