@@ -455,7 +455,7 @@ def test_stored_timeline_shows_the_gap_the_text_points_at_and_judges_by_the_end(
     assert ("Markers of later rows inside a box's time span do not show overlap" in text
             and "the next gradient after 6.weight, 4.bias, came only after a pause longer than the whole of "
                 "`backward()` up to 6.weight" in text
-            and "did `backward()` **end sooner**?" in text)
+            and "did `backward()` **end sooner** with the small buckets?" in text)
     cell = next(c for c in cells() if "".join(c["source"]).startswith("group.resize(2)\nruns = []"))
     assert "2 ranks on 2 cores" in stored("group.resize(2)\nruns = []")
     png = next(o["data"]["image/png"] for o in cell["outputs"] if "image/png" in o.get("data", {}))
