@@ -436,6 +436,8 @@ def test_stored_timeline_small_buckets_were_no_faster_on_these_cores():
     found = re.findall(r"median of ([\d.]+) ms \(([\d.]+) to ([\d.]+) ms", out)
     (_, default_least, _), (small_median, _, _) = [tuple(map(float, f)) for f in found]
     assert small_median >= default_least, found
+    assert "2 ranks on 2 cores" in out                      # the GPU part: "on 2 shared cores, did not find"
+    assert "the overlap step 2 looked for and, on 2 shared cores, did not find" in " ".join(markdown().split())
 
 
 def test_stored_timeline_shows_the_gap_the_text_points_at_and_judges_by_the_end():
