@@ -462,6 +462,22 @@ def test_saving_zero_needs_every_rank_to_consolidate_first(group):
     assert "**every rank** must call it" in text and "This needs to be called on all ranks" in text
 
 
+def test_the_late_parts_are_marked_optional_and_the_header_counts_them():
+    """A fourth review timed 08 at 70 to 90 min against "About 40 min" (08-1): the saving
+    part, the GPU part and Myth vs reality are marked optional where they start, and the
+    header counts them in the form every notebook uses (test_notebooks.py holds the form)."""
+    header = "".join(CELLS[0]["source"]).splitlines()[2]
+    assert header.endswith("· torch 2.13 · parts marked optional: about 15 min more, after the lesson*")
+    headings = [line for c in CELLS if c["cell_type"] == "markdown"
+                for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
+    optional = [h for h in headings if h.endswith(" (optional, after the lesson)")]
+    assert optional == ["## Saving a `ZeroRedundancyOptimizer`'s state (optional, after the lesson)",
+                        "## On GPUs with NCCL (optional, after the lesson)",
+                        "## Myth vs reality (optional, after the lesson)"], optional
+    assert headings.index(optional[0]) == headings.index("## Exercise: ZeRO-1 by whole parameters, as "
+                                                         "`ZeroRedundancyOptimizer` does it") + 1   # all after the exercise
+
+
 def test_fsdp2_moved_to_notebook_15_and_08_stays_one_study_unit():
     prose = markdown().split("## Further reading")[0]                  # the reading list is not study
     assert 1500 < len(prose.split()) < 3300, len(prose.split())        # 4,095 before the split

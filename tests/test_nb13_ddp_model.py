@@ -775,6 +775,44 @@ def test_a_frozen_branch_needs_no_flag(group):
                                                         kind="markdown")
 
 
+def frozen_aux_after_wrapping(steps=2):
+    """Runs on a rank: step 3's model wrapped first, then aux frozen, DDP's defaults, aux never
+    used: the first element of the body's weight gradient after each step completed, and
+    torch's error text (None if none)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(NB.Net())
+    model.module.aux.requires_grad_(False)                 # too late: DDP built its reducer already
+    x, y = NB.local_batch(dist.get_rank())
+    grads = []
+    for _ in range(steps):
+        try:
+            F.mse_loss(model(x, use_aux=False), y).backward()
+        except RuntimeError as err:
+            return grads, str(err)
+        grads.append(model.module.body.weight.grad.flatten()[0].item())
+        model.zero_grad()
+    return grads, None
+
+
+def test_freezing_after_wrapping_is_too_late_as_the_text_says():
+    """A fourth review (13-1): the text said "frozen before wrapping" and never warned about
+    the usual fine-tuning slip, requires_grad_(False) after DDP(model). On 2 ranks the first
+    step completes with each rank's own gradient (not averaged: the ranks differ) and the
+    second raises torch's "Expected to have finished reduction" error, as the sentence says."""
+    with LocalGroup(world_size=2, timeout=60) as g:
+        out = g.run(frozen_aux_after_wrapping)
+    (grads0, error0), (grads1, error1) = out
+    assert len(grads0) == len(grads1) == 1 and grads0[0] != grads1[0]       # step 1: no error, not averaged
+    quote = "Expected to have finished reduction in the prior iteration before starting a new one"
+    assert error0.startswith(quote) and error1.startswith(quote)
+    text = " ".join(source_with("A branch that no step uses can simply be frozen", kind="markdown").split())
+    assert ("Freezing **after** `DDP(model)`, a common fine-tuning slip, is too late: on 2 ranks the first step is "
+            f"silently not averaged and the second raises \"{quote}\"") in text
+
+
 def test_reentrant_checkpointing_clashes_with_find_unused_parameters_as_stored(group):
     """The myth cell's four runs, again: a layer run twice under reentrant checkpointing
     trains with DDP's defaults, raises torch's 'marked ready twice' error with
