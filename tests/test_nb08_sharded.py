@@ -917,3 +917,11 @@ def test_a_new_world_size_figure_is_built_while_the_ranks_run(explorer):
     """The explorer builds the figure of a world size it has not shown while the new
     ranks start and run (Explorer.preparation), not after them."""
     conftest.assert_new_world_size_is_built_on_the_preparer(explorer, explorer.figure)
+
+
+def test_zero_train_names_the_optimizers_it_knows(group):
+    """A misspelt optimizer is refused with the valid choices, not trained as SGD, in the
+    notebook's cell and in the package's copy."""
+    for fn in (NB.zero_train, helper.zero_train):
+        with pytest.raises(RankError, match="optimizer_name must be 'Adam' or 'SGD', got 'adam'"):
+            group.run(fn, "DDP", X, y, 1, "float32", "adam")

@@ -272,8 +272,10 @@ def zero_train(stage: str, X: torch.Tensor, y: torch.Tensor, steps: int = 1,
         mine = full[lo:lo + k]
     if optimizer_name == "Adam":
         optimizer = torch.optim.Adam([mine], lr=LR)
-    else:
+    elif optimizer_name == "SGD":
         optimizer = torch.optim.SGD([mine], lr=LR, momentum=0.9)
+    else:
+        raise ValueError(f"optimizer_name must be 'Adam' or 'SGD', got {optimizer_name!r}")
     dtype = getattr(torch, reduce_dtype)
     out = {"params": []}
     for idx in global_batches(steps):
