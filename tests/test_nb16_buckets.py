@@ -347,6 +347,8 @@ def exercise_mistakes():
             (lambda pb, cap: 1 / 0, "raised ZeroDivisionError"),
             (lambda pb, cap: list(reversed(_rule(pb, cap))), "the right buckets in the reverse order"),
             (lambda pb, cap: [sum(pb)], "one bucket holds everything"),
+            (lambda pb, cap: list(pb), "one bucket per tensor, in the order of model.parameters()"),
+            (lambda pb, cap: list(reversed(pb)), "one bucket per tensor, in the order the gradients become ready"),
             (lambda pb, cap: [1] * len(pb), "your sizes count tensors"),
             (lambda pb, cap: _rule(pb, cap)[:-1], "Every gradient is in exactly one bucket"),
             (lambda pb, cap: _rule(pb, cap) if cap is None else _rule(pb, cap / 2), "Look again at the rules"),
@@ -363,6 +365,19 @@ def test_each_usual_mistake_gets_its_explanation(group, fn, explanation):
     code = [line.strip() for line in solution
             if len(line.strip()) > 12 and not line.strip().startswith(("#", '"', "def "))]
     assert not [line for line in code if line.split("#")[0].strip() in verdict.message]
+    assert group.world_size == 4
+
+
+def test_the_starting_body_runs_and_the_check_names_its_mistake(group):
+    """A fourth review: the exercise started from ``return []``, nothing to reason from. It
+    starts from a runnable first try, one bucket per tensor, and the check names that."""
+    cell = next(s for s in sources() if s.startswith("# %load solutions/16_ddp_buckets.py"))
+    space = {}
+    exec(cell, space)
+    verdict = check_ddp_buckets(group, space["ddp_buckets"])
+    assert not verdict and "one bucket per tensor, in the order of model.parameters()" in verdict.message
+    assert "That is one all_reduce per parameter" in verdict.message, verdict.message
+    assert "return []" not in cell and "return buckets" in cell
     assert group.world_size == 4
 
 
