@@ -452,6 +452,14 @@ def ddp_no_sync(model, micro_batches, optimizer):
     optimizer.zero_grad()
 
 
+def sync_on_the_first_micro_batch(model, micro_batches, optimizer):   # a fourth review, 15-2
+    for i, (x, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == 0)
+        (F.cross_entropy(model(x), labels) * share(labels, micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def zero_grad_between_unsynced_micro_batches(model, micro_batches, optimizer):
     for i, (x, labels) in enumerate(micro_batches):
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)
@@ -519,6 +527,8 @@ def test_the_check_refuses_what_is_not_a_function(group):
                                              "digit of the 40-digit micro-batch 2.5 times"),
     (loss_not_divided, "It is the sum of the 3 micro-batches' gradients"),
     (zero_grad_between_micro_batches, "It is the gradient of the last micro-batch alone, divided by 3"),
+    (sync_on_the_first_micro_batch, "It is the gradient of the first micro-batch alone, weighed 100/210: "
+                                    "FSDP2 reduce-scattered it into p.grad in micro-batch 0's backward"),
     (divided_by_world_size_too, "It is 1/4 of that mean: divided by the world size on top of FSDP2's own"),
     (never_cleared, "At step 2 of 2, the gradient your optimizer stepped with differs"),
     (a_step_per_micro_batch, "stepped the optimizer 3 times"),
@@ -533,6 +543,9 @@ def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
     assert not [line for line in solution_lines() if line in verdict.message]
     assert "set_requires_gradient_sync" not in verdict.message
     assert group.world_size == 4
+    if mistake is sync_on_the_first_micro_batch:
+        assert "The sync was on for the wrong micro-batch" in verdict.message
+        assert "accumulated their gradients unsharded" in verdict.message
     if mistake is never_cleared:
         assert "this step's gradient plus the previous step's" in verdict.message
     if mistake is divided_by_world_size_too:   # the same gradient as a loss divided by 840

@@ -307,6 +307,18 @@ def _gradient_mistake(name, got, want, previous, micro) -> Verdict:
                       f"{WORLD_SIZE * sum(SIZES)}, does this too). FSDP2's reduce-scatter already "
                       f"averages over the {WORLD_SIZE} ranks (ReduceOp.AVG for float32).",
                       mistake="divided by world_size")
+    for factor, words in ((SIZES[0] / total, f"weighed {SIZES[0]}/{total}"), (1 / k, f"divided by {k}"),
+                          (1, "")):
+        if _close(got, factor * micro[0]):
+            return failed(f"{head} It is the gradient of the first micro-batch alone"
+                          f"{', ' + words if words else ''}: FSDP2 reduce-scattered it into p.grad "
+                          f"in micro-batch 0's backward, which ran with the sync on. The later "
+                          f"micro-batches ran with the sync off: FSDP2 accumulated their gradients "
+                          f"unsharded, on each rank, after that reduce-scatter, and the step did not "
+                          f"see them (the next step's first reduce-scatter sends them along with its "
+                          f"own). The sync was on for the wrong micro-batch: which backward has "
+                          f"all {k} micro-batches' gradients to send?",
+                          mistake="sync on for the first micro-batch")
     for factor, words in ((1 / k, f"divided by {k}"), (SIZES[-1] / total, f"weighed {SIZES[-1]}/{total}"),
                           (1, "")):
         if _close(got, factor * micro[-1]):
@@ -321,7 +333,7 @@ def _gradient_mistake(name, got, want, previous, micro) -> Verdict:
                       f"added to it. FSDP2 adds a reduce-scatter's result into an existing p.grad, "
                       f"as autograd does.", mistake="previous step's gradient kept")
     return failed(f"{head} It is none of the usual slips (micro-batches weighed alike, a sum over "
-                  f"the micro-batches, an extra division by the world size, the last micro-batch "
+                  f"the micro-batches, an extra division by the world size, the first or the last micro-batch "
                   f"alone, the previous step's gradient kept): compare what each micro-batch of "
                   f"{sizes} digits adds with the mean over the {WORLD_SIZE * total} digits.")
 
@@ -346,7 +358,8 @@ def check_accumulate_step(group: LocalGroup, accumulate_step) -> Verdict:
         per micro-batch (one batch of every digit, one backward of several losses); no
         gradient at the step (gradient sync never back on: what the run then did); the
         micro-batches' mean losses weighed alike (divided by the number of micro-batches),
-        added, divided by the world size as well, the last micro-batch's alone (earlier ones
+        added, divided by the world size as well, the first micro-batch's alone (the sync on
+        for micro-batch 0 instead of the last), the last micro-batch's alone (earlier ones
         cleared), the previous step's still added; the right numbers with a reduce-scatter
         per micro-batch.
     """
