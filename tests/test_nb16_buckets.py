@@ -417,7 +417,7 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
     text = " ".join(markdown().split())
     assert ("At 256 tensors** one all_reduce per parameter took **more than twice** as long as DDP's "
             "buckets in `backward()` in every repeat") in text
-    assert "every repeat saved more by fewer calls than any repeat at 16 tensors" in text
+    assert "more than five times its own median at 16 tensors" in text
     assert "14 α add up to a few milliseconds" in text
     assert "the same order of magnitude, repeat by repeat (its median between 0.5 and 5)" in text
     assert "division of every gradient" not in text and "here a floor" not in text
@@ -431,7 +431,7 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
                           re.findall(r"([\d.e+-]+) to ([\d.e+-]+) \(median ([\d.e+-]+)\)", rows[row])]
     (alpha16, _), (saved16, saved256) = times("α"), times("saved by fewer calls")   # per column: (median, least, most)
     assert ratios("per parameter ÷ DDP in backward")[1][0] > 2, rows["per parameter ÷ DDP in backward"]
-    assert saved256[1] > saved16[2], (saved16, saved256)
+    assert saved256[0] > 5 * saved16[0], (saved16, saved256)
     assert 14 * alpha16[2] < 0.015, alpha16                    # "a few milliseconds"
     assert saved16[2] - saved16[1] > 14 * alpha16[0], (saved16, alpha16)   # "changes ... by as much"
     assert "half of the loop's calls carry a 16 KiB weight" in text
@@ -445,22 +445,23 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
 def test_stored_step_3_tells_fewer_calls_from_overlap():
     """A fourth review (16-1): step 3 mixed overlap into the saving it measured. A third way,
     DDP's own buckets all-reduced after backward(), splits it: the fewer calls are nearly all
-    of it at 256 tensors (every repeat's fewer-calls saving above the most any repeat saved by
-    overlap), and overlap saved little (at both sizes its row spreads wider than its median,
-    and its median is below backward() alone's)."""
+    of it at 256 tensors (their median saving more than ten times overlap's), and overlap saved
+    little (at both sizes its row spreads wider than its median; at 256 tensors its median is
+    below backward() alone's). Medians with their spread: the repeats of a shared 2-core
+    machine spread too far for a claim on every repeat."""
     text = " ".join(markdown().split())
-    assert ("The fewer calls are nearly all of that: `saved by fewer calls` is larger in every repeat than "
-            "`saved by overlap` in any repeat") in text
-    assert ("at both sizes its row changes from repeat to repeat by more than its median, and its median is "
-            "below that of `backward() alone`") in text
+    assert ("The fewer calls are nearly all of that: the median of `saved by fewer calls` is more than ten "
+            "times that of `saved by overlap`") in text
+    assert ("at both sizes its row changes from repeat to repeat by more than its median, and at 256 tensors "
+            "its median is below that of `backward() alone`") in text
     out = stored('group.resize(2)\ntook, B = {}, {}')
     rows = {line[:32].strip(): line[32:] for line in out.splitlines() if len(line) > 32}
     times = lambda row: [tuple(_seconds(v.replace("−", "-"), u) for v, u in
                                re.findall(r"(−?[\d.]+) (µs|ms|s)\b", rows[row])[k:k + 3]) for k in (0, 3)]
     fewer, overlap, alone = times("saved by fewer calls"), times("saved by overlap"), times("backward() alone")
-    assert fewer[1][1] > overlap[1][2], (fewer, overlap)                       # at 256: least above most
-    for (median, least, most), (alone_median, _, _) in zip(overlap, alone):
-        assert most - least > abs(median) and median < alone_median, (overlap, alone)
+    assert fewer[1][0] > 10 * overlap[1][0], (fewer, overlap)                  # medians, at 256
+    assert all(most - least > abs(median) for median, least, most in overlap), overlap
+    assert overlap[1][0] < alone[1][0], (overlap, alone)
 
 
 def test_the_third_way_syncs_the_gradients_as_ddp_does(group):
