@@ -176,7 +176,8 @@ def check_ddp_buckets(group: LocalGroup, fn, world_size: int = 2) -> Verdict:
     Each case of :data:`CASES` runs real DDP on ``world_size`` ranks (the group is
     resized, then restored) and compares. A wrong answer is matched against the usual
     mistakes (:data:`MISTAKES`: the order of ``model.parameters()``, buckets that never
-    exceed their cap, a strict ``>``, the first bucket's cap, MB for MiB, ...) and gets the
+    exceed their cap, a strict ``>``, the first bucket's cap, MB for MiB, one bucket per
+    tensor as the notebook's starting body makes, ...) and gets the
     sentence that names it; otherwise the check shows the first case that differs, with
     what DDP made. It never shows the rule as code.
 
@@ -223,6 +224,13 @@ def check_ddp_buckets(group: LocalGroup, fn, world_size: int = 2) -> Verdict:
                           f"bytes.")
         return failed(f"{head}: your buckets hold {sum(answers[k]):,} bytes in all, the model's "
                       f"gradients {sum(real[k]):,}. Every gradient is in exactly one bucket.")
+    tensors = [param_bytes_of(CASES[i][1]) for i in range(len(CASES))]
+    if all(answers[i] in (tensors[i], tensors[i][::-1]) for i in range(len(CASES))):
+        order = ("in the order of model.parameters()" if answers[k] == tensors[k]
+                 else "in the order the gradients become ready")
+        return failed(f"{head}: one bucket per tensor, {order}. That is one all_reduce per "
+                      f"parameter, the α per call that buckets exist to save (step 3). DDP packs "
+                      f"several tensors into a bucket, by the rules after question 1.")
     if answers[k] == list(reversed(real[k])):
         return failed(f"{head}: the right buckets in the reverse order. Bucket 0 is the one "
                       f"DDP all-reduces first.")

@@ -40,6 +40,9 @@ backward pass from another; ``torch/optim/adam.py`` skips a parameter whose ``gr
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -63,6 +66,81 @@ shows what the first leaves behind."""
 UNITS = 2
 """FSDP units that hold parameters: the two ``Linear`` s (the root holds none of its own),
 so one step needs 2 reduce-scatters."""
+
+
+_PHASES = {"pre_forward": "forward", "pre_backward": "backward", "post_backward": "backward"}
+"""FSDP2's ``FSDPParamGroup`` methods that call collectives, and the phase each runs in."""
+
+
+def _unit(param_group) -> str:
+    """An FSDP unit's module, named as the notebook names it: ``model`` for the root,
+    ``model[0]`` for its child ``"0"``."""
+    fqn = param_group._module_fqn or ""
+    return "model" if not fqn else f"model[{fqn}]" if fqn.isdigit() else f"model.{fqn}"
+
+
+def _call_site() -> tuple[str | None, str | None]:
+    """The FSDP unit and phase of the FSDP2 call that is running a collective, from the
+    call stack: the ``FSDPParamGroup`` whose ``pre_forward``, ``pre_backward`` or
+    ``post_backward`` called it, or the target of ``_prefetch_unshard`` (an all_gather
+    started ahead of its unit's turn); ``(None, None)`` outside FSDP2."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    frame = sys._getframe(2)
+    while frame is not None:
+        name, local = frame.f_code.co_name, frame.f_locals
+        if name == "_prefetch_unshard" and "target_fsdp_param_group" in local:
+            return _unit(local["target_fsdp_param_group"]), f"{local.get('pass_type')}, prefetched"
+        if name in _PHASES and isinstance(local.get("self"), FSDPParamGroup):
+            return _unit(local["self"]), _PHASES[name]
+        frame = frame.f_back
+    return None, None
+
+
+@contextlib.contextmanager
+def fsdp_trace():
+    """On a rank: what FSDP2 does inside the block, in order, as a list of
+    ``(event, unit, phase, bytes)``. ``event``: a collective that
+    :func:`~reducelab.checks.sharded.counting_collectives` counts (``"all_gather"``,
+    ``"reduce_scatter"``, ``"all_reduce"``, with its ``bytes`` as there), or ``"reshard"``
+    when an FSDP unit frees its gathered parameters (``bytes`` 0). ``unit``: the module
+    FSDP2 runs it for (``model[0]``; ``model`` for the root; ``None`` for a collective
+    outside FSDP2). ``phase``: ``"forward"`` or ``"backward"``, ``"backward, prefetched"``
+    for an all_gather FSDP2 starts one unit ahead. (Notebook 15, step 2.)
+
+    Read from FSDP2's own calls (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``):
+    the ``FSDPParamGroup`` whose ``pre_forward``, ``pre_backward``, ``post_backward`` or
+    ``_prefetch_unshard`` is on the call stack of a collective, and
+    ``FSDPParamGroup.reshard``, wrapped for the block and restored on exit."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    events, originals = [], {}
+    with counting_collectives() as sent:
+        def traced(call):
+            def wrapper(*args, **kwargs):
+                unit, phase = _call_site()
+                before = len(sent)
+                result = call(*args, **kwargs)
+                events.extend((name, unit, phase, nbytes) for name, nbytes in sent[before:])
+                return result
+            return wrapper
+        for attr in ("all_reduce", "reduce_scatter_single", "all_gather_single"):
+            originals[attr] = getattr(dist, attr)
+            setattr(dist, attr, traced(originals[attr]))
+        reshard = FSDPParamGroup.reshard
+
+        def traced_reshard(self):
+            gathered = self.is_unsharded
+            phase = "forward" if self._training_state == TrainingState.FORWARD else "backward"
+            reshard(self)
+            if gathered and not self.is_unsharded:
+                events.append(("reshard", _unit(self), phase, 0))
+        FSDPParamGroup.reshard = traced_reshard
+        try:
+            yield events
+        finally:
+            FSDPParamGroup.reshard = reshard
+            for attr, call in originals.items():
+                setattr(dist, attr, call)
 
 
 class RecordingAdam(torch.optim.Adam):
@@ -307,6 +385,18 @@ def _gradient_mistake(name, got, want, previous, micro) -> Verdict:
                       f"{WORLD_SIZE * sum(SIZES)}, does this too). FSDP2's reduce-scatter already "
                       f"averages over the {WORLD_SIZE} ranks (ReduceOp.AVG for float32).",
                       mistake="divided by world_size")
+    for factor, words in ((SIZES[0] / total, f"weighed {SIZES[0]}/{total}"), (1 / k, f"divided by {k}"),
+                          (1, "")):
+        if _close(got, factor * micro[0]):
+            return failed(f"{head} It is the gradient of the first micro-batch alone"
+                          f"{', ' + words if words else ''}: FSDP2 reduce-scattered it into p.grad "
+                          f"in micro-batch 0's backward, which ran with the sync on. The later "
+                          f"micro-batches ran with the sync off: FSDP2 accumulated their gradients "
+                          f"unsharded, on each rank, after that reduce-scatter, and the step did not "
+                          f"see them (the next step's first reduce-scatter sends them along with its "
+                          f"own). The sync was on for the wrong micro-batch: which backward has "
+                          f"all {k} micro-batches' gradients to send?",
+                          mistake="sync on for the first micro-batch")
     for factor, words in ((1 / k, f"divided by {k}"), (SIZES[-1] / total, f"weighed {SIZES[-1]}/{total}"),
                           (1, "")):
         if _close(got, factor * micro[-1]):
@@ -321,7 +411,7 @@ def _gradient_mistake(name, got, want, previous, micro) -> Verdict:
                       f"added to it. FSDP2 adds a reduce-scatter's result into an existing p.grad, "
                       f"as autograd does.", mistake="previous step's gradient kept")
     return failed(f"{head} It is none of the usual slips (micro-batches weighed alike, a sum over "
-                  f"the micro-batches, an extra division by the world size, the last micro-batch "
+                  f"the micro-batches, an extra division by the world size, the first or the last micro-batch "
                   f"alone, the previous step's gradient kept): compare what each micro-batch of "
                   f"{sizes} digits adds with the mean over the {WORLD_SIZE * total} digits.")
 
@@ -346,7 +436,8 @@ def check_accumulate_step(group: LocalGroup, accumulate_step) -> Verdict:
         per micro-batch (one batch of every digit, one backward of several losses); no
         gradient at the step (gradient sync never back on: what the run then did); the
         micro-batches' mean losses weighed alike (divided by the number of micro-batches),
-        added, divided by the world size as well, the last micro-batch's alone (earlier ones
+        added, divided by the world size as well, the first micro-batch's alone (the sync on
+        for micro-batch 0 instead of the last), the last micro-batch's alone (earlier ones
         cleared), the previous step's still added; the right numbers with a reduce-scatter
         per micro-batch.
     """
@@ -493,6 +584,6 @@ def sync_on_late(group: LocalGroup) -> str:
             f"{'more' if alone > 1e-3 else 'less'} than 1e-3.")
 
 
-__all__ = ["WORLD_SIZE", "SIZES", "MICRO_BATCHES", "STEPS", "UNITS", "RecordingAdam",
+__all__ = ["WORLD_SIZE", "SIZES", "MICRO_BATCHES", "STEPS", "UNITS", "RecordingAdam", "fsdp_trace",
            "gradient_bytes", "pending_gradient", "micro_batch_indices", "accumulate_run",
            "check_accumulate_step", "sync_on_late", "sync_on_late_step"]
