@@ -187,16 +187,22 @@ WHY = {
             "so the ReLU needs no one else (Shoeybi et al. 2019, Megatron-LM, section 3).",
     },
     "10": {
-        1: "A 4-byte all_reduce costs what any message costs: system calls, waking the other "
-            "rank, a round trip through the loopback. That fixed cost is far larger than the "
-            "time of 4 bytes. A 64 MiB all_reduce is dominated by its bytes. So the time "
-            "grows much less than the bytes: a small collective is latency-bound, a large one "
-            "bandwidth-bound.",
-        2: "gloo's broadcast is a tree (gloo/broadcast.cc): in each round every rank that "
-            "already holds the tensor sends all of it to one that does not, so the root sends "
-            "the whole tensor in each of ceil(log2 n) rounds: 2 S on 4 ranks, twice what a "
-            "pipelined chain must send from any rank. Few rounds suit small messages; for large "
-            "ones the root's link carries the whole tensor again in every round.",
+        1: "Every all_reduce pays a fixed cost, whatever its size: system calls, waking the "
+            "other rank, a round trip through the loopback. Step 1's 4-byte all_reduce shows "
+            "about what it is. 1 KiB adds little to it, so 1,024 calls pay it 1,024 times; "
+            "the one 1 MiB call pays it once and then spends its time on the bytes. The same "
+            "bytes take about a hundred times as long or more: with small tensors, the number "
+            "of calls sets the cost, not the bytes. That is why DDP packs gradients into "
+            "buckets (notebook 16). Step 3 names the fixed cost α.",
+        2: "The tree. Only the tree leaves 4 ranks with [2, 1, 0, 0]: a chain has three "
+            "ranks write S each ([1, 1, 1, 0]), a star has src write 3 S ([3, 0, 0, 0]). In "
+            "each round of the tree every rank that holds the tensor sends all of it to one "
+            "that does not, so the holders double and src sends once in every round: "
+            "ceil(log2 n) rounds, 3 S on 8 ranks ([3, 2, 1, 1, 0, 0, 0, 0] above), 4 S on 16. "
+            "That is gloo's broadcast (gloo/broadcast.cc: a binomial tree over the ranks "
+            "counted from src). Few rounds suit small messages; for large ones src's link "
+            "carries the whole tensor again in every round, where a pipelined chain has no "
+            "rank send more than S.",
         3: "torch's sum of a bf16 tensor on the CPU accumulates in float32 and rounds to "
             "bf16 once, at the end. gloo's all_reduce rounds to bf16 after every addition of "
             "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
