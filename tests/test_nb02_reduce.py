@@ -161,13 +161,77 @@ def aliases():
 
 
 def test_views_follow_x_new_tensors_do_not(group):
+    """Step 6's rule, stated above question 2: a view sees what reduce writes into the
+    elements it covers; x + 1 and a clone never change."""
     group.resize(4)
     out = group.run(aliases)
     assert out[2] == [True, True, False, False]  # rank 2, not dst: view, grid change; y, copy not
-    # Question 2, rank 3: gloo writes elements 2 and 3 only, so x[:2] keeps its values
-    # while x.view(2, 2), which covers all four, changes: (False, True, False)
+    # rank 3: gloo writes elements 2 and 3 only, so x[:2] keeps its values while
+    # x.view(2, 2), which covers all four, changes
     assert out[3] == [False, True, False, False]
     assert all(not y and not c for _, _, y, c in out)
+
+
+def notebook_function(name: str):
+    """The notebook's own definition of ``name`` (its code cell's def, run in a namespace
+    with torch and dist), so that a test breaks when the notebook's code changes."""
+    import ast
+    for source in notebook_sources():
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                ns = {"torch": torch, "dist": dist, "np": np}
+                exec(compile(ast.Module(body=[node], type_ignores=[]), "02", "exec"), ns)
+                return ns[name]
+    raise AssertionError(f"the notebook defines no {name}")
+
+
+def test_question_2_detach_and_numpy_share_x_a_copying_reshape_does_not(group):
+    """Question 2 (a fourth review: the old one, on x[:2] and x + 1, gave itself away):
+    on rank 1, whose x the reduce rewrites entirely, x.detach() and x.numpy() share x's
+    storage and show the reduced values; x.view(2, 2).t().reshape(4) had to copy (the
+    transpose is not contiguous) and keeps the input. Re-derived with the notebook's
+    aliases(), and on every rank: a name changed exactly where it shares x's storage and
+    x changed."""
+    aliases_nb = notebook_function("aliases")
+    group.resize(4)
+    out = group.run(aliases_nb, 0)
+    changed, shares, x = out[1]
+    assert (x != 10.0).all()                                         # rank 1: all four rewritten
+    assert tuple(changed.values()) == (True, True, False)
+    assert list(changed) == ["x.detach()", "x.numpy()", "x.view(2, 2).t().reshape(4)"]
+    for r, (changed, shares, x) in enumerate(out):
+        moved = bool((x != 10.0 ** r).any())
+        assert shares == {"x.detach()": True, "x.numpy()": True, "x.view(2, 2).t().reshape(4)": False}
+        assert changed == {k: v and moved for k, v in shares.items()}, r
+    t = torch.arange(4.0).view(2, 2).t()
+    assert not t.is_contiguous()
+    with pytest.raises(RuntimeError, match="view size is not compatible with input tensor's size and stride"):
+        t.view(4)                                                    # the reveal quotes this
+    assert "Otherwise, it will be a copy" in " ".join(torch.reshape.__doc__.split())
+    assert "shares the same storage with the original one" in " ".join(torch.Tensor.detach.__doc__.split())
+    assert "changes to the tensor will be reflected in the ndarray" in " ".join(torch.Tensor.numpy.__doc__.split())
+    from reducelab.checks.answers import WHY
+    for quote in ("Returned Tensor shares the same storage with the original one",
+                  "changes to the tensor will be reflected in the ndarray and vice versa",
+                  "Otherwise, it will be a copy", "you should not depend on the copying vs. viewing behavior",
+                  "view size is not compatible with input tensor's size and stride"):
+        assert quote in " ".join(WHY["02"][2].split()), quote
+
+
+def test_the_nccl_paragraph_states_only_what_its_sources_say():
+    """A fourth review: the notebook implied what NCCL leaves on non-dst ranks ("may leave
+    other values") without a source. It now cites torch's ProcessGroupNCCL::reduce (x as
+    both buffers) and NCCL's header (a const send buffer; the receive buffer may be NULL
+    except on root), says it was not run, and says the docstring promises only dst."""
+    text = "\n".join(notebook_cells())
+    assert "may leave other values" not in text and "MPI" not in text.split("## Step 5")[0]
+    part = text[text.index("**On NCCL**"):text.index("## Step 5")]
+    for fact in ("not run here", "`ProcessGroupNCCL::reduce`", "`ProcessGroupNCCL.cpp`", "`const`",
+                 '"may be NULL on all calls except for root device"', "`nccl.h`",
+                 "only the result on `dst` (Step 1)"):
+        assert fact in part, fact
+    doc = " ".join(dist.reduce.__doc__.split())
+    assert "Only the process with rank ``dst`` is going to receive the final result." in doc
 
 
 def read_before_wait():
@@ -672,6 +736,12 @@ def notebook_cells():
     return ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
 
 
+def notebook_sources():
+    """The notebook's code cells."""
+    return ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
+            if c["cell_type"] == "code"]
+
+
 def test_the_notebooks_replay_is_gloos_ring():
     """Step 4's replay (math.ceil, one named variable per step) gives what the reference
     replay gives, for sizes and world sizes beyond those the notebook compares."""
@@ -708,12 +778,19 @@ def test_the_notebook_asks_before_it_explains():
         assert hint not in "\n".join(cells[:q1 - 1]), hint
     q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
     asked = "\n".join(cells[:q2 + 2])
-    for hint in ("own storage", "shares x's storage", "share x's storage", "sees whatever"):
+    # a fourth review: question 2 gave itself away. Step 6 now states the rule (a name sees
+    # the writes when it shares x's storage) and asks about three names whose sharing is
+    # not plain; nothing above the reveal says which of them share, or that reshape copies
+    for hint in ("detach() shares", "numpy() shares", "same storage with the original",
+                 "reflected in the ndarray", "must copy", "had to copy", "a copy when",
+                 "reshape copies", "not contiguous", "as_strided"):
         assert hint not in asked.split("def aliases")[0], hint
-    assert "# views" not in cells[q2 + 1] and "# new tensors" not in cells[q2 + 1]
-    assert "**rank 3**" in cells[q2 - 1]
-    # question 2 gives what the reduce writes on rank 3, so that it asks about the names only
-    assert "writes elements 2 and 3 of `x` and leaves elements 0 and 1" in cells[q2 - 1]
+    assert "# views" not in cells[q2 + 1] and "# copies" not in cells[q2 + 1]
+    assert "**rank 1**" in cells[q2 - 1]
+    # question 2 gives what the reduce writes on rank 1, so that it asks about the names only
+    assert "rewrites all four elements of `x`" in cells[q2 - 1]
+    for name in ("`d = x.detach()`", "`a = x.numpy()`", "`r = x.view(2, 2).t().reshape(4)`"):
+        assert name in cells[q2 - 1], name
     q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
     # an expert review: question 3 (read before wait) was near-trivial. It now asks what a
     # write before wait() does to dst's result, at two pinned moments, with the three
@@ -733,10 +810,12 @@ def test_the_notebook_asks_before_it_explains():
 
 
 def test_question_2s_stated_layout_is_what_the_ranks_do(group):
-    """Question 2 states that on rank 3 the reduce writes elements 2 and 3 only."""
+    """Question 2 states that on rank 1 the reduce rewrites all four elements (and Step 6's
+    rule, that rank 3 has elements 2 and 3 written only, as the views test shows)."""
     group.resize(4)
-    before, after = group.run(reduce_once, 4, 0)[3]
-    assert (before != after).tolist() == [False, False, True, True]
+    out = group.run(reduce_once, 4, 0)
+    assert (out[1][0] != out[1][1]).tolist() == [True] * 4
+    assert (out[3][0] != out[3][1]).tolist() == [False, False, True, True]
 
 
 def test_what_decides_the_layout_is_stated_in_full(group):

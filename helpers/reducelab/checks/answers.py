@@ -37,12 +37,18 @@ WHY = {
             "with the full sum 1111. Then rank 0 sends chunk 0 to dst=3, whose x now holds "
             "1111 too. With dst=0 rank 3 kept its input because it only ever sends; with "
             "dst=3 it receives the result, and rank 0 still does the ring's work.",
-        2: "x[:2] and x.view(2, 2) are views: they share x's storage, so each shows what "
-            "reduce wrote into the elements it covers. On rank 3 gloo wrote elements 2 and 3 "
-            "only (x after the reduce, above): x.view(2, 2) covers them, x[:2] does not. y = "
-            "x + 1 was computed before the reduce into storage of its own, and nothing writes "
-            "to it later; x.clone() is a copy, with storage of its own too (copy: False on "
-            "every rank).",
+        2: "x.detach() and x.numpy() share x's storage (shares x's "
+            "storage: True), so they show what reduce wrote. detach() only cuts the new "
+            "tensor off from autograd: \"Returned Tensor shares the same storage with the "
+            "original one\" (its docstring). numpy() hands NumPy the same memory: \"changes "
+            "to the tensor will be reflected in the ndarray and vice versa\". r is a copy: "
+            "after .t() the elements no longer lie in memory in the order a flat view would "
+            "read them, so reshape could not return a view, and \"Otherwise, it will be a "
+            "copy\" (torch.reshape's docstring), made before the reduce. That docstring adds "
+            "that \"you should not depend on the copying vs. viewing behavior\": when you "
+            "mean an alias, write view(), which raises instead of copying (\"view size is "
+            "not compatible with input tensor's size and stride\"); when you mean a copy, "
+            "write clone().",
         3: "async_op=True does not copy x: gloo reads rank 1's x only when it sends it, on a "
             "background thread, and over TCP it sends only once the receiver has posted its "
             "receive (\"Execute this send if there is a remote pending receive\", Pair::send "
@@ -187,16 +193,22 @@ WHY = {
             "so the ReLU needs no one else (Shoeybi et al. 2019, Megatron-LM, section 3).",
     },
     "10": {
-        1: "A 4-byte all_reduce costs what any message costs: system calls, waking the other "
-            "rank, a round trip through the loopback. That fixed cost is far larger than the "
-            "time of 4 bytes. A 64 MiB all_reduce is dominated by its bytes. So the time "
-            "grows much less than the bytes: a small collective is latency-bound, a large one "
-            "bandwidth-bound.",
-        2: "gloo's broadcast is a tree (gloo/broadcast.cc): in each round every rank that "
-            "already holds the tensor sends all of it to one that does not, so the root sends "
-            "the whole tensor in each of ceil(log2 n) rounds: 2 S on 4 ranks, twice what a "
-            "pipelined chain must send from any rank. Few rounds suit small messages; for large "
-            "ones the root's link carries the whole tensor again in every round.",
+        1: "Every all_reduce pays a fixed cost, whatever its size: system calls, waking the "
+            "other rank, a round trip through the loopback. Step 1's 4-byte all_reduce shows "
+            "about what it is. 1 KiB adds little to it, so 1,024 calls pay it 1,024 times; "
+            "the one 1 MiB call pays it once and then spends its time on the bytes. The same "
+            "bytes take about a hundred times as long or more: with small tensors, the number "
+            "of calls sets the cost, not the bytes. That is why DDP packs gradients into "
+            "buckets (notebook 16). Step 3 names the fixed cost α.",
+        2: "The tree. Only the tree leaves 4 ranks with [2, 1, 0, 0]: a chain has three "
+            "ranks write S each ([1, 1, 1, 0]), a star has src write 3 S ([3, 0, 0, 0]). In "
+            "each round of the tree every rank that holds the tensor sends all of it to one "
+            "that does not, so the holders double and src sends once in every round: "
+            "ceil(log2 n) rounds, 3 S on 8 ranks ([3, 2, 1, 1, 0, 0, 0, 0] above), 4 S on 16. "
+            "That is gloo's broadcast (gloo/broadcast.cc: a binomial tree over the ranks "
+            "counted from src). Few rounds suit small messages; for large ones src's link "
+            "carries the whole tensor again in every round, where a pipelined chain has no "
+            "rank send more than S.",
         3: "torch's sum of a bf16 tensor on the CPU accumulates in float32 and rounds to "
             "bf16 once, at the end. gloo's all_reduce rounds to bf16 after every addition of "
             "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
