@@ -76,3 +76,31 @@ def test_the_first_figure_imports_matplotlib_with_the_project_s_style():
     assert result == {"before": False, "canvas": True, "style": True, "backend": "agg",
                       "layout": True}
 
+
+def test_a_kernel_imports_matplotlib_while_the_learner_reads():
+    """In a Jupyter kernel the setup cell ends without matplotlib; once the kernel has been
+    idle for ``plots.IDLE_IMPORT_DELAY`` seconds it has imported it (on its own thread,
+    from its event loop), so the first figure does not wait for it either."""
+    import time
+
+    from jupyter_client.manager import start_new_kernel
+
+    from reducelab import plots
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        def run(code: str) -> str:
+            out: list[str] = []
+            kc.execute_interactive(code, timeout=120, output_hook=lambda m: out.append(
+                m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+            return "".join(out).strip()
+        assert run("from reducelab.plots import show\nfrom reducelab.widgets.loss import "
+                   "LossExplorer\nimport sys\nprint('matplotlib' in sys.modules)") == "False"
+        deadline = time.monotonic() + 30
+        while run("print('reducelab.plots.agg' in sys.modules)") != "True":
+            assert time.monotonic() < deadline, "the idle kernel never imported matplotlib"
+            time.sleep(plots.IDLE_IMPORT_DELAY)
+        assert float(run("import matplotlib\nprint(matplotlib.rcParams['font.size'])")) == \
+            plots.STYLE["font.size"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

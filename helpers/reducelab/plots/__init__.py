@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import io
 from typing import TYPE_CHECKING
 
@@ -894,3 +895,48 @@ class RankHeatmaps(BuiltFigures):
         self.fig.suptitle(title or "")
         return png(self.fig)
 
+
+IDLE_IMPORT_DELAY = 0.5
+"""Seconds a Jupyter kernel stays idle after the cell that imported this module before
+:func:`import_agg_when_idle` imports :mod:`reducelab.plots.agg` (matplotlib)."""
+
+
+def import_agg_when_idle() -> bool:
+    """In a Jupyter kernel, import :mod:`reducelab.plots.agg` (matplotlib, about 0.3 s of
+    CPU after torch) once the current cell has ended and the kernel has been idle for
+    :data:`IDLE_IMPORT_DELAY` seconds; return ``True`` if scheduled.
+
+    The setup cell then does not wait for matplotlib (issue 23's goal for it: 1.3 times a
+    bare ``import torch``), and a learner who reads before running the first cell that
+    draws does not wait for it there either. The import runs on the kernel's own thread,
+    from its event loop (IPython's ``post_run_cell`` event, then ``call_later``), so it
+    never runs beside a cell's own imports: a cell sent while it runs waits for it, as
+    that cell would have waited for its own first figure. Outside a kernel (scripts,
+    tests, a terminal IPython without a running loop) nothing is scheduled."""
+    import sys
+    try:
+        shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    except Exception:  # noqa: BLE001 - a broken IPython: draw as scripts do
+        return False
+    if shell is None or not hasattr(shell, "events") or "ipykernel" not in sys.modules:
+        return False
+
+    def at_cell_end(result=None) -> None:
+        import asyncio
+        shell.events.unregister("post_run_cell", at_cell_end)
+        try:
+            asyncio.get_running_loop().call_later(IDLE_IMPORT_DELAY, _import_agg)
+        except RuntimeError:  # no running loop: the first figure imports it
+            pass
+    shell.events.register("post_run_cell", at_cell_end)
+    return True
+
+
+def _import_agg() -> None:
+    try:
+        importlib.import_module(".agg", __name__)
+    except Exception:  # noqa: BLE001 - the first figure imports it again and says why
+        pass
+
+
+import_agg_when_idle()
