@@ -493,17 +493,18 @@ def _texts_figure(canvas_class, size: float = 11, antialiased: bool = True):
 
 @pytest.mark.parametrize("size, antialiased", [(11, True), (10, True), (11, False)])
 def test_the_canvas_that_keeps_text_bitmaps_draws_agg_s_pixels(size, antialiased):
-    """Every package figure is drawn by plots.Canvas, which rasterises each text once and
+    """Every package figure is drawn by plots.agg.Canvas, which rasterises each text once and
     blits the bitmap on later draws: the pixels equal FigureCanvasAgg's on the first
     draw and on the redraws that hit the cache, at every size and antialiasing."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from reducelab import plots
-    agg = plots.png(_texts_figure(FigureCanvasAgg, size, antialiased))
-    fig = _texts_figure(plots.Canvas, size, antialiased)
-    before = plots._text_bitmap.cache_info().hits
-    assert [plots.png(fig) for _ in range(3)] == [agg] * 3
-    assert plots._text_bitmap.cache_info().hits >= before + 2 * 7    # the redraws hit it
-    assert type(new_figure(2, 2).canvas) is plots.Canvas
+    from reducelab.plots import agg
+    matplotlibs = plots.png(_texts_figure(FigureCanvasAgg, size, antialiased))
+    fig = _texts_figure(agg.Canvas, size, antialiased)
+    before = agg._text_bitmap.cache_info().hits
+    assert [plots.png(fig) for _ in range(3)] == [matplotlibs] * 3
+    assert agg._text_bitmap.cache_info().hits >= before + 2 * 7    # the redraws hit it
+    assert type(new_figure(2, 2).canvas) is agg.Canvas
 
 
 def test_a_text_bitmap_is_not_reused_for_another_size_dpi_or_font():
@@ -512,6 +513,7 @@ def test_a_text_bitmap_is_not_reused_for_another_size_dpi_or_font():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from reducelab import plots
+    from reducelab.plots import agg
 
     def one(canvas_class, dpi=100, **kw):
         fig = Figure(figsize=(2, 1), dpi=dpi)
@@ -522,7 +524,7 @@ def test_a_text_bitmap_is_not_reused_for_another_size_dpi_or_font():
     for kw in (dict(fontsize=10), dict(fontsize=14), dict(fontsize=10, dpi=150),
                dict(fontsize=10, family="serif"), dict(fontsize=10, family="monospace"),
                dict(fontsize=10)):
-        assert one(plots.Canvas, **kw) == one(FigureCanvasAgg, **kw), kw
+        assert one(agg.Canvas, **kw) == one(FigureCanvasAgg, **kw), kw
 
 
 CHANGES = [("text", lambda t: t.set_text("other\nwords")),
@@ -542,12 +544,13 @@ CHANGES = [("text", lambda t: t.set_text("other\nwords")),
 
 @pytest.mark.parametrize("name, change", CHANGES, ids=[c[0] for c in CHANGES])
 def test_a_remembered_text_layout_is_never_used_for_a_changed_text(name, change):
-    """plots.Canvas remembers each text's layout (its box and lines) between draws: a
+    """plots.agg.Canvas remembers each text's layout (its box and lines) between draws: a
     text changed in anything the layout depends on is laid out again, so the redraw
     draws what FigureCanvasAgg draws for a figure made with the change."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from reducelab import plots
+    from reducelab.plots import agg
 
     def make(canvas_class):
         fig = Figure(figsize=(3, 2), dpi=100)
@@ -556,10 +559,10 @@ def test_a_remembered_text_layout_is_never_used_for_a_changed_text(name, change)
         fig.text(0.05, 0.05, "beside it", fontsize=10)
         return fig, text
 
-    plots._TEXT_LAYOUTS.clear()
-    fig, text = make(plots.Canvas)
+    agg._TEXT_LAYOUTS.clear()
+    fig, text = make(agg.Canvas)
     plots.png(fig)                      # lays the texts out and remembers them
-    assert len(plots._TEXT_LAYOUTS) == 2
+    assert len(agg._TEXT_LAYOUTS) == 2
     change(text)
     fresh, fresh_text = make(FigureCanvasAgg)
     change(fresh_text)
@@ -573,12 +576,13 @@ def test_text_layouts_and_math_are_remembered_across_package_figures_only(monkey
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from reducelab import plots
-    monkeypatch.setattr(plots, "_TEXT_LAYOUTS", {})
+    from reducelab.plots import agg
+    monkeypatch.setattr(agg, "_TEXT_LAYOUTS", {})
     fig = Figure(figsize=(3, 2), dpi=100)
     FigureCanvasAgg(fig)
     fig.text(0.1, 0.5, "a learner's own figure")
     plots.png(fig)
-    assert plots._TEXT_LAYOUTS == {}
+    assert agg._TEXT_LAYOUTS == {}
 
     def package_figure(label):
         fig = new_figure(3, 2)
@@ -588,17 +592,17 @@ def test_text_layouts_and_math_are_remembered_across_package_figures_only(monkey
         ax.set_title(label)
         return plots.png(fig)
     package_figure("first")
-    parsed = plots._MATHTEXT._parse_cached.cache_info()
-    laid_out = len(plots._TEXT_LAYOUTS)
+    parsed = agg._MATHTEXT._parse_cached.cache_info()
+    laid_out = len(agg._TEXT_LAYOUTS)
     assert package_figure("second") == package_figure("second")
-    assert plots._MATHTEXT._parse_cached.cache_info().misses == parsed.misses
-    assert len(plots._TEXT_LAYOUTS) == laid_out + 1          # only the new title
-    monkeypatch.setattr(plots, "LAYOUTS_KEPT", 5)
+    assert agg._MATHTEXT._parse_cached.cache_info().misses == parsed.misses
+    assert len(agg._TEXT_LAYOUTS) == laid_out + 1          # only the new title
+    monkeypatch.setattr(agg, "LAYOUTS_KEPT", 5)
     fig = new_figure(3, 2)
     for k in range(12):
         fig.text(0.1, k / 12, f"text {k}")
     plots.png(fig)
-    assert 1 <= len(plots._TEXT_LAYOUTS) <= 5
+    assert 1 <= len(agg._TEXT_LAYOUTS) <= 5
 
 
 def _kept_plot(seed: int) -> bytes:

@@ -119,7 +119,7 @@ def test_a_refused_combination_shows_a_note_and_the_ranks_own_words_in_every_for
 
 
 def test_a_second_refusal_draws_no_new_figure(monkeypatch):
-    import reducelab.plots as plots
+    import matplotlib.figure
     toy = Toy()
     toy.controls["choice"].value = "refused"
     note = bytes(toy.image.value)
@@ -127,7 +127,7 @@ def test_a_second_refusal_draws_no_new_figure(monkeypatch):
 
     def no_new_figure(*args, **kwargs):
         raise AssertionError("a refusal built a new figure")
-    monkeypatch.setattr(plots, "Figure", no_new_figure)
+    monkeypatch.setattr(matplotlib.figure, "Figure", no_new_figure)
     toy.controls["choice"].value = "refused"
     assert bytes(toy.image.value) == note
 

@@ -261,7 +261,7 @@ _groups_started: dict[int, int] = {}  # {forkserver pid: groups started from it}
 _later_asked: dict[int, set[str]] = {}  # {forkserver pid: modules of LATER asked for}
 _later_unserved: set[int] = set()  # forkservers asked since their last group start
 _imports_served: dict[int, int] = {}  # {forkserver pid: later-import requests waited for}
-_held: list[bool] = []  # [True] while requests wait for the end of the first group's cell
+_held: list = []  # [the post_run_cell callback] while requests wait for the end of the first group's cell
 _released_later: list[int] = []  # [forkserver pid] once the released requests named LATER's
 
 
@@ -374,8 +374,7 @@ def hold_requests_for_first_cell() -> bool:
     def at_cell_end(result=None) -> None:
         if _groups_started.get(_server()[0]):
             release_requests()
-    _held[:] = [True]
-    hold_requests_for_first_cell.callback = at_cell_end
+    _held[:] = [at_cell_end]
     shell.events.register("post_run_cell", at_cell_end)
     return True
 
@@ -383,11 +382,11 @@ def hold_requests_for_first_cell() -> bool:
 def release_requests() -> None:
     """End the hold of :func:`hold_requests_for_first_cell`, if any: ask the server for
     what the kernel's imports call for (:func:`kernel_later`), in the background."""
-    if not _held:
+    try:
+        callback = _held.pop()  # one caller wins: list.pop is atomic
+    except IndexError:
         return
     from .forkserver_imports import LATER, WITH_TORCH
-    _held.clear()
-    callback = getattr(hold_requests_for_first_cell, "callback", None)
     try:
         from IPython import get_ipython
         get_ipython().events.unregister("post_run_cell", callback)

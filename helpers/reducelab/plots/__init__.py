@@ -25,25 +25,17 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import io
-from math import cos, radians, sin
+from typing import TYPE_CHECKING
 
-import matplotlib
+import numpy as np
+from cycler import cycler
 
-matplotlib.use("Agg", force=False)
-import numpy as np  # noqa: E402
-from cycler import cycler  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.axes._secondary_axes import SecondaryAxis  # noqa: E402
-from matplotlib.axis import XAxis, YAxis  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hinting_flag  # noqa: E402
-from matplotlib.figure import Figure, SubFigure  # noqa: E402
-from matplotlib.layout_engine import PlaceHolderLayoutEngine  # noqa: E402
-from matplotlib.mathtext import MathTextParser  # noqa: E402
-from matplotlib.spines import Spine  # noqa: E402
-from matplotlib.text import Text  # noqa: E402
+from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: F401
 
-from ..palette import NEUTRAL, PALETTE, PANEL_GREY, TEXT_GREY  # noqa: E402,F401
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DPI = 100
 """Resolution of every figure, dots per inch: one figure pixel per screen pixel at 100 %."""
@@ -68,102 +60,10 @@ STYLE = {
     "axes.prop_cycle": cycler(color=RANK_COLOURS), "image.cmap": CMAP,
     "figure.dpi": DPI, "savefig.dpi": DPI,
 }
-"""matplotlib settings of every Reduce Lab figure, applied when this module is imported
-(learners' own plots in the notebooks then follow the same palette and sizes)."""
-matplotlib.rcParams.update(STYLE)
+"""matplotlib settings of every Reduce Lab figure, applied to ``matplotlib.rcParams`` when
+the first figure is made (:mod:`reducelab.plots.agg`); a learner's own plots after it then
+follow the same palette and sizes."""
 
-
-@functools.lru_cache(maxsize=4096)
-def _text_bitmap(font, s: str, size: float, dpi: float, antialiased: bool, flags: int) -> tuple:
-    """The glyphs of ``s`` rasterised by ``font`` (an ``FT2Font``) at ``size`` points and
-    ``dpi``, as Agg's ``draw_text`` makes them: ``(bitmap, descent, x offset, y offset)``,
-    the bitmap a uint8 array of shape ``(height, width)``, the rest in pixels. The
-    cache keeps ``font`` alive, so its identity in the key is never reused; matplotlib
-    gives each thread its own ``FT2Font`` objects. 4096 bitmaps of a label are a few MB."""
-    font.clear()
-    font.set_size(size, dpi)
-    font.set_text(s, 0, flags=flags)
-    font.draw_glyphs_to_bitmap(antialiased=antialiased)
-    xo, yo = font.get_bitmap_offset()
-    return np.array(font.get_image()), font.get_descent() / 64.0, xo / 64.0, yo / 64.0
-
-
-_LAYOUT = Text._get_layout
-_TEXT_LAYOUTS: dict = {}
-"""Text layouts :func:`_remembered_layout` has made, by what they depend on."""
-LAYOUTS_KEPT = 4096
-"""Most text layouts remembered (:func:`_remembered_layout`); then it starts again. A
-layout is a box and a few numbers per line."""
-
-
-def _remembered_layout(self: Text, renderer):
-    """``Text._get_layout`` (matplotlib's measure of a text's box and lines), remembered
-    for texts of the same string, font, dpi, line spacing, rotation and alignment (what
-    it reads) drawn by a Reduce Lab canvas, whichever figure they are in. An explorer's
-    redraw lays out 100 to 300 texts, most of them drawn before, many explorers draw a
-    new figure per state, and each layout asks FreeType for metrics through a cache
-    keyed on the font's properties (a fifth of notebook 08's redraw under cProfile).
-    Other renderers (a learner's own figure, a saved PDF) and TeX texts get matplotlib's
-    own. The layout returned is shared by every draw of that text: matplotlib's callers
-    (``Text.draw``, ``Text.get_window_extent``, ``TextArea``, 3.10.9) read its box and
-    lines and never change them."""
-    if not isinstance(renderer, _TextBitmapsRenderer) or self.get_usetex():
-        return _LAYOUT(self, renderer)
-    key = (self._get_wrapped_text(), hash(self._fontproperties), self.get_parse_math(),
-           self.get_figure(root=True).dpi, renderer.dpi, self._linespacing,
-           self.get_rotation(), self.get_rotation_mode(), self._get_multialignment(),
-           self._horizontalalignment, self._verticalalignment)
-    layout = _TEXT_LAYOUTS.get(key)
-    if layout is None:
-        if len(_TEXT_LAYOUTS) >= LAYOUTS_KEPT:
-            _TEXT_LAYOUTS.clear()
-        layout = _TEXT_LAYOUTS[key] = _LAYOUT(self, renderer)
-    return layout
-
-
-Text._get_layout = _remembered_layout
-_MATHTEXT = MathTextParser("agg")
-"""The mathtext parser every :class:`_TextBitmapsRenderer` shares. Agg gives each
-renderer its own, and its cache of parsed expressions (log-axis tick labels such as
-``10²``, 2 to 3 ms each) is per parser: a figure drawn anew parsed them all again."""
-
-
-class _TextBitmapsRenderer(RendererAgg):
-    """Agg's renderer, rasterising each text once: a redraw blits the glyph bitmap it
-    made before for the same string, font, size, dpi, antialiasing and hinting.
-
-    An explorer's figure redraws 80 to 350 texts per change (tick labels, titles,
-    values in cells), most of them unchanged; laying out their glyphs in FreeType is
-    about a fifth of a redraw. The pixels are those of ``RendererAgg.draw_text``, whose
-    steps this follows (``tests/test_explorer_base.py`` compares them)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.mathtext_parser = _MATHTEXT
-
-    def draw_text(self, gc, x, y, s, prop, angle, ismath=False, mtext=None):
-        if ismath:
-            return super().draw_text(gc, x, y, s, prop, angle, ismath, mtext)
-        font = self._prepare_font(prop)
-        bitmap, d, xo, yo = _text_bitmap(font, s, prop.get_size_in_points(), self.dpi,
-                                         bool(gc.get_antialiased()), get_hinting_flag())
-        x = round(x + xo + d * sin(radians(angle)))
-        y = round(y + yo + d * cos(radians(angle)))
-        self._renderer.draw_text_image(bitmap, x, y + 1, angle, gc)
-
-
-class Canvas(FigureCanvasAgg):
-    """The Agg canvas of every Reduce Lab figure: ``FigureCanvasAgg`` drawing its texts
-    with :class:`_TextBitmapsRenderer`. Same pixels, a fifth less time on a text-heavy
-    redraw."""
-
-    def get_renderer(self):
-        w, h = self.figure.bbox.size
-        key = (w, h, self.figure.dpi)
-        if self.__dict__.get("_reducelab_renderer_key") != key:
-            self.renderer = _TextBitmapsRenderer(w, h, self.figure.dpi)
-            self._reducelab_renderer_key = key
-        return self.renderer
 
 
 def new_figure(width: float, height: float, layout_key=None, layout: bool = True) -> Figure:
@@ -181,6 +81,9 @@ def new_figure(width: float, height: float, layout_key=None, layout: bool = True
     labels are as long and whose titles have as many lines (what sets the margins),
     gets the positions it found and skips the layout engine (about 40 % of such a
     redraw). Anything else that changes the layout (a legend's rows) belongs in the key."""
+    from matplotlib.figure import Figure
+
+    from .agg import Canvas
     fig = Figure(figsize=(min(width, MAX_WIDTH), height), dpi=DPI,
                  layout="constrained" if layout else None)
     Canvas(fig)
@@ -225,6 +128,7 @@ def kept_figure(key, width: float, height: float, make_axes, layout: bool = True
 
 def _empty(ax) -> None:
     """Remove what a draw added to ``ax`` (see :func:`kept_figure`)."""
+    import matplotlib
     for container in list(ax.containers):
         container.remove()
     for artist in [*ax.lines, *ax.patches, *ax.texts, *ax.collections, *ax.images,
@@ -442,6 +346,11 @@ def _static_axes(fig: Figure, subs: list) -> list:
     subfigures overlap, its axes are all in subfigures or none is, and no figure-level
     artist is drawn below an axes. ``subs`` is ``fig`` and its subfigures
     (:func:`_subfigures`), walked once per draw by :func:`_draw_layers`."""
+    from matplotlib.axes import Axes
+    from matplotlib.axes._secondary_axes import SecondaryAxis
+    from matplotlib.axis import XAxis, YAxis
+    from matplotlib.figure import SubFigure
+    from matplotlib.layout_engine import PlaceHolderLayoutEngine
     engine = fig.get_layout_engine()
     if not fig.axes or (engine is not None and not isinstance(engine, PlaceHolderLayoutEngine)):
         return []
@@ -496,6 +405,7 @@ def _overlapping(boxes: list) -> bool:
 
 def _tick_direction(axis) -> str:
     """Where ``axis``'s major and minor ticks point: "out", "in", "inout", or "mixed"."""
+    import matplotlib
     rc = matplotlib.rcParams[f"{axis.axis_name}tick.direction"]
     directions = {axis._major_tick_kw.get("tickdir", rc), axis._minor_tick_kw.get("tickdir", rc)}
     return directions.pop() if len(directions) == 1 else "mixed"
@@ -628,6 +538,9 @@ def _draws_over(ax, static: bool, boxes: np.ndarray, renderer) -> bool:
     the spines on its edges, widened by their half width and a pixel of antialiasing),
     spines placed elsewhere, and each artist it draws unclipped (a text, a title, a
     legend; its x and y axes unless ``static``)."""
+    from matplotlib.axes import Axes
+    from matplotlib.spines import Spine
+    from matplotlib.text import Text
     b = ax.bbox
     spines = [sp for sp in ax.spines.values() if sp.get_visible()]
     w = max((renderer.points_to_pixels(sp.get_linewidth()) for sp in spines), default=0) / 2 + 1
@@ -850,6 +763,9 @@ def message_png(text: str, width_px: int = 600, height_px: int = 160) -> bytes:
     explorer shows instead of its figure when the ranks refused the controls' values,
     so no stale picture contradicts the message. Drawn once per text and size (a new
     figure costs 20 to 40 ms of a refusal), then served from a cache."""
+    from matplotlib.figure import Figure
+
+    from .agg import Canvas
     fig = Figure(figsize=(width_px / DPI, height_px / DPI), dpi=DPI)
     Canvas(fig)
     fig.patch.set_facecolor(PANEL_GREY)
@@ -978,3 +894,49 @@ class RankHeatmaps(BuiltFigures):
             self._ylabels = labels
         self.fig.suptitle(title or "")
         return png(self.fig)
+
+
+IDLE_IMPORT_DELAY = 0.5
+"""Seconds a Jupyter kernel stays idle after the cell that imported this module before
+:func:`import_agg_when_idle` imports :mod:`reducelab.plots.agg` (matplotlib)."""
+
+
+def import_agg_when_idle() -> bool:
+    """In a Jupyter kernel, import :mod:`reducelab.plots.agg` (matplotlib, about 0.3 s of
+    CPU after torch) once the current cell has ended and the kernel has been idle for
+    :data:`IDLE_IMPORT_DELAY` seconds; return ``True`` if scheduled.
+
+    The setup cell then does not wait for matplotlib (issue 23's goal for it: 1.3 times a
+    bare ``import torch``), and a learner who reads before running the first cell that
+    draws does not wait for it there either. The import runs on the kernel's own thread,
+    from its event loop (IPython's ``post_run_cell`` event, then ``call_later``), so it
+    never runs beside a cell's own imports: a cell sent while it runs waits for it, as
+    that cell would have waited for its own first figure. Outside a kernel (scripts,
+    tests, a terminal IPython without a running loop) nothing is scheduled."""
+    import sys
+    try:
+        shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    except Exception:  # noqa: BLE001 - a broken IPython: draw as scripts do
+        return False
+    if shell is None or not hasattr(shell, "events") or "ipykernel" not in sys.modules:
+        return False
+
+    def at_cell_end(result=None) -> None:
+        import asyncio
+        shell.events.unregister("post_run_cell", at_cell_end)
+        try:
+            asyncio.get_running_loop().call_later(IDLE_IMPORT_DELAY, _import_agg)
+        except RuntimeError:  # no running loop: the first figure imports it
+            pass
+    shell.events.register("post_run_cell", at_cell_end)
+    return True
+
+
+def _import_agg() -> None:
+    try:
+        importlib.import_module(".agg", __name__)
+    except Exception:  # noqa: BLE001 - the first figure imports it again and says why
+        pass
+
+
+import_agg_when_idle()

@@ -12,7 +12,6 @@ section 3.2.
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.patches import Rectangle
 
 from ..checks.cost import size_label
 from . import HATCHES, MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, kept_figure, new_figure, png
@@ -20,6 +19,7 @@ from . import HATCHES, MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, kept_figure, ne
 
 def _timeline(ax, run: dict, names_axis: bool = True) -> None:
     """Draw one run's timeline on ``ax`` (see :func:`timeline_figure` for ``run``)."""
+    from matplotlib.patches import Rectangle
     order = [name for _, name in run["ready"]]
     row = {name: i for i, name in enumerate(order)}
     bucket_of = {name: k for k, (_, _, _, names, *_) in enumerate(run["buckets"])

@@ -13,7 +13,6 @@ same ``--nproc-per-node`` on every node.
 """
 from __future__ import annotations
 
-from matplotlib.patches import FancyBboxPatch
 
 from . import MIN_FONT, RANK_COLOURS, new_figure, png
 
@@ -29,6 +28,7 @@ def node_layout_figure(layout) -> bytes:
     4 processes; each rank's input is ``rank + 1``). The figure is drawn at the size it
     is shown: 6.4 to 9.5 in wide, at most 4.2 in tall.
     """
+    from matplotlib.patches import FancyBboxPatch
     n, p = layout.nnodes, layout.nproc_per_node
     left, right, top = 1.35, 1.75, 1.05
     grid = CELL_WIDTH * p

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ..checks.cost import crossover_bytes, gloo_factor, model_seconds, seconds_label, size_label
 from . import MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, TEXT_GREY, kept_figure, new_figure, png
@@ -29,6 +28,7 @@ HEIGHT = 4.2
 
 def _log_y(ax, fmt=seconds_label) -> None:
     """Label a log y axis in plain units: decades over a wide range, 1-2-5 over a narrow one."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     lo, hi = ax.get_ylim()
     subs = (1.0,) if np.log10(hi / lo) > 2.5 else (1.0, 2.0, 5.0)
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))

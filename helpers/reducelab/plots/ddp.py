@@ -17,7 +17,6 @@ Source: DDP divides each gradient by ``world_size`` and all_reduces it with a su
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.ticker import MaxNLocator
 
 from . import MARKERS, MIN_FONT, NEUTRAL, PALETTE, new_figure, png
 
@@ -68,6 +67,7 @@ class GradientScatter:
     """
 
     def __init__(self):
+        from matplotlib.ticker import MaxNLocator
         self.fig = new_figure(9.6, 3.9, layout_key="gradient scatter")
         self.ax, self.wax = self.fig.subplots(1, 2, width_ratios=[1.1, 1])
         ax = self.ax

@@ -19,12 +19,16 @@ the learner questions pytorch/pytorch#36613 and open-mmlab/mmdetection#2153.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from matplotlib.patches import Rectangle
 
 from . import (CMAP, HATCHES, MIN_FONT, NEUTRAL, PALETTE, BuiltFigures, freeze_layout, new_figure,
                png)
 from .sharded import scale_text, scaled_labels
+
+if TYPE_CHECKING:
+    from matplotlib.patches import Rectangle
 
 NO_VALUE = NEUTRAL
 """Background of a cell with no value (a parameter that received no gradient)."""
@@ -103,6 +107,7 @@ def cell_labels(values: np.ndarray, group_of=None) -> tuple[list, np.ndarray]:
 
 
 def _hatched_cell(x: float, y: float) -> Rectangle:
+    from matplotlib.patches import Rectangle
     return Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=NO_VALUE, edgecolor="black",
                      hatch=NO_VALUE_HATCH, lw=0)
 
@@ -257,6 +262,7 @@ class _MaskPanel:
     the row is rank 0's mask."""
 
     def __init__(self, ax, ranks: int, units: int, title: str, row_labels=None, reference=None):
+        from matplotlib.patches import Rectangle
         self.ax, self.ranks = ax, ranks
         self.cells = [[ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white",
                                               edgecolor=NEUTRAL, lw=0.6))
@@ -326,6 +332,7 @@ def mask_figure(panels: dict, row_labels=None, title: str = "", reference=None) 
         ValueError: no panel, panels of different shapes, or a ``row_labels`` or
             ``reference`` of another length than the rows.
     """
+    from matplotlib.patches import Rectangle
     arrays = {k: np.asarray(v).astype(bool) for k, v in panels.items()}
     if not arrays:
         raise ValueError("mask_figure needs at least one panel")
@@ -372,6 +379,7 @@ class StepFigure(BuiltFigures):
         self.fig = None
 
     def _build(self, world_size: int, groups, units: int) -> None:
+        from matplotlib.patches import Rectangle
         fig = new_figure(9.6, 2.6 + 0.7 * world_size)
         grid = fig.add_gridspec(2, 3, width_ratios=[1.5, 1.5, 0.8])
         names = [(grid[0, 0], "built, own generator"), (grid[0, 1], "after DDP(model)"),

@@ -24,8 +24,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from matplotlib.font_manager import FontProperties
-from matplotlib.patches import Patch, Rectangle
 
 from . import (MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, TEXT_GREY, freeze_layout,
                new_figure, png)
@@ -84,6 +82,7 @@ class TimelineRow:
 def _measure(fig):
     """``measure(line) -> (width, height)`` of one line at :data:`MIN_FONT` points, in
     pixels of ``fig``'s renderer (the height is the line's spacing, 1.2 em)."""
+    from matplotlib.font_manager import FontProperties
     renderer, font = fig.canvas.get_renderer(), FontProperties(size=MIN_FONT)
     height = 1.2 * renderer.points_to_pixels(MIN_FONT)
 
@@ -129,6 +128,7 @@ def timeline_figure(rows: list[TimelineRow], title: str = "", hit: int | None = 
     The figure is :data:`~reducelab.plots.MAX_WIDTH` wide and at most 4.5 in tall (up to
     8 ranks); every text is at least :data:`~reducelab.plots.MIN_FONT` points.
     """
+    from matplotlib.patches import Patch, Rectangle
     n = max(len(rows), 1)
     slots = max(MIN_SLOTS, max((len(r.entries) for r in rows), default=0))
     height = min(4.5, 1.55 + 0.62 * n)

@@ -21,8 +21,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from matplotlib.collections import LineCollection, PatchCollection
-from matplotlib.patches import Patch, Rectangle
 
 from . import (MARKERS, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, TEXT_GREY, freeze_layout,
                new_figure, png)
@@ -81,6 +79,7 @@ class SamplerFigure:
         self._cells = []
 
     def _build(self, rows: int) -> None:
+        from matplotlib.patches import Patch
         fig = new_figure(MAX_WIDTH, max(3.2, 1.8 + 0.38 * rows))
         grid = fig.add_gridspec(2, 2, width_ratios=[2.35, 1], hspace=0.15)
         self.grid_ax = ax = fig.add_subplot(grid[:, 0])
@@ -166,6 +165,8 @@ class SamplerFigure:
         return png(self.fig)
 
     def _grid(self, batches, repeats, dropped, wrong, rows) -> None:
+        from matplotlib.collections import LineCollection, PatchCollection
+        from matplotlib.patches import Rectangle
         ax = self.grid_ax
         for artist in self._cells:
             artist.remove()

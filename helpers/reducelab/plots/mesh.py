@@ -18,7 +18,6 @@ on Accelerating Data Parallel Training", VLDB 2020.
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from ..palette import PANEL_GREY, TEXT_GREY
 from . import MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, new_figure, png
@@ -93,6 +92,7 @@ class MeshGrid:
                 there are more groups than :data:`GROUP_COLOURS`, or a group is not a
                 full column (``dp``) or row (``cp``) of the grid.
         """
+        from matplotlib.patches import FancyBboxPatch, Rectangle
         if not len(coords) == len(groups) == len(lines):
             raise ValueError(f"need one coordinate, group and line per rank; got "
                              f"{len(coords)}, {len(groups)} and {len(lines)}")

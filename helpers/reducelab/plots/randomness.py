@@ -16,8 +16,6 @@ from __future__ import annotations
 import string
 
 import numpy as np
-from matplotlib.collections import PatchCollection
-from matplotlib.patches import Rectangle
 
 from . import HATCHES, MIN_FONT, NEUTRAL, PALETTE, RANK_COLOURS, new_figure, png
 
@@ -84,6 +82,7 @@ def patchwork_figure(full, inits, title: str = "") -> bytes:
     Raises:
         ValueError: shapes that do not match, or more than 8 ranks.
     """
+    from matplotlib.patches import Rectangle
     full, inits = np.asarray(full, dtype=float), np.asarray(inits, dtype=float)
     sources = source_rows(full, inits)
     if len(inits) > len(RANK_COLOURS):
@@ -146,6 +145,8 @@ class MaskAgreement:
         Raises:
             ValueError: one coordinate per rank is needed; at most 8 distinct masks.
         """
+        from matplotlib.collections import PatchCollection
+        from matplotlib.patches import Rectangle
         dropped = np.asarray(dropped, dtype=bool)
         ranks, units = dropped.shape
         if len(coords) != ranks:

@@ -13,15 +13,18 @@ destination?" (2025-01-30).
 """
 from __future__ import annotations
 
+import functools
+
+from typing import TYPE_CHECKING
+
 import numpy as np
-from matplotlib.collections import PatchCollection
-from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm, Normalize
-from matplotlib.patches import Patch, PathPatch, Rectangle
-from matplotlib.path import Path
-from matplotlib.transforms import Affine2D
 
 from . import (CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, PANEL_GREY, BuiltFigures,
                freeze_layout, new_figure, png)
+
+if TYPE_CHECKING:
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Patch
 
 UNCHANGED, PARTIAL, FULL = 0, 1, 2
 """Status codes of one element after reduce (see :func:`reducelab.widgets.reduce.buffer_status`)."""
@@ -37,9 +40,16 @@ LABEL_PAD = 0.2
 LABEL_BOX = dict(boxstyle=f"round,pad={LABEL_PAD}", facecolor="white", linewidth=0)
 """The white box behind each value in the after panel: the hatching never runs through
 the digits, which stay readable on a projector (as notebook 05's mesh figure does)."""
-_STATUS_CMAP = ListedColormap([STATUS_COLOURS[k] for k in (UNCHANGED, PARTIAL, FULL)]
-                              ).with_extremes(bad=PANEL_GREY)
-_STATUS_NORM = BoundaryNorm([-0.5, 0.5, 1.5, 2.5], _STATUS_CMAP.N)
+
+
+@functools.cache
+def _status_colours() -> dict:
+    """``imshow``'s ``cmap`` and ``norm`` for a status array: one colour per status, grey
+    for NaN (made at the first figure, when matplotlib is imported)."""
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    cmap = ListedColormap([STATUS_COLOURS[k] for k in (UNCHANGED, PARTIAL, FULL)]
+                          ).with_extremes(bad=PANEL_GREY)
+    return {"cmap": cmap, "norm": BoundaryNorm([-0.5, 0.5, 1.5, 2.5], cmap.N)}
 
 _DIGIT_PX = 0.6 * MIN_FONT * DPI / 72
 """Width of one digit at :data:`MIN_FONT` points, in pixels (a digit is about 0.6 em)."""
@@ -56,6 +66,7 @@ def cell_label(v: float) -> str:
 
 
 def _legend_handles() -> list[Patch]:
+    from matplotlib.patches import Patch
     handles = []
     for k in (UNCHANGED, PARTIAL, FULL):
         # the hatch takes the edge's colour (matplotlib 3.10; 3.11 also has hatchcolor=)
@@ -68,6 +79,7 @@ def _legend_handles() -> list[Patch]:
 
 def _hatch_layers(ax) -> dict[int, PatchCollection]:
     """One transparent, hatched collection per status on ``ax``, filled by :func:`_set_hatches`."""
+    from matplotlib.collections import PatchCollection
     layers = {}
     for k in (PARTIAL, FULL):
         # no edge is drawn (linewidth 0); the edge colour sets the hatch's (matplotlib 3.10)
@@ -88,6 +100,9 @@ def _set_hatches(layers: dict[int, PatchCollection], status: np.ndarray) -> None
     the pixels are those of a path per cell; where they meet between pixels (the sweep
     figure's short rows), the shared edges are no longer anti-aliased twice: a change
     of a few pixels along them, not visible."""
+    from matplotlib.patches import PathPatch
+    from matplotlib.path import Path
+    from matplotlib.transforms import Affine2D
     for k, layer in layers.items():
         rows, cols = np.nonzero(status == k)
         squares = [Path.unit_rectangle().transformed(Affine2D().translate(j - 0.5, i - 0.5))
@@ -98,6 +113,7 @@ def _set_hatches(layers: dict[int, PatchCollection], status: np.ndarray) -> None
 def _value_norm(values: np.ndarray):
     """Colour scale of the input panel: logarithmic when positive values span 100x or
     more (``10**rank``), so every rank's row gets its own colour; else linear."""
+    from matplotlib.colors import LogNorm, Normalize
     lo, hi = float(np.nanmin(values)), float(np.nanmax(values))
     if lo > 0 and hi / lo >= 100:
         return LogNorm(lo, hi)
@@ -150,8 +166,8 @@ class ReduceGrid(BuiltFigures):
         axes.append(self.fig.add_subplot(grid[0, 1], sharey=axes[0]))
         self._axes = axes
         self._input = axes[0].imshow(np.ones((world_size, n)), cmap=CMAP, aspect="auto")
-        self._status = axes[1].imshow(np.zeros((world_size, n)), cmap=_STATUS_CMAP,
-                                      norm=_STATUS_NORM, aspect="auto")
+        self._status = axes[1].imshow(np.zeros((world_size, n)), aspect="auto",
+                                      **_status_colours())
         self._hatches = _hatch_layers(axes[1])
         # lay out for the most columns this width takes, so the layout is the same
         # whichever n came first (and the panels do not move while n is dragged)
@@ -305,8 +321,8 @@ def sweep_figure(status_by_size: dict[int, np.ndarray], dst: int, title: str = "
         grid = np.full((len(sizes), longest), np.nan)
         for i, n in enumerate(sizes):
             grid[i, :n] = np.asarray(status_by_size[n])[r]
-        ax.imshow(np.ma.masked_invalid(grid), cmap=_STATUS_CMAP, norm=_STATUS_NORM,
-                  aspect="auto", interpolation="nearest")
+        ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest",
+                  **_status_colours())
         _set_hatches(_hatch_layers(ax), grid)
         ax.set_title(f"rank {r}" + (" (dst)" if r == dst else ""))
         ax.set_xlabel("element")

@@ -18,11 +18,6 @@ arXiv:1802.05799.
 from __future__ import annotations
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib import patheffects
-from matplotlib.colors import BoundaryNorm, ListedColormap
-from matplotlib.lines import Line2D
-from matplotlib.patches import Rectangle
 
 from ..checks.ring import contributors, naive_bytes_per_rank, ring_bytes_per_rank
 from . import CMAP, MARKERS, MAX_WIDTH, MIN_FONT, NEUTRAL, PALETTE, new_figure, png
@@ -67,6 +62,7 @@ def cyclic_run(ranks: list[int], world_size: int) -> tuple[int, int] | None:
 
 
 def _halo(width: float) -> list:
+    from matplotlib import patheffects
     return [patheffects.withStroke(linewidth=width + 1.5, foreground="white")]
 
 
@@ -87,6 +83,10 @@ class RingStepsPlot:
         self._n = None
 
     def _build(self, n: int) -> None:
+        from matplotlib import colormaps
+        from matplotlib.colors import BoundaryNorm, ListedColormap
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Rectangle
         cell_w = min(1.05, (MAX_WIDTH - self.LEFT - self.RIGHT_PANEL) / n)
         cell_h = min(0.5, 3.1 / n)
         width = self.LEFT + n * cell_w + self.RIGHT_PANEL

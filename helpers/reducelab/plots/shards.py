@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import matplotlib
 
 from ..palette import PANEL_GREY, TEXT_GREY
 from . import HATCHES, MARKERS, MAX_WIDTH, MIN_FONT, PALETTE, RANK_COLOURS, kept_figure, new_figure, png
@@ -112,6 +111,7 @@ class CheckpointFigure:
             ValueError: ``rows`` < 1, ``saved`` and ``file_bytes`` of different lengths, or a
                 piece outside ``0 .. rows``.
         """
+        import matplotlib
         if rows < 1 or len(saved) != len(file_bytes) or not saved or not loaded:
             raise ValueError("need rows >= 1, one (start, count) and one size per saving rank, "
                              "and at least one loading rank")

@@ -30,10 +30,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-import matplotlib
-import matplotlib.colors as mcolors
 import numpy as np
-from matplotlib.patches import Rectangle
 
 from . import CMAP, DPI, MAX_WIDTH, MIN_FONT, NEUTRAL, TEXT_GREY, fmt_value, new_figure, png
 
@@ -65,7 +62,6 @@ COLOUR_BAR_LABEL = "colour: each element's value, on one scale for every line"
 HATCH_EVERY, HATCH_WHITE = 10, 0.55
 """The hatch of a partial sum: a one-pixel diagonal line every ``HATCH_EVERY`` pixels,
 the cell's colour mixed with this share of white (so the colour stays readable under it)."""
-_BORDER = np.array(mcolors.to_rgba(TEXT_GREY)) * 255
 
 
 @dataclass
@@ -148,6 +144,8 @@ def _paint(canvas: np.ndarray, x0: float, y0: float, cw: float, values: np.ndarr
     sums a diagonal hatch of thin lines, each pixel of which is its cell's colour
     lightened towards white (:data:`HATCH_WHITE`), so the colours stay readable.
     Positions are inches from the canvas's top-left corner."""
+    import matplotlib
+    import matplotlib.colors as mcolors
     rows, cols = values.shape
     ys = np.round((y0 + np.arange(rows + 1) * ROW) * DPI).astype(int)
     xs = np.round((x0 + np.arange(cols + 1) * cw) * DPI).astype(int)
@@ -160,10 +158,11 @@ def _paint(canvas: np.ndarray, x0: float, y0: float, cw: float, values: np.ndarr
         line = (xx + yy) % HATCH_EVERY == 0
         region = canvas[top:bottom, left:right]
         region[line] = np.round(region[line] * (1 - HATCH_WHITE) + 255 * HATCH_WHITE)
+    border = np.array(mcolors.to_rgba(TEXT_GREY)) * 255
     for x in xs[1:-1]:                               # thin lines between cells
-        canvas[top:bottom, x] = _BORDER
-    canvas[top:bottom, [left, right - 1]] = _BORDER
-    canvas[[top, bottom - 1], left:right] = _BORDER
+        canvas[top:bottom, x] = border
+    canvas[top:bottom, [left, right - 1]] = border
+    canvas[[top, bottom - 1], left:right] = border
 
 
 def draw_diagram(diagram: Diagram) -> bytes:
@@ -182,6 +181,7 @@ def draw_diagram(diagram: Diagram) -> bytes:
             ranks or tokens; a tensor is wider than :data:`MAX_COLUMNS` (its values
             would not fit); or the figure would be taller than :data:`MAX_HEIGHT`.
     """
+    from matplotlib.patches import Rectangle
     stages = [it for it in diagram.items if isinstance(it, Stage)]
     if not stages:
         raise ValueError("a diagram needs at least one stage")

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from matplotlib.collections import PatchCollection
-from matplotlib.patches import Rectangle
 
 from . import MIN_FONT, NEUTRAL, RANK_COLOURS, TEXT_GREY, kept_figure, png
 
@@ -81,6 +79,8 @@ def layer_figure(stage_names: list, held: list, partial: list, hops: list, seq: 
     Raises:
         ValueError: shapes that do not match, more than 6 stages or 8 ranks.
     """
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
     ranks, stages = len(held), len(stage_names)
     if stages > 6 or ranks > len(RANK_COLOURS):
         raise ValueError(f"at most 6 stages and {len(RANK_COLOURS)} ranks, got {stages} and {ranks}")
