@@ -252,7 +252,10 @@ WHY = {
             "is samples 2, 5, 8 and, at position 11, sample 1 a second time.",
         3: "297 = 3 x 99: on 3 ranks nothing is padded and the metric is exact. On 4 ranks "
             "the sampler pads to 300 and evaluates samples 0, 1 and 2 twice, so the accuracy "
-            "and the loss move. A padded metric depends on the world size: the same model on "
+            "and the loss move. You can tell without running it: the exact accuracy is 253 / "
+            "297, and for (253 + c) / 300 to equal it, the c right answers among the 3 "
+            "repeats would have to be 300 x 253 / 297 - 253 = 2.56, not a whole number. A "
+            "padded metric depends on the world size: the same model on "
             "the same data reports different numbers on 3 and on 4 ranks (here a small "
             "difference, below the bound p / (N + p) = 1 %), which is enough to break a "
             "comparison across runs.",
