@@ -3,7 +3,8 @@
 The exercise: a job on 3 nodes with 8 GPUs each, launched with torchrun's static
 rendezvous; the head node is 10.0.0.5, where another job already holds torchrun's
 default port, so this job's store is on port 29400. The learner writes the command
-typed on node 2 and lists the global RANKs of node 2's processes. The notebook showed
+typed on node 2, lists the global RANKs of node 2's processes, and says on which node,
+with which LOCAL_RANK, the process of global RANK 13 runs. The notebook showed
 a 2-node job of 2 processes per node at 127.0.0.1; nothing here can be copied from it.
 The check parses the command with torchrun's own argument parser
 (``torch.distributed.run.get_args_parser``), so what it accepts is what torchrun
