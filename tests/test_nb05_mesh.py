@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 import conftest
 from reducelab import RankError
-from reducelab.checks.mesh import (LENGTHS, check_mesh_sync, global_batch, live_process_groups,
+from reducelab.checks import why
+from reducelab.checks.mesh import (LENGTHS, OTHER_LENGTHS, OTHER_SHAPE, check_mesh_sync, global_batch, live_process_groups,
                                    local_batch, local_grads, local_token_grads, local_tokens,
                                    reference_grads, reference_token_grads, run_and_release,
                                    tiny_model, token_counts, token_mask)
@@ -70,7 +71,9 @@ def sum_divide_vs_avg(n, dtype):
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     summed = summed / dist.get_world_size()
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
-    return g, summed, averaged
+    premultiplied = g * (1 / dist.get_world_size())
+    dist.all_reduce(premultiplied, op=dist.ReduceOp.SUM)
+    return g, summed, averaged, premultiplied
 
 
 def handles():
@@ -120,9 +123,9 @@ def dp_cp_group(world):
     return mine
 
 
-def compare_flatten():
+def compare_flatten(shape):
     from torch.distributed.device_mesh import init_device_mesh
-    world = init_device_mesh("cpu", MESH_3D, mesh_dim_names=("dp", "tp", "cp"))
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp", "cp"))
     private = world["dp", "cp"]._flatten(mesh_dim_name="dp_cp").get_group()
     return dist.get_process_group_ranks(private), dist.get_process_group_ranks(dp_cp_group(world))
 
@@ -291,6 +294,15 @@ def weighted_over_own_count(model, mesh, n_tokens):
         p.grad /= n_tokens
 
 
+def weighted_over_a_fixed_22(model, mesh, n_tokens):  # the first batch's count, written in
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(n_tokens)
+            for dim in ("dp", "cp"):
+                dist.all_reduce(p.grad, group=mesh[dim].get_group())
+            p.grad.div_(22)
+
+
 def weighted_over_every_slot(model, mesh, n_tokens):  # the padding counted
     slots = torch.tensor(float(32 // dist.get_world_size()))
     dist.all_reduce(slots)
@@ -399,9 +411,21 @@ def test_real_mesh_groups_match_the_layout(group, shape):
         assert [tuple(o["coord"]) for o in out] == [divmod(r, shape[1]) for r in range(4)]
 
 
-def test_question_1_cp_group_of_a_4_by_1_mesh_is_the_rank_alone(group):
-    out = group.run(run_and_release, mesh_groups, 4, 1, "cp")
-    assert out[1]["ranks"] == [1] and [o["sum"] for o in out] == [0, 1, 2, 3]
+def test_question_1_rank_5s_dp_group_on_a_2_by_4_mesh_is_its_column(group):
+    """Question 1 asks for rank 5's dp group on (dp=2, cp=4), 8 ranks: the rule row-major
+    gives its column, ranks 1 and 5 (an expert review found the old question, rank 1's cp
+    group on (4, 1), answered by the sentence above it)."""
+    group.resize(8)
+    try:
+        out = group.run(run_and_release, mesh_groups, 2, 4, "dp")
+    finally:
+        group.resize(4)
+    assert out[5]["ranks"] == [1, 5] and out[5]["coord"] == (1, 1) and out[5]["sum"] == 6
+    assert "rank 5 at (1, 1). Its dp group is its column" in why("05", 1)
+    cell = next(c for c in json.loads(NOTEBOOK.read_text())["cells"]
+                if "actual_1 =" in "".join(c["source"]))
+    assert 'group.run(mesh_groups, 2, 4, "dp")' in "".join(cell["source"])
+    assert 'actual_1 = out[5]["ranks"]' in "".join(cell["source"])
 
 
 def test_explorer_draws_real_groups_and_resizes(group):
@@ -466,13 +490,29 @@ def test_explorer_rejects_bad_initial_values(group):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_avg_is_sum_then_divide_bit_for_bit_on_gloo(group, dtype):
     out = group.run(sum_divide_vs_avg, 100_000, dtype)
-    for _, summed, averaged in out:
+    for _, summed, averaged, premultiplied in out:
         assert torch.equal(summed, averaged)
         assert torch.equal(averaged, out[0][2])
+        assert torch.equal(premultiplied, summed)    # 1/4 is a power of two: exact products
     exact = torch.stack([o[0].double() for o in out]).mean(0)
     ulp = torch.finfo(getattr(torch, dtype)).eps * exact.abs().clamp(min=1)
     assert ((out[0][2].double() - exact).abs() <= 2 * ulp).all()
     assert not torch.equal(out[0][2].double(), exact)  # rounded, not exact
+
+
+def test_question_2s_why_the_second_way_differs_by_a_third_and_is_stated_before_it():
+    """Question 2's reveal says why 4 ranks give the same bits both ways (1/4 is exact)
+    and that 1/3 is not: in one process, premultiplying 3 inputs by 1/3 and summing
+    differs from summing and dividing by 3 in the last bit of many elements. The two
+    ways are stated above the question (an expert review found it a coin flip)."""
+    gs = [torch.randn(100_000, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    assert torch.equal(sum(gs) / 4, sum(g * 0.25 for g in gs))
+    assert (sum(gs[:3]) / 3 != sum(g * (1 / 3) for g in gs[:3])).sum() > 1000
+    text = why("05", 2)
+    assert "PreMulSum with 1/N" in text and "1/4 is a power of two" in text and "1/3 is rounded" in text
+    cells = [("".join(c["source"])) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+    asked = next(i for i, c in enumerate(cells) if c.startswith("**Question 2.**"))
+    assert "multiply every rank's input by `1/N` first, then SUM" in "".join(cells[:asked])
 
 
 def test_bfloat16_keeps_7_mantissa_bits_8_bits_of_precision():
@@ -510,7 +550,7 @@ def test_ddp_documents_its_25_mib_buckets_and_a_transformer_has_hundreds_of_tens
 def test_flatten_is_private_and_new_subgroups_gives_the_same_ranks(group):
     from torch.distributed.device_mesh import DeviceMesh
     assert hasattr(DeviceMesh, "_flatten") and not hasattr(DeviceMesh, "flatten")
-    out = group.run(run_and_release, compare_flatten)
+    out = group.run(run_and_release, compare_flatten, MESH_3D)
     assert out == [([0, 2], [0, 2]), ([1, 3], [1, 3]), ([0, 2], [0, 2]), ([1, 3], [1, 3])]
 
 
@@ -651,6 +691,7 @@ def test_solution_passes_and_makes_no_process_group(group):
     assert "(dp, cp) meshes (2, 2), (1, 4), (4, 1) and the (dp, tp, cp) mesh (2, 2, 1)" \
         in verdict.message
     assert "all 22 real tokens" in verdict.message and "no new process group" in verdict.message
+    assert "with a second batch of other lengths, over all 21 of its real tokens" in verdict.message
 
 
 @pytest.mark.parametrize("fn", [new_group_once])
@@ -679,6 +720,23 @@ def test_a_sum_over_every_rank_is_caught_where_dp_and_cp_are_not_the_world(group
     assert not verdict
     assert "On the mesh (dp=2, tp=2, cp=1), whose ranks hold 13, 13, 9, 9" in verdict.message
     assert "adds the gradients of the 2 tp ranks" in verdict.message
+
+
+def test_a_division_by_a_fixed_count_fails_on_the_second_batch_and_is_named(group):
+    """A sync that weights and sums right but divides by 22, the first batch's count,
+    passes every mesh of the first batch; the check's second batch (other lengths, 21
+    real tokens) fails it and names a fixed number (an expert review found that the
+    check passed `p.grad.div_(22)`, so the count across ranks was never tested)."""
+    assert sum(OTHER_LENGTHS) != sum(LENGTHS) and token_counts(*OTHER_SHAPE, OTHER_LENGTHS) \
+        == [8, 3, 6, 4]
+    verdict = check_mesh_sync(group, weighted_over_a_fixed_22)
+    assert not verdict
+    assert "On the mesh (dp=2, cp=2) with a second batch, whose 4 sequences hold 4, 7, 8, 2 " \
+        "real tokens" in verdict.message, verdict.message
+    assert "divided by a fixed number, 22, the first batch's count" in verdict.message
+    assert "This batch holds 21 real tokens" in verdict.message
+    ref = reference_token_grads(lengths=OTHER_LENGTHS)
+    assert max((ref[k] - v).abs().max().item() for k, v in reference_token_grads().items()) > 1e-2
 
 
 def test_a_new_group_at_every_call_is_named(group):
@@ -733,7 +791,7 @@ def test_no_check_message_prints_the_solution(group):
     code = [line.split("#")[0].strip() for line in
             (NOTEBOOK.parent / "solutions" / "05_token_weighted_sync.py").read_text().splitlines()
             if len(line.strip()) > 12 and not line.strip().startswith(("#", "def ", "import"))]
-    for fn, _ in MISTAKES + [(new_group_every_call, "")]:
+    for fn, _ in MISTAKES + [(new_group_every_call, ""), (weighted_over_a_fixed_22, "")]:
         message = check_mesh_sync(group, fn).message
         assert not [line for line in code if line in message], fn.__name__
 
@@ -861,7 +919,7 @@ def test_question_cells_set_their_own_world_size_and_never_touch_the_explorer():
     questions = [c for c in code if "reveal(answer_" in _src(c)]
     assert len(questions) == 3
     for c in questions:
-        assert _src(c).startswith("group.resize(4)"), _src(c)[:60]
+        assert _src(c).startswith(("group.resize(4)", "group.resize(8)")), _src(c)[:60]
         assert "explorer" not in _src(c)
     explorer_at = next(i for i, c in enumerate(code) if "MeshExplorer(" in _src(c))
     for c in code[explorer_at + 1:]:
@@ -971,3 +1029,32 @@ def test_question_3_can_be_reasoned_from_from_locals_signature_shown_before_it()
     from reducelab.checks.answers import WHY
     assert "assumes even shards" in WHY["05"][3]
     assert "use_ddp" not in WHY["05"][1]
+
+
+def test_the_page_loop_skipping_a_missing_gradient_is_named_a_hang_and_the_solution_fills_zeros():
+    """The page's `if p.grad is not None` loop hangs when a parameter has a gradient on some
+    ranks only (an expert review ran it: one rank waits in all_reduce, the other returns):
+    step 4 says so, and the solution gives every parameter a gradient before its sync."""
+    cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+    said = next(c for c in cells if "**Every rank must make the same calls.**" in c)
+    assert "one `all_reduce` fewer" in said and "zeros if need be" in said
+    assert "Notebook 11 (step 1)" in said
+    solution = (NOTEBOOK.parent / "solutions" / "05_token_weighted_sync.py").read_text()
+    assert "Give every parameter a gradient, zeros if need be, before the sync" in solution
+    assert "p.grad = torch.zeros_like(p)" in solution
+
+
+def test_a_missing_gradient_is_filled_by_the_solution_on_that_rank_only(group):
+    """The solution's zeros: a parameter without a gradient on one rank gets the others'
+    weighted sum over the real tokens, and no rank hangs."""
+    def step(sync):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        model = tiny_model()
+        model[0].weight.grad = torch.ones_like(model[0].weight)
+        for p in list(model.parameters())[1:]:
+            p.grad = None if dist.get_rank() == 0 else torch.ones_like(p)
+        sync(model, mesh, 1)
+        return [p.grad.flatten()[0].item() for p in model.parameters()]
+    out = group.run(run_and_release, step, load_solution().sync_grads)
+    assert all(o == [1.0, 0.75, 0.75, 0.75] for o in out), out

@@ -216,7 +216,7 @@ def test_bytes_received_at_300000_numbers(group):
                  "all_gather_object (list of floats)                  8.10"):
         assert line in text
     prose = markdown()
-    assert "Both ways pad to the longest rank: 3.6 MB on each rank for 2.4 MB of numbers." in prose
+    assert "Both ways pad to the longest rank: 3.6 MB on each rank for 2.4 MB of numbers;" in prose
     assert "9 bytes per float (an opcode and 8 bytes of float64), so 2.25 times the bytes" in prose
 
 
@@ -228,7 +228,7 @@ def stored_timings() -> dict[str, dict[int, tuple[float, float, float]]]:
                 "all_gather_object (list of floats)"):
         line = next(line for line in text.splitlines() if line.startswith(way))
         cells = re.findall(r"([\d.]+) \(([\d.]+) to ([\d.]+)\)", line[len(way):])
-        rows[way] = dict(zip((3_000, 30_000, 300_000), [tuple(map(float, c)) for c in cells]))
+        rows[way] = dict(zip((300_000,), [tuple(map(float, c)) for c in cells]))
     return rows
 
 
@@ -257,10 +257,11 @@ def test_timing_claims_hold_in_the_stored_run():
         for median, fastest, slowest in row.values():
             assert fastest <= median <= slowest
     ratios = stored_ratios()
-    # only 300,000 numbers: at 3,000 and 30,000 a run takes milliseconds, and a pause of the
-    # machine's other work decides the order (a re-run under load gave 13.6 times in one round)
-    assert sorted(ratios) == [("all_gather_object (list of floats)", 300_000),
-                              ("all_gather_object (tensor)", 300_000)]
+    # only 300,000 numbers, and only the list: an expert review found the tensor-against-
+    # tensor claim ("between a tenth of and 10 times", a window of 100) no claim at all, and
+    # the small sizes as short as a pause of the machine's other work
+    assert all(len(row) == 1 and 300_000 in row for row in t.values()), t
+    assert sorted(ratios) == [("all_gather_object (list of floats)", 300_000)]
     for (way, n), each in ratios.items():
         assert len(each) == 5, (way, n)                                  # 5 rounds kept
         _, way_fast, way_slow = t[way][n]
@@ -268,19 +269,18 @@ def test_timing_claims_hold_in_the_stored_run():
         low = (way_fast - 0.05) / (pad_slow + 0.05) - 0.005
         high = (way_slow + 0.05) / max(pad_fast - 0.05, 1e-3) + 0.005
         assert all(low <= r <= high for r in each), (way, n, each, low, high)
-    assert min(ratios["all_gather_object (list of floats)", 300_000]) > 4       # claim 1
-    assert all(0.1 < r < 10 for r in ratios["all_gather_object (tensor)", 300_000])   # claim 2
+    assert min(ratios["all_gather_object (list of floats)", 300_000]) > 4       # the claim
     claims = stored_text("def per_round(way, n):")
     assert "more than 4 times in every round: True" in claims
-    assert "between a tenth of and 10 times in every round: True" in claims
     assert ": False" not in claims
     prose = markdown()
-    assert ("At 300,000 numbers, a tensor through `all_gather_object` cost the same order as "
-            "pad, all_gather, trim, between a tenth of and 10 times as long in every round here") in prose
-    assert "30,000 or 300,000 numbers here" not in prose and "At 30,000 and 300,000" not in prose
-    assert "it took more than 4 times as long in every round" in prose
+    assert "between a tenth of and 10 times" not in prose and "factor of 10" not in prose
+    assert "3,000" not in prose and "30,000 numbers" not in prose
+    assert "it took more than 4 times as long as pad, all_gather, trim in every round" in prose
     assert "ratio of medians" not in prose and "costs much more" not in prose
-    assert "no claim is made there, nor from the medians alone." in prose
+    assert "no claim is made about them, nor from the medians alone." in prose
+    cell = "".join(cell_with("def per_round(way, n):")["source"])
+    assert "nbval" not in cell and "unit test" not in cell      # no maintainers' note in a cell
 
 
 def test_only_the_timings_and_the_claims_drawn_from_them_are_ignored_by_nbval():
@@ -740,3 +740,50 @@ def test_the_dataloader_recipe_counts_every_sample_once_and_torch_has_no_sampler
                                                 batch_size=3) for v in batch]
         assert sorted(seen) == list(range(10))
     assert "`Subset(dataset, range(rank, len(dataset), world_size))`" in markdown()
+
+
+def test_step_2_says_all_gather_object_needs_a_device_on_nccl_and_every_rank():
+    """all_gather_object on NCCL moves the pickled bytes to torch.cuda.current_device()
+    (its docstring asks for set_device), and it is a collective (an expert review)."""
+    doc = " ".join(dist.all_gather_object.__doc__.split())
+    assert "the device used is given by ``torch.cuda.current_device()``" in doc
+    assert "via ``torch.cuda.set_device()``" in doc
+    prose = markdown()
+    assert "call `torch.cuda.set_device(local_rank)` first, as its docstring asks" in prose
+    assert "Inside `if rank == 0:` rank 0 waits in it for ranks that never come." in prose
+
+
+def test_the_exercise_rule_is_said_to_rest_on_the_samplers_layout_after_the_check():
+    """The solution's rule (position k * world_size + rank is padding from dataset_size
+    on) is DistributedSampler.__iter__'s layout: said after the check, with what to do for
+    another sampler, and held here against the sampler itself."""
+    text = [("".join(c["source"])) for c in CELLS]
+    check = next(i for i, t in enumerate(text) if t.startswith("from reducelab.checks.gathers import check_exact_mean_loss"))
+    after = next(t for t in text[check:] if "rests on `DistributedSampler.__iter__`'s layout" in t)
+    assert "count each sample number once" in after
+    assert not any("rests on `DistributedSampler.__iter__`" in t for t in text[:check])
+    for n, w, epoch in ((10, 3, 2), (7, 4, 1)):
+        full = []
+        for r in range(w):
+            s = DistributedSampler(range(n), num_replicas=w, rank=r)
+            s.set_epoch(epoch)
+            full.append(list(s))
+        order = [full[p % w][p // w] for p in range(len(full[0]) * w)]
+        assert sorted(order[:n]) == list(range(n))            # positions below n: each sample once
+
+
+def test_question_3s_why_gives_the_reason_a_learner_can_work_out(group):
+    """253 of 297 right: with 3 repeats among 300, (253 + c) / 300 = 253 / 297 needs
+    c = 2.56, not a whole number, so the padded accuracy on 4 ranks cannot be exact."""
+    from reducelab.checks.answers import WHY
+    group.resize(3)
+    accuracy, _, count = group.run(NB.evaluate_each_once, NB.X_val, NB.y_val)[0]
+    assert count == 297 and round(accuracy * 297) == 253
+    assert all((253 + c) / 300 != 253 / 297 for c in range(4))
+    assert "300 x 253 / 297 - 253 = 2.56, not a whole number" in WHY["12"][3]
+
+
+def test_the_introduction_is_two_bullets_and_the_citations_sit_in_further_reading():
+    intro = "".join(CELLS[0]["source"]).split("## What you will learn")[0]
+    assert intro.count("\n- ") == 2 and "(the issues are in Further reading)" in intro
+    assert "pytorch/pytorch#23299" not in intro and "huggingface/accelerate#226" not in intro

@@ -162,7 +162,7 @@ def test_nothing_above_question_2_says_clip_grad_norm_runs_a_collective():
     q2 = next(i for i, c in enumerate(CELLS) if "".join(c["source"]).startswith("answer_2 = None"))
     above = "\n".join("".join(c["source"]) for c in CELLS[:q2]).lower()
     for hint in ("where the collective comes from", "collective comes from", "clip_grad_norm_ runs",
-                 "_normpartial", "replicate()", "commdebugmode() as"):
+                 "replicate()", "commdebugmode() as", "as #170862 reports"):
         assert hint not in above, hint
     learn = "".join(CELLS[0]["source"]).split("## What you will learn")[1].split("## Prerequisites")[0]
     bullet = next(line for line in learn.splitlines() if "clip_grad_norm_" in line)
@@ -344,7 +344,8 @@ def solution_lines() -> list[str]:
 def test_the_solution_passes_and_the_stub_fails(group):
     verdict = check_global_grad_norm(group, conftest.load_solution("14_global_grad_norm").global_grad_norm)
     assert verdict, verdict.message
-    assert "Every element counted once" in verdict.message and group.world_size == 4
+    assert "Checked on the 2 x 2 (dp, tp) mesh: every rank returns one process's norm" in verdict.message
+    assert "Two all_reduces" not in verdict.message and group.world_size == 4
     stub = check_global_grad_norm(group, NB.global_grad_norm)    # runs, and is step 1's sum
     assert not stub and "NeMo-RL's bug" in stub.message
     stored = stored_cell("check_global_grad_norm(group, global_grad_norm)")["outputs"][0]["data"]
@@ -737,3 +738,75 @@ def test_the_explorer_s_kept_figure_draws_what_a_new_one_draws(monkeypatch):
         fresh.append(figure.draw(*s))
     assert len(made) > 10
     assert kept == fresh and kept[1] != kept[3]
+
+
+def one_all_reduce_norm(model, mesh):
+    """A right answer with one all_reduce: a copy's squares divided by tp, then every rank's
+    sum over all 4 ranks (the two tp copies add back to one)."""
+    tp = mesh["tp"].size()
+    squares = torch.zeros(())
+    for p in model.parameters():
+        local = p.grad.to_local().pow(2).sum()
+        split = p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard()
+        squares += local if split else local / tp
+    dist.all_reduce(squares)
+    return squares.sqrt().item()
+
+
+def test_the_pass_message_says_what_was_checked_not_how_the_solution_did_it(group):
+    """An expert review found the pass message describing the solution ("Two all_reduces of
+    one number each") for a right answer with one all_reduce."""
+    verdict = check_global_grad_norm(group, one_all_reduce_norm)
+    assert verdict, verdict.message
+    assert "Checked on the 2 x 2 (dp, tp) mesh" in verdict.message
+    assert "Two all_reduces" not in verdict.message and "two all_reduces" not in verdict.message
+
+
+def test_question_2_is_asked_after_the_pending_norm_of_one_gradient(group):
+    """Question 2 leaned to False by its wording and hung on the torch version: the cell
+    above it shows one gradient's norm pending (_NormPartial, a local value per rank,
+    full_tensor() the whole), and the question is asked without a side."""
+    q2 = next(i for i, c in enumerate(CELLS) if "".join(c["source"]).startswith("answer_2 = None"))
+    shown = next(i for i, c in enumerate(CELLS) if "def one_gradient_norm(X, y):" in "".join(c["source"]))
+    assert shown < q2
+    out = group.run(NB.one_gradient_norm, X, y)
+    assert all(str(placements) == "(_NormPartial(reduce_op='sum', norm_type=2),)" or
+               "_NormPartial" in str(placements) for placements, _, _ in out)
+    assert len({round(local, 6) for _, local, _ in out}) == 4
+    assert all(abs(full - out[0][2]) <= ATOL for _, _, full in out)
+    assert abs(out[0][2] - reference_run(X, y, 1)["grads"][0][:32 * 64].norm().item()) <= ATOL
+    stored = stored_text("def one_gradient_norm(X, y):")
+    assert "placements (_NormPartial(2),)" in stored
+    asked = "".join(CELLS[q2 - 1]["source"])
+    assert "Is `total_norm.to_local()` on rank 0, the number it holds, the norm of the whole gradient? " \
+        "Answer `True` or `False`." in asked and "as #170862" not in asked
+
+
+def test_the_collectives_every_rank_must_call_are_named_where_rank_0_saves():
+    """clip_grad_norm_ on DTensors, get_model_state_dict(full_state_dict=True), dcp.save and
+    dcp.load are collectives: said where the notebook has just taught "rank 0 saves", and in
+    the summary (an expert review ran clip_grad_norm_ on rank 0 only: it waited)."""
+    import torch.distributed.checkpoint as dcp_module
+    for fn in (dcp_module.save, dcp_module.load):
+        assert "uses collectives to coordinate" in " ".join(fn.__doc__.split())
+    cell = next("".join(c["source"]) for c in CELLS
+                if "For one file of whole tensors, ask for them" in "".join(c["source"]))
+    assert "Unlike `torch.save`, that is a collective" in cell and "`dcp.save` and `dcp.load`" in cell
+    assert "Called inside `if rank == 0:`, rank 0 waits in the collective" in cell
+    summary = markdown().split("## Summary")[1]
+    assert "are collectives: every rank calls them, never inside `if rank == 0:`" in summary
+
+
+def test_the_tp_result_leads_and_the_internals_sit_in_further_reading():
+    text = markdown()
+    start = text.index("Counted `tp` times, the copies")
+    lead = text[start:text.index("\n\n", start)]
+    assert lead.index("1.19 times too large") < lead.index("Further reading")
+    assert "_partition_value" not in lead and "#121945" not in lead
+    further = text.split("## Further reading")[1]
+    assert "_NormPartial._partition_value" in further and "pytorch/pytorch#121945" in further
+
+
+def test_the_header_says_to_study_it_after_15():
+    header = "".join(CELLS[0]["source"]).splitlines()[2]
+    assert "follows notebooks 05, 09 and 15: study it after 15" in header

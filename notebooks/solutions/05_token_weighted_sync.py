@@ -11,7 +11,14 @@ def sync_grads(model, mesh, n_tokens):
     # all_reduce of everything, not one per parameter). init_device_mesh already made one
     # process group per mesh dimension: a SUM along dp, then along cp, covers the dp x cp
     # ranks without making a new group (and never the tp ranks, which hold other parameters).
-    params = [p for p in model.parameters() if p.grad is not None]
+    # Give every parameter a gradient, zeros if need be, before the sync: a parameter that
+    # has no gradient on some ranks only (a branch, an MoE expert no token was routed to)
+    # would otherwise change the buffer's size on those ranks, and ranks whose calls do not
+    # match hang or fail.
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    params = list(model.parameters())
     flat = torch.cat([p.grad.flatten() * n_tokens for p in params]
                      + [torch.tensor([float(n_tokens)])])
     for dim in ("dp", "cp"):

@@ -2,3 +2,4 @@
 node2_command = ("torchrun --nnodes 3 --node-rank 2 --nproc-per-node 8 "
                  "--master-addr 10.0.0.5 --master-port 29400 train.py")
 node2_ranks = list(range(2 * 8, 3 * 8))    # RANK = node_rank * nproc_per_node + LOCAL_RANK
+rank13_node_and_local_rank = divmod(13, 8)  # backwards: node rank 13 // 8, LOCAL_RANK 13 % 8

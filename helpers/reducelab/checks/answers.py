@@ -91,13 +91,19 @@ WHY = {
             "docstring says so: the forward pass should be included inside the context manager.",
     },
     "05": {
-        1: "With cp=1 each row of the mesh holds one rank, so rank 1's cp group is rank 1 "
-            "alone, and an all_reduce over it changes nothing; all four ranks share one dp "
-            "group.",
-        2: "On gloo, AVG is a SUM followed by a division by the group size (that is how "
-            "pytorch/pytorch#149781 added it, in torch 2.8), so the two give the same bits, "
-            "in every dtype here. Neither is the exact mean: both round the result to the "
-            "tensor's dtype, so a check against one process needs a tolerance.",
+        1: "Ranks 1 and 5. Row-major, rank r of a (dp=2, cp=4) mesh sits at (r // 4, r % 4): "
+            "rank 5 at (1, 1). Its dp group is its column, the ranks of cp index 1, cp = 4 "
+            "apart: 1 and 5. Its cp group would be its row, 4, 5, 6 and 7.",
+        2: "On gloo, AVG is the first way, a SUM followed by a division by the group size "
+            "(that is how pytorch/pytorch#149781 added it, in torch 2.8), so the two run the "
+            "same arithmetic and give the same bits, in every dtype here. NCCL builds a float "
+            "AVG the second way: torch's ProcessGroupNCCL.cpp maps ReduceOp.AVG to ncclAvg, "
+            "and NCCL (hostToDevRedOp in src/enqueue.cc) runs a float ncclAvg as a PreMulSum "
+            "with 1/N, an integer one as a SUM then a division. On 4 ranks even that gives "
+            "the same bits: 1/4 is a power of two, so each product is exact (the last "
+            "evidence column). With 3 ranks 1/3 is rounded, and the two ways differ in the "
+            "last bit of many elements. Neither is the exact mean: both round the result to "
+            "the tensor's dtype, so a check against one process needs a tolerance.",
         3: "DTensor.from_local without shape= assumes even shards, so each rank infers the "
             "global shape from its own shard: 3 x 2 = 6 rows on the tp ranks that hold 3 rows "
             "(ranks 0 and 2), 2 x 2 = 4 on those that hold 2 (ranks 1 and 3), and assigning "
@@ -258,7 +264,10 @@ WHY = {
             "is samples 2, 5, 8 and, at position 11, sample 1 a second time.",
         3: "297 = 3 x 99: on 3 ranks nothing is padded and the metric is exact. On 4 ranks "
             "the sampler pads to 300 and evaluates samples 0, 1 and 2 twice, so the accuracy "
-            "and the loss move. A padded metric depends on the world size: the same model on "
+            "and the loss move. You can tell without running it: the exact accuracy is 253 / "
+            "297, and for (253 + c) / 300 to equal it, the c right answers among the 3 "
+            "repeats would have to be 300 x 253 / 297 - 253 = 2.56, not a whole number. A "
+            "padded metric depends on the world size: the same model on "
             "the same data reports different numbers on 3 and on 4 ranks (here a small "
             "difference, below the bound p / (N + p) = 1 %), which is enough to break a "
             "comparison across runs.",

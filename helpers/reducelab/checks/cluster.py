@@ -3,7 +3,8 @@
 The exercise: a job on 3 nodes with 8 GPUs each, launched with torchrun's static
 rendezvous; the head node is 10.0.0.5, where another job already holds torchrun's
 default port, so this job's store is on port 29400. The learner writes the command
-typed on node 2 and lists the global RANKs of node 2's processes. The notebook showed
+typed on node 2, lists the global RANKs of node 2's processes, and says on which node,
+with which LOCAL_RANK, the process of global RANK 13 runs. The notebook showed
 a 2-node job of 2 processes per node at 127.0.0.1; nothing here can be copied from it.
 The check parses the command with torchrun's own argument parser
 (``torch.distributed.run.get_args_parser``), so what it accepts is what torchrun
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
 import shlex
 
 from . import Verdict, failed, passed
@@ -36,9 +39,25 @@ JOB = (f"{NNODES} nodes with {NPROC_PER_NODE} GPUs each, static rendezvous, head
        f"{HEAD_ADDR}, store on port {HEAD_PORT} ({DEFAULT_PORT} is taken there), script "
        f"{SCRIPT}")
 """The exercise's job, in one line."""
+ASKED_RANK = 13
+"""The global RANK whose node and LOCAL_RANK the exercise asks for: node 1, LOCAL_RANK 5."""
 
-_PREFIXES = (["torchrun"], ["python", "-m", "torch.distributed.run"],
-             ["python3", "-m", "torch.distributed.run"])
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+def _launcher_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``(argv without its leading VAR=value words, torchrun's own arguments)``; the
+    second is ``None`` when the command does not start torchrun: ``torchrun`` or an
+    interpreter running ``-m torch.distributed.run``, by any path."""
+    while argv and _ASSIGNMENT.match(argv[0]):      # NCCL_SOCKET_IFNAME=eth0 torchrun ...
+        argv = argv[1:]
+    name = os.path.basename(argv[0]) if argv else ""
+    if name == "torchrun":
+        return argv, argv[1:]
+    if _PYTHON.fullmatch(name) and argv[1:3] == ["-m", "torch.distributed.run"]:
+        return argv, argv[3:]
+    return argv, None
 
 
 def _split(command) -> list[str]:
@@ -59,21 +78,26 @@ def _nodes(nnodes: str) -> tuple[int, int] | None:
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
-def check_node_command(command, ranks=None) -> Verdict:
+def check_node_command(command, ranks=None, rank13=None) -> Verdict:
     """Exercise of notebook 07: the torchrun command for node 2 of the job :data:`JOB`,
-    and the global RANKs of node 2's processes.
+    the global RANKs of node 2's processes, and where the process of global RANK 13 runs.
 
-    A right command starts with ``torchrun`` (or ``python -m torch.distributed.run``),
-    joins the static rendezvous (``--nnodes 3``, ``--master-addr 10.0.0.5``,
-    ``--master-port 29400``), starts ``--nproc-per-node 8`` (or ``gpu`` or ``auto``, one
+    A right command starts with ``torchrun`` (or an interpreter running ``-m
+    torch.distributed.run``, by any path), after any ``VAR=value`` words that set its
+    environment; joins the static rendezvous (``--nnodes 3``, ``--master-addr 10.0.0.5``
+    and ``--master-port 29400``, or ``--rdzv-backend static --rdzv-endpoint
+    10.0.0.5:29400``, which takes their place); starts ``--nproc-per-node 8`` (or ``gpu`` or ``auto``, one
     process per visible GPU: 8 on these nodes), says ``--node-rank 2`` and
     runs ``train.py``. The right ranks are 16 to 23 (``RANK = node_rank *
     nproc_per_node + LOCAL_RANK``), in any order, as a list, tuple or range of ints.
+    ``rank13`` is ``(node rank, LOCAL_RANK)`` of RANK 13: ``(1, 5)``.
 
     Args:
         command: ``str`` (split like a shell would) or ``list`` of ``str``; ``None`` or
             ``""`` means not answered yet.
         ranks: the global RANKs of node 2's processes; ``None`` means not answered yet.
+        rank13: ``(node rank, LOCAL_RANK)`` of the process of global RANK 13; ``None``
+            means not answered yet.
 
     Returns:
         A :class:`~reducelab.checks.Verdict` that says which option or rank is off and
@@ -85,9 +109,8 @@ def check_node_command(command, ranks=None) -> Verdict:
     if command is None or command == "" or command == []:
         return failed(f"No command yet. The job: {JOB}. Write the whole torchrun command "
                       f"typed on node {NODE_RANK}, as one string.")
-    argv = _split(command)
-    prefix = next((p for p in _PREFIXES if argv[:len(p)] == p), None)
-    if prefix is None:
+    argv, own = _launcher_args(_split(command))
+    if own is None:
         return failed(f"The command starts with {' '.join(argv[:3])!r}; start it with "
                       f"`torchrun` (or `python -m torch.distributed.run`), the launcher that "
                       f"starts the {NPROC_PER_NODE} ranks of the node and sets RANK, "
@@ -98,7 +121,7 @@ def check_node_command(command, ranks=None) -> Verdict:
         with contextlib.redirect_stderr(err):
             parser = get_args_parser()
             parser.prog = "torchrun"
-            args = parser.parse_args(argv[len(prefix):])
+            args = parser.parse_args(own)
     except SystemExit:
         last = err.getvalue().strip().splitlines()
         return failed(f"torchrun's own parser refuses it: {last[-1] if last else 'bad options'}.")
@@ -107,12 +130,23 @@ def check_node_command(command, ranks=None) -> Verdict:
                       "with a private rendezvous on a free port of this node (--rdzv-endpoint "
                       f"localhost:0 and a fresh --rdzv-id), so node {NODE_RANK} would never "
                       f"meet the others. Drop it on a multi-node job.")
-    if args.rdzv_backend != "static" or args.rdzv_endpoint:
-        return failed(f"This uses --rdzv-backend {args.rdzv_backend!r}"
-                      f"{' with --rdzv-endpoint ' + args.rdzv_endpoint if args.rdzv_endpoint else ''}. "
-                      f"The job uses the static rendezvous, in which each node says which node "
-                      f"it is; with c10d the rendezvous hands out node ranks itself, so which "
+    if args.rdzv_backend != "static":
+        return failed(f"This uses --rdzv-backend {args.rdzv_backend!r}. The job uses the static "
+                      f"rendezvous, in which each node says which node it is; with "
+                      f"{args.rdzv_backend} the rendezvous hands out node ranks itself, so which "
                       f"RANKs a node gets is not known before the job starts.")
+    # With the static rendezvous, --rdzv-endpoint HOST:PORT takes the place of --master-addr
+    # and --master-port (get_rdzv_endpoint in torch/distributed/run.py).
+    if args.rdzv_endpoint:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            return failed(f"--rdzv-endpoint is {args.rdzv_endpoint!r}: the static rendezvous "
+                          f"needs HOST:PORT there, and torchrun refuses an endpoint without a "
+                          f"port (\"Port is absent in endpoint\").")
+        addr, port, said = host.strip("[]"), int(port), ("--rdzv-endpoint's host",
+                                                          "--rdzv-endpoint's port")
+    else:
+        addr, port, said = args.master_addr, args.master_port, ("--master-addr", "--master-port")
     nodes = _nodes(args.nnodes)
     if nodes != (NNODES, NNODES):
         return failed(f"--nnodes is {args.nnodes!r}; the job has {NNODES} nodes and every node "
@@ -134,27 +168,67 @@ def check_node_command(command, ranks=None) -> Verdict:
         else:
             why = f"--node-rank is {args.node_rank}, not the node this command is for"
         return failed(f"{why}. Which node is this command for?")
-    if args.master_addr != HEAD_ADDR:
-        if args.master_addr in ("127.0.0.1", "localhost", "::1", "[::1]"):
-            why = (f"--master-addr is {args.master_addr!r}"
-                   f"{' (the default when it is left out)' if args.master_addr == '127.0.0.1' else ''}"
+    if addr != HEAD_ADDR:
+        if addr in ("127.0.0.1", "localhost", "::1"):
+            why = (f"{said[0]} is {addr!r}"
+                   f"{' (the default when it is left out)' if addr == '127.0.0.1' and not args.rdzv_endpoint else ''}"
                    f": on node {NODE_RANK} that is node {NODE_RANK} itself, where no TCPStore "
                    f"is listening")
         else:
-            why = f"--master-addr is {args.master_addr!r}"
+            why = f"{said[0]} is {addr!r}"
         return failed(f"{why}. Every node connects to the TCPStore of the head node, node 0.")
-    if args.master_port != HEAD_PORT:
-        if args.master_port is None or args.master_port == DEFAULT_PORT:
-            why = (f"{'--master-port is left out, so torchrun uses its default, ' if args.master_port is None else '--master-port is '}"
+    if port != HEAD_PORT:
+        if port is None or port == DEFAULT_PORT:
+            why = (f"{'--master-port is left out, so torchrun uses its default, ' if port is None else said[1] + ' is '}"
                    f"{DEFAULT_PORT}: on the head node that port belongs to the other job, whose "
                    f"store would answer instead of this job's")
         else:
-            why = f"--master-port is {args.master_port}, not the port this job's store uses"
+            why = f"{said[1]} is {port}, not the port this job's store uses"
         return failed(f"{why}. Every node must give the port of this job's store.")
     if args.training_script != SCRIPT:
         return failed(f"The script is {args.training_script!r}; every node runs the same "
                       f"training script, {SCRIPT}.")
-    return _check_ranks(ranks)
+    verdict = _check_ranks(ranks)
+    return _check_where(rank13) if verdict else verdict
+
+
+def _check_where(where) -> Verdict:
+    """``(node rank, LOCAL_RANK)`` of global RANK :data:`ASKED_RANK`."""
+    node, local = divmod(ASKED_RANK, NPROC_PER_NODE)
+    name = f"rank{ASKED_RANK}_node_and_local_rank"
+    if where is None:
+        return failed(f"The command and node {NODE_RANK}'s RANKs are right. Now {name}: the "
+                      f"node rank and the LOCAL_RANK of the process whose global RANK is "
+                      f"{ASKED_RANK}, as a tuple (node rank, LOCAL_RANK).")
+    try:
+        got = tuple(int(v) for v in where)
+    except (TypeError, ValueError):
+        got = None
+    if got is None or len(got) != 2:
+        return failed(f"{name} is {where!r}; give two whole numbers, (node rank, LOCAL_RANK).")
+    if got == (node, local):
+        return passed(f"Node {NODE_RANK} joins the static rendezvous at {HEAD_ADDR}:{HEAD_PORT}. "
+                      f"Its {NPROC_PER_NODE} ranks get LOCAL_RANK 0 to {NPROC_PER_NODE - 1}, "
+                      f"RANK {NODE_RANK * NPROC_PER_NODE} to {NODE_RANK * NPROC_PER_NODE + NPROC_PER_NODE - 1} "
+                      f"(= node_rank * nproc_per_node + LOCAL_RANK), GROUP_RANK {NODE_RANK} and "
+                      f"WORLD_SIZE {NNODES * NPROC_PER_NODE}. Going back, RANK {ASKED_RANK} is "
+                      f"{ASKED_RANK} // {NPROC_PER_NODE} = node {node}, LOCAL_RANK "
+                      f"{ASKED_RANK} % {NPROC_PER_NODE} = {local}: it drives cuda:{local} of "
+                      f"node {node}. Pick each GPU with LOCAL_RANK.")
+    if got == (local, node):
+        why = "That is the pair the other way round: the node rank comes first"
+    elif got[1] == ASKED_RANK or not 0 <= got[1] < NPROC_PER_NODE:
+        why = (f"LOCAL_RANK counts within a node, from 0 to {NPROC_PER_NODE - 1}, one per GPU "
+               f"of the node")
+    elif not 0 <= got[0] < NNODES:
+        why = f"the job's node ranks are 0 to {NNODES - 1}"
+    elif got[0] * NPROC_PER_NODE + got[1] == ASKED_RANK + NPROC_PER_NODE:
+        why = "Node ranks count from 0: node 0 holds the first ranks"
+    else:
+        why = (f"node rank {got[0]} and LOCAL_RANK {got[1]} give RANK "
+               f"{got[0] * NPROC_PER_NODE + got[1]} with {NPROC_PER_NODE} processes a node, "
+               f"not {ASKED_RANK}")
+    return failed(f"The command and node {NODE_RANK}'s RANKs are right, but not {name}: {why}.")
 
 
 def _check_ranks(ranks) -> Verdict:
@@ -169,11 +243,7 @@ def _check_ranks(ranks) -> Verdict:
         return failed(f"The command is right. node{NODE_RANK}_ranks is {ranks!r}; give the "
                       f"RANKs as a list of whole numbers.")
     if got == want:
-        return passed(f"Node {NODE_RANK} joins the static rendezvous at {HEAD_ADDR}:{HEAD_PORT}. "
-                      f"Its {NPROC_PER_NODE} ranks get LOCAL_RANK 0 to {NPROC_PER_NODE - 1}, "
-                      f"RANK {want[0]} to {want[-1]} (= node_rank * nproc_per_node + "
-                      f"LOCAL_RANK), GROUP_RANK {NODE_RANK} and WORLD_SIZE "
-                      f"{NNODES * NPROC_PER_NODE}; pick each GPU with LOCAL_RANK.")
+        return passed("node 2's RANKs")
     if len(got) != NPROC_PER_NODE or len(set(got)) != len(got):
         why = (f"one RANK per process, {NPROC_PER_NODE} processes on the node"
                if len(set(got)) == len(got) else "each RANK belongs to one process only")

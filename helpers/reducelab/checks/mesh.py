@@ -48,6 +48,12 @@ LENGTHS = (8, 5, 3, 6)
 """Real tokens of each sequence of the exercise's global batch; the rest of its
 :data:`SEQ_LEN` token slots are padding. On every mesh of :data:`EXERCISE_SHAPES` each
 rank holds at least one real token, and the ranks hold different numbers of them."""
+OTHER_LENGTHS = (4, 7, 8, 2)
+"""Real tokens of each sequence of the check's second batch (21 in all, against
+:data:`LENGTHS`' 22), run on the mesh of :data:`OTHER_SHAPE`: a sync that divides by a
+fixed number, right for the first batch, is wrong for this one. On that mesh the ranks
+hold 8, 3, 6 and 4 real tokens."""
+OTHER_SHAPE = (2, 2)
 ATOL = 1e-6
 
 
@@ -183,16 +189,18 @@ def train_step(sync_grads, dp: int, cp: int, steps: int = 2):
     return grads, made
 
 
-def token_mask() -> torch.Tensor:
+def token_mask(lengths=LENGTHS) -> torch.Tensor:
     """Which token slots of :func:`global_batch` are real: bool, shape ``(4, 8)``; slot
-    ``t`` of sequence ``s`` is real when ``t < LENGTHS[s]`` (padding at the end)."""
-    return torch.arange(SEQ_LEN) < torch.tensor(LENGTHS).unsqueeze(1)
+    ``t`` of sequence ``s`` is real when ``t < lengths[s]`` (padding at the end;
+    :data:`LENGTHS` by default)."""
+    return torch.arange(SEQ_LEN) < torch.tensor(lengths).unsqueeze(1)
 
 
-def local_tokens(dp_index: int, cp_index: int, dp: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_tokens(dp_index: int, cp_index: int, dp: int, cp: int,
+                 lengths=LENGTHS) -> tuple[torch.Tensor, torch.Tensor]:
     """The real tokens of the slice of :func:`global_batch` that the rank at mesh
     coordinate ``(dp_index, cp_index)`` of a ``(dp, cp)`` mesh holds: its
-    :func:`local_batch`, without the padding slots of :func:`token_mask`.
+    :func:`local_batch`, without the padding slots of :func:`token_mask` of ``lengths``.
 
     Returns:
         ``(x, y)``, float32, shapes ``(n, 4)`` and ``(n, 2)``, ``n`` the rank's real tokens
@@ -203,44 +211,45 @@ def local_tokens(dp_index: int, cp_index: int, dp: int, cp: int) -> tuple[torch.
     """
     x, y = local_batch(dp_index, cp_index, dp, cp)
     b, t = GLOBAL_BATCH // dp, SEQ_LEN // cp
-    real = token_mask()[dp_index * b:(dp_index + 1) * b, cp_index * t:(cp_index + 1) * t]
+    real = token_mask(lengths)[dp_index * b:(dp_index + 1) * b, cp_index * t:(cp_index + 1) * t]
     real = real.reshape(-1)
     return x[real], y[real]
 
 
-def token_counts(dp: int, cp: int) -> list[int]:
+def token_counts(dp: int, cp: int, lengths=LENGTHS) -> list[int]:
     """Real tokens per rank of a ``(dp, cp)`` mesh, in rank order (rank ``i * cp + j``
     sits at ``(i, j)``): ``[8, 5, 7, 2]`` for ``(2, 2)``.
 
     Raises:
         ValueError: as :func:`local_batch`.
     """
-    return [len(local_tokens(i, j, dp, cp)[0]) for i in range(dp) for j in range(cp)]
+    return [len(local_tokens(i, j, dp, cp, lengths)[0]) for i in range(dp) for j in range(cp)]
 
 
-def reference_token_grads(shard: int = 0) -> dict[str, torch.Tensor]:
+def reference_token_grads(shard: int = 0, lengths=LENGTHS) -> dict[str, torch.Tensor]:
     """Single-process reference of the exercise: gradients of the mean squared error over
-    every real token of :func:`global_batch` (22 of its 32 slots), for the model
-    ``tiny_model(shard)``, ``{parameter name: tensor}``, float32."""
+    every real token of :func:`global_batch` (22 of its 32 slots with :data:`LENGTHS`), for
+    the model ``tiny_model(shard)``, ``{parameter name: tensor}``, float32."""
     model = tiny_model(shard)
     x, y = global_batch()
-    real = token_mask()
+    real = token_mask(lengths)
     F.mse_loss(model(x[real]), y[real]).backward()
     return _grads(model)
 
 
 def local_token_grads(dp_index: int, cp_index: int, dp: int, cp: int,
-                      shard: int = 0) -> dict[str, torch.Tensor]:
+                      shard: int = 0, lengths=LENGTHS) -> dict[str, torch.Tensor]:
     """The gradients one rank of the exercise has after its own backward (the mean over
     its own real tokens), before any sync, computed in one process; ``shard`` is the
     rank's tp index (its model is ``tiny_model(shard)``)."""
     model = tiny_model(shard)
-    x, y = local_tokens(dp_index, cp_index, dp, cp)
+    x, y = local_tokens(dp_index, cp_index, dp, cp, lengths)
     F.mse_loss(model(x), y).backward()
     return _grads(model)
 
 
-def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2, tp: int = 1):
+def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2, tp: int = 1,
+                     lengths=LENGTHS):
     """Runs on every rank: build the (dp, cp) mesh, or the (dp, tp, cp) mesh if ``tp`` > 1,
     then ``steps`` times: backward on the rank's real tokens and
     ``sync_grads(model, mesh, n_tokens)``.
@@ -248,6 +257,7 @@ def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2, tp: int = 1):
     The local loss is the mean over the rank's own real tokens, ``n_tokens`` of them,
     and ``n_tokens`` differs from rank to rank. The tp ranks of a (dp, tp, cp) mesh see
     the same tokens and hold different parameters (``tiny_model(shard=tp index)``).
+    ``lengths``: the real tokens of each of the batch's 4 sequences.
 
     Returns:
         ``(grads, made)``: ``grads`` is ``{parameter name: gradient after the last
@@ -263,7 +273,7 @@ def token_train_step(sync_grads, dp: int, cp: int, steps: int = 2, tp: int = 1):
         mesh = init_device_mesh("cpu", (dp, tp, cp), mesh_dim_names=("dp", "tp", "cp"))
         dp_index, tp_index, cp_index = mesh.get_coordinate()
     model = tiny_model(shard=tp_index)       # tp ranks: other parameters
-    x, y = local_tokens(dp_index, cp_index, dp, cp)
+    x, y = local_tokens(dp_index, cp_index, dp, cp, lengths)
     n_tokens = len(x)                        # this rank's real tokens
     made = []
     for _ in range(steps):
@@ -282,7 +292,8 @@ PRIVATE_CALLS = ("_flatten",)
 asks for public API only; notebook 05's step 5 shows the page's ``_flatten``)."""
 
 
-def _token_step_recording_private(sync_grads, dp: int, cp: int, tp: int = 1):
+def _token_step_recording_private(sync_grads, dp: int, cp: int, tp: int = 1,
+                                  lengths=LENGTHS):
     """Runs on every rank: :func:`token_train_step`, with every call of a method of
     :data:`PRIVATE_CALLS` made from code outside the torch package (the learner's, not
     torch's own) recorded. Returns ``(grads, made, private)``, ``private`` the names of
@@ -304,7 +315,7 @@ def _token_step_recording_private(sync_grads, dp: int, cp: int, tp: int = 1):
     for name, call in originals.items():
         setattr(DeviceMesh, name, recorded(name, call))
     try:
-        grads, made = token_train_step(sync_grads, dp, cp, tp=tp)
+        grads, made = token_train_step(sync_grads, dp, cp, tp=tp, lengths=lengths)
     finally:
         for name, call in originals.items():
             setattr(DeviceMesh, name, call)
@@ -410,6 +421,32 @@ def _tp_mistakes(t: int, tp: int, coords, locals_by_shard: list, counts: dict) -
     ]
 
 
+def _fixed_divisor(got: dict, local: dict, coords, counts: dict, first_total: int) -> list:
+    """``(gradients, what to say)`` for a sync of the second batch that weights and sums
+    right but divides by a number fixed in advance (the first batch's count, say): the
+    sum over ranks of n_tokens x local gradient, scaled by one constant. The constant is
+    fitted to ``got`` (least squares, float64) and named."""
+    weighted = _combine(local, coords, [counts[c] for c in coords])
+    names = [k for k in weighted if got.get(k) is not None and got[k].shape == weighted[k].shape]
+    if len(names) != len(weighted):
+        return []
+    a = torch.cat([weighted[k].flatten() for k in names])
+    b = torch.cat([got[k].double().flatten() for k in names])
+    scale = (a @ b / (a @ a)).item()
+    if not scale > 0:
+        return []
+    divisor, total = 1 / scale, sum(counts.values())
+    if abs(divisor - total) < 1e-3:
+        return []
+    said = f"{round(divisor)}" if abs(divisor - round(divisor)) < 1e-3 else f"{divisor:.4g}"
+    first = (", the first batch's count of real tokens" if said == str(first_total) else "")
+    return [({k: v * scale for k, v in weighted.items()},
+             f"That is the sum over ranks of n_tokens x local gradient divided by a fixed "
+             f"number, {said}{first}. This batch holds {total} real tokens: the count "
+             f"changes from batch to batch, so a number written into sync_grads is right "
+             f"for one batch only.")]
+
+
 def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Verdict:
     """Exercise of notebook 05: ``sync_grads(model, mesh, n_tokens)``, called on every
     rank after ``backward()`` of the mean loss over the rank's ``n_tokens`` real tokens
@@ -427,6 +464,9 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
     :func:`token_counts` (no sync, the plain mean of means, a sum, a division by the
     number of ranks, by this rank's own count or by every slot with the padding, no
     weighting, no sum of the weighted gradients, dp or cp alone, every rank with tp).
+    After ``shapes`` it runs the mesh :data:`OTHER_SHAPE` with a second batch,
+    :data:`OTHER_LENGTHS` (21 real tokens, not 22): a division by a fixed number, right
+    for the first batch only, is named there.
     A process group made
     on the first call and reused is fine; one made again on the second call is named, and
     so is a call of a private method of :data:`PRIVATE_CALLS` (``DeviceMesh._flatten``),
@@ -437,20 +477,25 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
         rank disagree and what its gradients equal instead, or how many process groups
         each call made. No message prints a line of the solution.
     """
+    first_total = sum(LENGTHS)
+    cases = [(shape, LENGTHS) for shape in shapes] + [(OTHER_SHAPE, OTHER_LENGTHS)]
     with restoring_world_size(group):
-        for shape in shapes:
+        for shape, lengths in cases:
             dp, tp, cp = (shape[0], 1, shape[1]) if len(shape) == 2 else shape
             where = f"(dp={dp}, cp={cp})" if tp == 1 else f"(dp={dp}, tp={tp}, cp={cp})"
+            if lengths != LENGTHS:
+                where = (f"{where} with a second batch, whose 4 sequences hold "
+                         f"{', '.join(map(str, lengths))} real tokens")
             group.resize(dp * tp * cp)  # a no-op when it already has that many ranks
             try:
                 out = group.run(run_and_release, _token_step_recording_private, sync_grads,
-                                dp, cp, tp)
+                                dp, cp, tp, lengths)
             except RankError as e:
                 return raised_on_ranks(f"On the mesh {where}", e)
             coords = [(i, j) for i in range(dp) for j in range(cp)]
-            counts = dict(zip(coords, token_counts(dp, cp)))
-            refs = [reference_token_grads(t) for t in range(tp)]
-            local = [{c: local_token_grads(*c, dp, cp, shard=t) for c in coords}
+            counts = dict(zip(coords, token_counts(dp, cp, lengths)))
+            refs = [reference_token_grads(t, lengths) for t in range(tp)]
+            local = [{c: local_token_grads(*c, dp, cp, shard=t, lengths=lengths) for c in coords}
                      for t in range(tp)]
             held = [counts[(r // (tp * cp), r % cp)] for r in range(dp * tp * cp)]
             for rank, (got, _, _) in enumerate(out):
@@ -466,6 +511,8 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
                          if got[k].shape == v.shape]
                 worst = f"largest difference {max(diffs):.3g}" if diffs else "other shapes"
                 likely = _likely_mistakes(i * cp + j, dp, cp, local[t], counts)
+                if lengths != LENGTHS:
+                    likely = _fixed_divisor(got, local[t], coords, counts, first_total) + likely
                 if tp > 1:
                     likely = _tp_mistakes(t, tp, coords, local, counts) + likely
                 hint = next((" " + say for grads, say in likely if _same(got, grads)), "")
@@ -503,7 +550,9 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
         return passed(
             f"On {listed}, every rank's gradients match the single-process gradient "
             f"of the mean over all {int(token_mask().sum())} real tokens to "
-            f"{ATOL:g}, and a second call made no new process group. A local mean over "
+            f"{ATOL:g}, and on the mesh {tuple(OTHER_SHAPE)} with a second batch of other "
+            f"lengths, over all {sum(OTHER_LENGTHS)} of its real tokens; a second call made "
+            f"no new process group. A local mean over "
             f"n_tokens tokens, times n_tokens, is the gradient of their sum; summed over the "
             f"ranks and divided by all their real tokens, it is the global mean, whatever "
             f"each rank holds. With equal counts this is the plain mean over ranks.")
@@ -511,5 +560,5 @@ def check_mesh_sync(group: LocalGroup, sync_grads, shapes=EXERCISE_SHAPES) -> Ve
 
 __all__ = ["check_mesh_sync", "tiny_model", "global_batch", "local_batch", "reference_grads",
            "local_grads", "train_step", "live_process_groups", "run_and_release",
-           "EXERCISE_SHAPES", "LENGTHS", "token_mask", "local_tokens", "token_counts",
+           "EXERCISE_SHAPES", "LENGTHS", "OTHER_LENGTHS", "OTHER_SHAPE", "token_mask", "local_tokens", "token_counts",
            "reference_token_grads", "local_token_grads", "token_train_step"]

@@ -305,12 +305,14 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
                           f"tensor of {size:,} elements: gradient elements crossed the ranks, where "
                           f"the exercise lets only a few numbers cross, sums of squares of each "
                           f"rank's local piece.")
-        return passed(f"{head} Every element counted once: the pieces split over dp and tp summed "
-                      f"over all 4 ranks, the pieces the 2 tp ranks hold copies of summed over dp "
-                      f"only. Two all_reduces of one number each, where gathering the gradients "
-                      f"would move all 2,410 of them. This is the correction of NeMo-RL's pull "
-                      f"request #3788, and what DTensor's _NormPartial does for clip_grad_norm_ "
-                      f"when every parameter lives on one mesh.")
+        return passed(f"{head} Checked on the 2 x 2 (dp, tp) mesh: every rank returns one "
+                      f"process's norm, and no gradient crossed the ranks (no full_tensor(), no "
+                      f"redistribute(), no collective of more numbers than the model has "
+                      f"parameters), where gathering the gradients would move all 2,410 "
+                      f"elements. The norm counts every element once, pieces and copies alike: "
+                      f"the correction of NeMo-RL's pull request #3788, and what DTensor's "
+                      f"_NormPartial does for clip_grad_norm_ when every parameter lives on one "
+                      f"mesh.")
 
     def each_rank_gave(way, how=math.sqrt) -> bool:
         return all(_near(v, how(o["squares"][way])) for v, o in zip(values, out))
