@@ -202,22 +202,17 @@ WHY = {
             "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
     },
     "11": {
-        1: "None: []. monitored_barrier is run by rank 0: the other ranks report to rank 0 "
-            "and wait for its answer, and only rank 0 counts the barrier's timeout and names "
-            "the ranks that are missing. Here rank 0 is stuck in all_reduce and never "
-            "reaches the barrier, so nobody counts the 1 second. Ranks 1 to 3 wait as long "
-            "as their process group's own timeout (30 minutes by default on gloo; 7 s on "
-            "these ranks, which LocalGroup stops after 2 s). Then each raises, in torch's "
-            "words: \"Rank 1 successfully reached monitoredBarrier, but received errors while "
-            "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.\" "
-            "That points at rank 0, but rank 0's log holds only its own all_reduce's "
-            "timeout (\"Timed out waiting ... for recv operation to complete\"), not where "
-            "anyone is. Put a monitored_barrier where rank 0 is sure to arrive, such as the "
-            "top of each training step while you hunt a hang. On an NCCL job it needs a "
-            "gloo group (on NCCL it raises \"monitored_barrier is only implemented for GLOO "
-            "backend.\"): make one once with dist.new_group(backend=\"gloo\", timeout=...) "
-            "and pass it as group=; each call then costs N - 1 send/recv round trips "
-            "through rank 0, on the CPU.",
+        1: "None: []. Only rank 0 counts a monitored_barrier's timeout: the other ranks report "
+            "to rank 0 and wait for its answer, and rank 0 names the ranks that are missing. "
+            "Here rank 0 is stuck in all_reduce and never reaches the barrier, so nobody counts "
+            "the 1 second. Ranks 1 to 3 wait as long as their process group's own timeout (30 "
+            "minutes by default on gloo; 7 s on these ranks, which LocalGroup stops after 2 s), "
+            "then each raises, in torch's words: \"Rank 1 successfully reached monitoredBarrier, "
+            "but received errors while waiting for send/recv from rank 0. Please check rank 0 "
+            "logs for faulty rank.\" That points at rank 0, but rank 0's log holds only its own "
+            "all_reduce's timeout (\"Timed out waiting ... for recv operation to complete\"). So "
+            "put a monitored_barrier where rank 0 is sure to arrive, such as the top of each "
+            "training step while you hunt a hang.",
         2: "The fingerprint holds the collective, the sequence number and each tensor's "
             "shape, dtype and device, not the ReduceOp (CollectiveFingerPrint in torch's "
             "ProcessGroupWrapper.cpp). Every rank ran an all_reduce of 4 float32 numbers, so "
