@@ -830,3 +830,80 @@ def test_reentrant_checkpointing_clashes_with_find_unused_parameters_as_stored(g
         line = f"use_reentrant={reentrant}, DDP(model, **{options}): {result.splitlines()[0]}"
         assert line in stored, line
     assert "This is the message's reason 2)" in markdown()
+
+
+# --- a third review's findings (13-1 to 13-4) ----------------------------------------------------
+def _second_no_grad_forward_broadcasts():
+    """On 2 ranks: one training step through the wrapper, then two eval forwards under
+    torch.no_grad(), rank 1's buffer changed before each: whether each forward brought rank
+    0's buffer back."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(1, 1), nn.BatchNorm1d(1)))
+    model(torch.randn(4, 1) + dist.get_rank()).sum().backward()
+    model.eval()
+    brought_back = []
+    for _ in range(2):
+        if dist.get_rank() == 1:
+            model.module[1].running_mean.fill_(7.0)
+        with torch.no_grad():
+            model(torch.zeros(2, 1))
+        brought_back.append(model.module[1].running_mean.item() != 7.0)
+    return brought_back
+
+
+def test_the_wrappers_broadcast_needs_a_forward_with_gradients_before_it(group):
+    """A third review (13-3): the pass note said the wrapper broadcasts rank 0's buffers
+    whenever it is called in forward; it does so only after a forward with gradients enabled
+    (require_forward_param_sync), so a second no_grad call broadcasts nothing. Run here."""
+    with LocalGroup(world_size=2, timeout=30) as two:
+        assert two.run(_second_no_grad_forward_broadcasts)[1] == [True, False]
+    verdict = check_evaluate_together(group, through_the_wrapper)
+    assert verdict and "when the wrapper's previous forward ran with gradients enabled" in verdict.message
+    assert "a second call through the wrapper, for a second validation batch, broadcasts nothing" in verdict.message
+
+
+def test_the_pre_forward_excerpt_is_the_installed_source_unabridged():
+    """A third review (13-2): the excerpt of _pre_forward was a filter of scattered lines
+    (comment lines without their code); now one contiguous slice, as the stored output shows."""
+    import inspect
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = stored_text(cell_with("pre_forward = inspect.getsource(DDP._pre_forward)"))
+    source = inspect.getsource(DDP._pre_forward)
+    excerpt = out.split(inspect.getsource(DDP.will_sync_module_buffers), 1)[1].strip("\n")
+    assert excerpt and excerpt in source and excerpt.count("\n") >= 6
+    assert excerpt.lstrip().startswith("if torch.is_grad_enabled() and self.reducer._rebuild_buckets():")
+    assert excerpt.rstrip().endswith("self._sync_buffers()")
+    assert "unabridged" in source_with("DDP's `forward` starts with `_pre_forward`", "markdown")
+
+
+def _sampler_batches(n, world_size, batch_size):
+    from torch.utils.data import DataLoader, DistributedSampler
+    return [[len(b) for b in DataLoader(range(n), batch_size=batch_size,
+                                        sampler=DistributedSampler(range(n), world_size, rank))]
+            for rank in range(world_size)]
+
+
+def test_distributed_sampler_gives_every_rank_the_same_batch_sizes_as_the_text_says():
+    """A third review (13-1) asked for the fairness caveat of averaging the ranks' statistics.
+    With DistributedSampler the ranks' shares, and so their last batches, are the same size
+    (it pads, or trims with drop_last=True); only the last batch is smaller than the rest."""
+    assert _sampler_batches(10, 4, 2) == [[2, 1]] * 4                # 10 -> 12: 3 each, last batch 1
+    from torch.utils.data import DistributedSampler
+    assert [len(DistributedSampler(range(10), 4, r, drop_last=True)) for r in range(4)] == [2] * 4
+    text = " ".join(markdown().split())
+    assert ("so every rank gets `num_samples` samples (`DistributedSampler.__init__` and `__iter__` in "
+            "`torch/utils/data/distributed.py`), and the ranks' last batches match in size") in text
+
+
+def test_moe_experts_without_tokens_are_unused_only_when_skipped():
+    """A third review (13-4): an expert run on zero tokens still gets a gradient (zeros); one
+    the layer skips gets none, the unused parameter of step 3."""
+    import torch.nn as nn
+    expert = nn.Linear(4, 2)
+    expert(torch.empty(0, 4)).sum().backward()
+    assert expert.weight.grad is not None and not expert.weight.grad.any()
+    text = " ".join(markdown().split())
+    assert "leaves that expert unused on that rank only (an expert run on zero tokens still gets a gradient, of zeros)" in text
