@@ -145,8 +145,8 @@ def test_unseeded_ranks_cpu_from_the_os_cuda_from_one_fixed_seed():
 
 
 def test_a_dataloaders_own_shuffle_and_accelerates_set_seed_are_cited():
-    """A third review (17-3, 17-4): a DataLoader's shuffle=True draws its order's seed from the
-    rank's generator or from generator= (RandomSampler.__iter__, read here); accelerate's
+    """A third review (17-3, 17-4): a DataLoader's shuffle=True shuffles with its generator=,
+    or without one with a generator seeded from the rank's (RandomSampler.__iter__, read here); accelerate's
     set_seed adds the process index only with device_specific=True, cited by its source and
     said not to be installed."""
     import inspect
@@ -154,7 +154,9 @@ def test_a_dataloaders_own_shuffle_and_accelerates_set_seed_are_cited():
     body = inspect.getsource(RandomSampler.__iter__)
     assert "if self.generator is None:" in body and "torch.empty((), dtype=torch.int64).random_()" in body
     text = markdown()
-    assert "from a seed it draws from the rank's generator or from `generator=` (`RandomSampler.__iter__` in `torch/utils/data/sampler.py`)" in text
+    assert "else:\n            generator = self.generator" in body            # generator= is used as given
+    assert ("with the DataLoader's `generator=` or, without one, a generator seeded from the rank's global one "
+            "(`RandomSampler.__iter__` in `torch/utils/data/sampler.py`)") in text
     assert ("`device_specific=True`, which adds the process index (`set_seed` in `src/accelerate/utils/random.py`, "
             "huggingface/accelerate; not installed here)") in text
 
