@@ -267,15 +267,17 @@ def test_the_timing_claim_holds_in_the_stored_output():
                   r"(\d+) steps", text)
     assert s, text
     static_extra, static_q1, static_q3 = float(s[1]), float(s[2]), float(s[3])
-    # "differs from the default by less than the noise here (its quartiles lie on both
-    # sides of zero)": an expert review found "also costs some CPU in most steps" drawn
-    # from a median of +0.028 ms with quartiles -0.018 to +0.079
-    assert static_q1 < 0 < static_q3, (static_q1, static_q3)
+    # A third round: "differs from the default by less than the noise here (its quartiles lie
+    # on both sides of zero)" failed in 3 of 4 re-runs (quartiles +0.008 to +0.105, +0.013 to
+    # +0.088, +0.005 to +0.076 ms; once -0.058 to +0.091): a small cost is real on some runs. What
+    # held in every run: the median extra under half the flag's, the quartiles below the flag's.
+    assert static_extra < median_extra / 2, (static_extra, median_extra)
     # the Summary's "for less CPU than find_unused_parameters=True": the spreads do not overlap
-    assert static_q3 < q1 and static_extra < median_extra
+    assert static_q3 < q1 and static_q1 < static_q3
     prose = source_with("The extra traversal and bookkeeping cost CPU time in most steps", "markdown")
-    assert ("`static_graph=True` differs from the default by less than the noise here (its "
-            "quartiles lie on both sides of zero)") in prose
+    assert ("`static_graph=True` costs far less: its median extra is under half the flag's, and its "
+            "quartiles lie below the flag's") in prose
+    assert "less than the noise" not in prose
     assert "also costs some CPU in most steps" not in prose
 
 
@@ -289,7 +291,7 @@ def test_evaluating_through_the_wrapper_hangs_and_module_does_not(quick):
     assert quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False) == ["returned"] * 4
     with pytest.raises(RankError):
         quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False, grad=True)
-    assert "The real run gives False." in stored_text(cell_with("actual_4 = "))
+    assert "The real run gives True." in stored_text(cell_with("actual_4 = "))
 
 
 def train_through_module():
@@ -865,18 +867,37 @@ def test_the_wrappers_broadcast_needs_a_forward_with_gradients_before_it(group):
     assert "a second call through the wrapper, for a second validation batch, broadcasts nothing" in verdict.message
 
 
-def test_the_pre_forward_excerpt_is_the_installed_source_unabridged():
+def test_the_pre_forward_excerpts_are_the_installed_source_unabridged():
     """A third review (13-2): the excerpt of _pre_forward was a filter of scattered lines
-    (comment lines without their code); now one contiguous slice, as the stored output shows."""
+    (comment lines without their code); now two contiguous slices, as the stored outputs
+    show: the buffer sync above question 4, the bucket rebuild after its reveal."""
     import inspect
     from torch.nn.parallel import DistributedDataParallel as DDP
-    out = stored_text(cell_with("pre_forward = inspect.getsource(DDP._pre_forward)"))
     source = inspect.getsource(DDP._pre_forward)
-    excerpt = out.split(inspect.getsource(DDP.will_sync_module_buffers), 1)[1].strip("\n")
-    assert excerpt and excerpt in source and excerpt.count("\n") >= 6
-    assert excerpt.lstrip().startswith("if torch.is_grad_enabled() and self.reducer._rebuild_buckets():")
-    assert excerpt.rstrip().endswith("self._sync_buffers()")
+    out = stored_text(cell_with('if "# sync params according to location" in line'))
+    sync = out.split(inspect.getsource(DDP.will_sync_module_buffers), 1)[1].strip("\n")
+    assert sync in source and sync.lstrip().startswith("# sync params according to location")
+    assert sync.rstrip().endswith("self._sync_buffers()") and sync.count("\n") == 3
+    rebuild = stored_text(cell_with("# the bucket rebuild, earlier in _pre_forward")).strip("\n")
+    assert rebuild in source and rebuild.count("\n") >= 7
+    assert rebuild.lstrip().startswith("# Calling _rebuild_buckets before forward computation,")
+    assert rebuild.rstrip().endswith("self._has_rebuilt_buckets = True")
     assert "unabridged" in source_with("DDP's `forward` starts with `_pre_forward`", "markdown")
+
+
+def test_question_4_is_not_answered_above_it():
+    """An own finding of the third round: question 4 (no buffers, through the wrapper) was
+    asked under torch.no_grad() right below an excerpt that showed the rebuild runs only
+    with gradients enabled and the sync only with buffers: the answer could be read off.
+    Now it is asked with gradients enabled, and the rebuild is shown after the reveal."""
+    cells = CELLS
+    q4 = next(i for i, c in enumerate(cells) if "**Question 4.**" in "".join(c["source"]))
+    above = [c for c in cells[:q4 + 1]]
+    for c in above:
+        text = "".join(c["source"]) + (stored_text(c) if c["cell_type"] == "code" else "")
+        assert not re.search(r"\b_rebuild_buckets", text) and "is_grad_enabled" not in text
+    assert "forgets `torch.no_grad()`: gradients stay enabled" in "".join(cells[q4]["source"])
+    assert WHY["13"][4].startswith("It hangs, buffers or not.")
 
 
 def _sampler_batches(n, world_size, batch_size):

@@ -269,12 +269,13 @@ WHY = {
             "DDP never all-reduced it: backward() returned with each rank's own, local "
             "gradient, and the optimizer stepped on it. Nothing raised. From here the four "
             "replicas differ. The error comes one step later, at the next forward.",
-        4: "Without buffers there is nothing to broadcast, and under torch.no_grad() DDP's "
-            "forward runs no collective at all. With gradients enabled it does hang: the "
-            "first forward after the first backward rebuilds the gradient buckets, and "
-            "_rebuild_buckets broadcasts rank 0's new bucket order (the two broadcasts step 4 "
-            "counted). So whether a rank-0-only forward through the wrapper hangs depends on "
-            "the model and the step; model.module never runs a collective.",
+        4: "It hangs, buffers or not. This is the first forward after the first backward, and "
+            "with gradients enabled it rebuilds the gradient buckets: _rebuild_buckets "
+            "broadcasts rank 0's new bucket order (the two broadcasts step 4 counted in the "
+            "second step), a collective only rank 0 runs. Under torch.no_grad() that forward "
+            "rebuilds nothing, and without buffers it syncs none, so it runs no collective at "
+            "all and returns. Whether a rank-0-only forward through the wrapper hangs depends "
+            "on the model, the step and torch.no_grad(); model.module never runs a collective.",
     },
     "14": {
         1: "The squared 2-norm is a sum over elements, ‖g‖² = Σ g_i², and the two ranks hold "
