@@ -246,7 +246,9 @@ def test_question_1_why_says_nccl_needs_a_gloo_group_and_what_a_call_costs():
     source = inspect.getsource(dist.distributed_c10d.monitored_barrier)
     assert 'raise ValueError("monitored_barrier is only implemented for GLOO backend.")' in source
     assert "for non-zero ranks, will block until a send/recv is processed from rank 0" in source
-    why = WHY["11"][1]
+    # a third review (11-3) cut question 1's reveal to the why: this advice moved to the NCCL part
+    assert "new_group" not in WHY["11"][1] and len(WHY["11"][1].split()) < 170
+    why = next(t for t in markdown_cells() if t.startswith("## On GPUs with NCCL"))
     assert '"monitored_barrier is only implemented for GLOO backend."' in why
     assert 'dist.new_group(backend="gloo", timeout=...)' in why
     assert "N - 1 send/recv round trips through rank 0" in why
@@ -303,6 +305,12 @@ def test_the_text_says_what_the_printed_13_and_8_are_and_a_run_with_powers_of_te
     text = next(t for t in markdown_cells() if t.startswith("What to read above"))
     assert "rank 1's first number is 13: rank 2's 3 was added twice" in text
     assert "every rank holds 8" in text and "1 + 3 + 4, the sum without rank 1's own 2" in text
+    # a third review (11-2): the text says what to look at and why, for each case and the next cell's
+    assert "Look at how each mistake shows itself, because that is all a cluster's log will give you" in text
+    assert "Each rank combines what reaches it with its own op, so rank 1 took a MAX of its 2 and a larger partial sum" in text
+    assert ("the rank that dies writes the cause to its own standard error, from C++, with no Python exception "
+            "(`terminate called after throwing …`); the ranks that survive raise an error about a lost connection, "
+            "which names neither the cause nor the rank") in text
     cells = [(c["cell_type"], "".join(c["source"])) for c in notebook()["cells"]]
     printed = next(i for i, (_, s) in enumerate(cells) if "for fn in (shapes_differ, ops_differ" in s)
     assert cells[printed + 1] == ("markdown", text)             # read right below the output
@@ -701,6 +709,17 @@ def test_join_does_not_shadow_an_all_reduce_of_your_own():
         assert after[0] == after[1] > 0
     text = next(t for t in markdown_cells() if t.startswith("Join matches the single-process"))
     assert "It shadows only the collectives of its `Joinable`s" in text
+    # a third review (11-1): both sides of the rule in one table, the shadow's zeros from torch's source
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[0] == "| the collective | what the joined rank does | what follows |"
+    assert table[1].startswith("| a Joinable's: DDP's gradient all_reduce | runs a shadow of it, with zeros")
+    assert table[2].startswith("| yours: the loss all-reduced for the log") and "| nothing |" in table[2]
+    from torch.nn.parallel.distributed import _DDPJoinHook
+    ddp_source = inspect.getsource(DDP)
+    assert "ddp._match_all_reduce_for_bwd_pass()" in inspect.getsource(_DDPJoinHook.main_hook)
+    assert "self.reducer._get_zeros_like_grad_buckets()" in ddp_source
+    question = next(t for t in markdown_cells() if "**Question 3.**" in t)
+    assert "with zeros" not in question                       # said once, in the table
     assert "On 2 ranks with 3 and 2 steps, rank 1 dies of SIGABRT (\"" + words + "\")" in text
     assert "all-reduce such values after the block" in text
     summary = next(t for t in markdown_cells() if t.startswith("## Summary"))

@@ -267,15 +267,17 @@ def test_the_timing_claim_holds_in_the_stored_output():
                   r"(\d+) steps", text)
     assert s, text
     static_extra, static_q1, static_q3 = float(s[1]), float(s[2]), float(s[3])
-    # "differs from the default by less than the noise here (its quartiles lie on both
-    # sides of zero)": an expert review found "also costs some CPU in most steps" drawn
-    # from a median of +0.028 ms with quartiles -0.018 to +0.079
-    assert static_q1 < 0 < static_q3, (static_q1, static_q3)
+    # A third round: "differs from the default by less than the noise here (its quartiles lie
+    # on both sides of zero)" failed in 3 of 4 re-runs (quartiles +0.008 to +0.105, +0.013 to
+    # +0.088, +0.005 to +0.076 ms; once -0.058 to +0.091): a small cost is real on some runs. What
+    # held in every run: the median extra under half the flag's, the quartiles below the flag's.
+    assert static_extra < median_extra / 2, (static_extra, median_extra)
     # the Summary's "for less CPU than find_unused_parameters=True": the spreads do not overlap
-    assert static_q3 < q1 and static_extra < median_extra
+    assert static_q3 < q1 and static_q1 < static_q3
     prose = source_with("The extra traversal and bookkeeping cost CPU time in most steps", "markdown")
-    assert ("`static_graph=True` differs from the default by less than the noise here (its "
-            "quartiles lie on both sides of zero)") in prose
+    assert ("`static_graph=True` costs far less: its median extra is under half the flag's, and its "
+            "quartiles lie below the flag's") in prose
+    assert "less than the noise" not in prose
     assert "also costs some CPU in most steps" not in prose
 
 
@@ -289,7 +291,7 @@ def test_evaluating_through_the_wrapper_hangs_and_module_does_not(quick):
     assert quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False) == ["returned"] * 4
     with pytest.raises(RankError):
         quick.run(NB.evaluate_on_rank_0, "model", batchnorm=False, grad=True)
-    assert "The real run gives False." in stored_text(cell_with("actual_4 = "))
+    assert "The real run gives True." in stored_text(cell_with("actual_4 = "))
 
 
 def train_through_module():
@@ -830,3 +832,99 @@ def test_reentrant_checkpointing_clashes_with_find_unused_parameters_as_stored(g
         line = f"use_reentrant={reentrant}, DDP(model, **{options}): {result.splitlines()[0]}"
         assert line in stored, line
     assert "This is the message's reason 2)" in markdown()
+
+
+# --- a third review's findings (13-1 to 13-4) ----------------------------------------------------
+def _second_no_grad_forward_broadcasts():
+    """On 2 ranks: one training step through the wrapper, then two eval forwards under
+    torch.no_grad(), rank 1's buffer changed before each: whether each forward brought rank
+    0's buffer back."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(1, 1), nn.BatchNorm1d(1)))
+    model(torch.randn(4, 1) + dist.get_rank()).sum().backward()
+    model.eval()
+    brought_back = []
+    for _ in range(2):
+        if dist.get_rank() == 1:
+            model.module[1].running_mean.fill_(7.0)
+        with torch.no_grad():
+            model(torch.zeros(2, 1))
+        brought_back.append(model.module[1].running_mean.item() != 7.0)
+    return brought_back
+
+
+def test_the_wrappers_broadcast_needs_a_forward_with_gradients_before_it(group):
+    """A third review (13-3): the pass note said the wrapper broadcasts rank 0's buffers
+    whenever it is called in forward; it does so only after a forward with gradients enabled
+    (require_forward_param_sync), so a second no_grad call broadcasts nothing. Run here."""
+    with LocalGroup(world_size=2, timeout=30) as two:
+        assert two.run(_second_no_grad_forward_broadcasts)[1] == [True, False]
+    verdict = check_evaluate_together(group, through_the_wrapper)
+    assert verdict and "when the wrapper's previous forward ran with gradients enabled" in verdict.message
+    assert "a second call through the wrapper, for a second validation batch, broadcasts nothing" in verdict.message
+
+
+def test_the_pre_forward_excerpts_are_the_installed_source_unabridged():
+    """A third review (13-2): the excerpt of _pre_forward was a filter of scattered lines
+    (comment lines without their code); now two contiguous slices, as the stored outputs
+    show: the buffer sync above question 4, the bucket rebuild after its reveal."""
+    import inspect
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    source = inspect.getsource(DDP._pre_forward)
+    out = stored_text(cell_with('if "# sync params according to location" in line'))
+    sync = out.split(inspect.getsource(DDP.will_sync_module_buffers), 1)[1].strip("\n")
+    assert sync in source and sync.lstrip().startswith("# sync params according to location")
+    assert sync.rstrip().endswith("self._sync_buffers()") and sync.count("\n") == 3
+    rebuild = stored_text(cell_with("# the bucket rebuild, earlier in _pre_forward")).strip("\n")
+    assert rebuild in source and rebuild.count("\n") >= 7
+    assert rebuild.lstrip().startswith("# Calling _rebuild_buckets before forward computation,")
+    assert rebuild.rstrip().endswith("self._has_rebuilt_buckets = True")
+    assert "unabridged" in source_with("DDP's `forward` starts with `_pre_forward`", "markdown")
+
+
+def test_question_4_is_not_answered_above_it():
+    """An own finding of the third round: question 4 (no buffers, through the wrapper) was
+    asked under torch.no_grad() right below an excerpt that showed the rebuild runs only
+    with gradients enabled and the sync only with buffers: the answer could be read off.
+    Now it is asked with gradients enabled, and the rebuild is shown after the reveal."""
+    cells = CELLS
+    q4 = next(i for i, c in enumerate(cells) if "**Question 4.**" in "".join(c["source"]))
+    above = [c for c in cells[:q4 + 1]]
+    for c in above:
+        text = "".join(c["source"]) + (stored_text(c) if c["cell_type"] == "code" else "")
+        assert not re.search(r"\b_rebuild_buckets", text) and "is_grad_enabled" not in text
+    assert "forgets `torch.no_grad()`: gradients stay enabled" in "".join(cells[q4]["source"])
+    assert WHY["13"][4].startswith("It hangs, buffers or not.")
+
+
+def _sampler_batches(n, world_size, batch_size):
+    from torch.utils.data import DataLoader, DistributedSampler
+    return [[len(b) for b in DataLoader(range(n), batch_size=batch_size,
+                                        sampler=DistributedSampler(range(n), world_size, rank))]
+            for rank in range(world_size)]
+
+
+def test_distributed_sampler_gives_every_rank_the_same_batch_sizes_as_the_text_says():
+    """A third review (13-1) asked for the fairness caveat of averaging the ranks' statistics.
+    With DistributedSampler the ranks' shares, and so their last batches, are the same size
+    (it pads, or trims with drop_last=True); only the last batch is smaller than the rest."""
+    assert _sampler_batches(10, 4, 2) == [[2, 1]] * 4                # 10 -> 12: 3 each, last batch 1
+    from torch.utils.data import DistributedSampler
+    assert [len(DistributedSampler(range(10), 4, r, drop_last=True)) for r in range(4)] == [2] * 4
+    text = " ".join(markdown().split())
+    assert ("so every rank gets `num_samples` samples (`DistributedSampler.__init__` and `__iter__` in "
+            "`torch/utils/data/distributed.py`), and the ranks' last batches match in size") in text
+
+
+def test_moe_experts_without_tokens_are_unused_only_when_skipped():
+    """A third review (13-4): an expert run on zero tokens still gets a gradient (zeros); one
+    the layer skips gets none, the unused parameter of step 3."""
+    import torch.nn as nn
+    expert = nn.Linear(4, 2)
+    expert(torch.empty(0, 4)).sum().backward()
+    assert expert.weight.grad is not None and not expert.weight.grad.any()
+    text = " ".join(markdown().split())
+    assert "leaves that expert unused on that rank only (an expert run on zero tokens still gets a gradient, of zeros)" in text

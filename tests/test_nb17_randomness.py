@@ -121,6 +121,46 @@ def test_fresh_ranks_share_a_generator_and_dataloader_workers_follow_the_rank_se
     assert all(len(set(s)) == 2 for s in own)                         # two workers, two seeds
 
 
+def test_unseeded_ranks_cpu_from_the_os_cuda_from_one_fixed_seed():
+    """A third review (17-1): on CUDA every process's default generator starts from the fixed
+    default_rng_seed_val, so unseeded GPU ranks draw the same masks; on CPU a process started
+    afresh seeds from the OS, a forked one copies its parent. The header is the installed
+    torch's; the CPU half is run, here and in the stored output."""
+    import subprocess
+    header = pathlib.Path(torch.__file__).parent / "include" / "c10" / "core" / "GeneratorImpl.h"
+    assert "constexpr uint64_t default_rng_seed_val = 67280421310721;" in header.read_text()
+    seeds = {int(subprocess.run([sys.executable, "-c", "import torch; print(torch.initial_seed())"],
+                                capture_output=True, text=True, check=True).stdout) for _ in range(2)}
+    assert len(seeds) == 2                                            # afresh: one seed each
+    out = stored_text(cell_with("torch.initial_seed"))
+    for line in ("torch.initial_seed(), the same on 4 forked ranks: True",
+                 "torch.initial_seed(), the same in 2 processes started afresh: False",
+                 "constexpr uint64_t default_rng_seed_val = 67280421310721;"):
+        assert line in out, line
+    text = markdown()
+    for cited in ("`getDefaultCPUGenerator` in `aten/src/ATen/CPUGeneratorImpl.cpp`", "`c10/core/GeneratorImpl.h`",
+                  "`createCUDAGenerator` in `aten/src/ATen/cuda/CUDAGeneratorImpl.cpp`",
+                  "unseeded GPU ranks draw the same dropout masks", "(no CUDA ran here)"):
+        assert cited in text, cited
+
+
+def test_a_dataloaders_own_shuffle_and_accelerates_set_seed_are_cited():
+    """A third review (17-3, 17-4): a DataLoader's shuffle=True shuffles with its generator=,
+    or without one with a generator seeded from the rank's (RandomSampler.__iter__, read here); accelerate's
+    set_seed adds the process index only with device_specific=True, cited by its source and
+    said not to be installed."""
+    import inspect
+    from torch.utils.data import RandomSampler
+    body = inspect.getsource(RandomSampler.__iter__)
+    assert "if self.generator is None:" in body and "torch.empty((), dtype=torch.int64).random_()" in body
+    text = markdown()
+    assert "else:\n            generator = self.generator" in body            # generator= is used as given
+    assert ("with the DataLoader's `generator=` or, without one, a generator seeded from the rank's global one "
+            "(`RandomSampler.__iter__` in `torch/utils/data/sampler.py`)") in text
+    assert ("`device_specific=True`, which adds the process index (`set_seed` in `src/accelerate/utils/random.py`, "
+            "huggingface/accelerate; not installed here)") in text
+
+
 # --- step 3: one stream, two purposes -----------------------------------------------------------------
 def test_turning_dropout_on_changes_the_data_order(group):
     """Question 3: a model without dropout draws nothing before randperm; adding dropout
@@ -273,68 +313,85 @@ def test_solution_passes_and_the_world_size_is_restored(group):
 
 def test_the_notebook_stub_fails_without_the_solution(group):
     verdict = check_dropout_seeds(group, NB.dropout_seeds)
-    assert not verdict and "the same replicated seed 0" in verdict.message
+    assert not verdict and "get the same attention_output seed 0" in verdict.message
     assert "check_dropout_seeds(group, dropout_seeds)" in \
         source_with("from reducelab.checks.randomness import check_dropout_seeds")
 
 
-def rank_as_both(base, mesh):
-    import torch.distributed as dist
-    return base + mesh.get_local_rank("dp"), base + dist.get_rank()
+def _rank(mesh):
+    return mesh.get_local_rank("dp") * mesh["tp"].size() + mesh.get_local_rank("tp")
 
 
-def sum_of_coordinates(base, mesh):
+def _seeds(probs, output, mlp):
+    return {"attention_probs": probs, "attention_output": output, "mlp_output": mlp}
+
+
+def whole_by_global_rank(base, mesh):
+    return _seeds(base + 200 + _rank(mesh), base + _rank(mesh), base + 100 + _rank(mesh))
+
+
+def one_seed_for_all(base, mesh):
+    return _seeds(base, base, base)
+
+
+def shard_by_tp_only(base, mesh):           # Megatron-LM's default tensor-parallel seed
     d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    return base + d, base + 100 + d + t
+    return _seeds(base + 100 + t, base + d, base + 50 + d)
 
 
-def tp_only(base, mesh):
-    return base + mesh.get_local_rank("dp"), base + 100 + mesh.get_local_rank("tp")
+def shard_by_dp_only(base, mesh):
+    d = mesh.get_local_rank("dp")
+    return _seeds(base + 100 + d, base + d, base + 50 + d)
 
 
-def global_rank_replicated(base, mesh):
-    import torch.distributed as dist
-    return base + dist.get_rank(), base + 100 + dist.get_rank()
+def shard_by_sum_of_coordinates(base, mesh):
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    return _seeds(base + 100 + d + t, base + d, base + 50 + d)
 
 
-def one_replicated_seed(base, mesh):
-    import torch.distributed as dist
-    return base, base + 100 + dist.get_rank()
+def one_seed_for_both_whole_draws(base, mesh):
+    d = mesh.get_local_rank("dp")
+    return _seeds(base + 100 + _rank(mesh), base + d, base + d)
+
+
+def shard_overlapping_a_whole_block(base, mesh):
+    d = mesh.get_local_rank("dp")
+    return _seeds(base + 1 + _rank(mesh), base + d, base + 10 + d)
 
 
 def random_seeds(base, mesh):
     import random
-    return random.randrange(2 ** 40), random.randrange(2 ** 40)
+    return _seeds(*(random.randrange(2 ** 40) for _ in range(3)))
 
 
 def ignores_base(base, mesh):
-    import torch.distributed as dist
-    return mesh.get_local_rank("dp"), 100 + dist.get_rank()
+    d = mesh.get_local_rank("dp")
+    return _seeds(100 + _rank(mesh), d, 50 + d)
 
 
-def dp_only_sharded(base, mesh):
-    return base + mesh.get_local_rank("dp"), base + 100 + mesh.get_local_rank("dp")
-
-
-def not_a_pair(base, mesh):
-    return base
+def a_pair_as_before(base, mesh):           # the exercise's old (replicated, sharded) pair
+    return base + mesh.get_local_rank("dp"), base + 100 + _rank(mesh)
 
 
 @pytest.mark.parametrize("mistake, explanation", [
-    (rank_as_both, "is both the replicated and the sharded seed of rank (dp 0, tp 0)"),
-    (sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same sharded seed 101: they hold "
-                         "different units of different samples"),
-    (tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same sharded seed 100: they hold the same "
-              "shard (the same units) of different samples, and would drop the same units of both. "
-              "That is Megatron-LM's default"),   # a third review: not "their different shards"
-    (dp_only_sharded, "ranks (dp 0, tp 0) and (dp 0, tp 1) get the same sharded seed 100: they hold "
-                      "different units of the same samples"),
-    (global_rank_replicated, "are in the same tensor-parallel group but get the replicated seeds 0 and 1"),
-    (one_replicated_seed, "dp 0 and dp 1 get the same replicated seed 0: sample k of dp 0's batch and "
-                          "sample k of dp 1's lose the same units (step 2)"),
+    (whole_by_global_rank, "ranks (dp 0, tp 0) and (dp 0, tp 1) are in the same tensor-parallel group but "
+                           "get the attention_output seeds 0 and 1. Each holds a copy of that whole activation"),
+    (one_seed_for_all, "the data-parallel groups dp 0 and dp 1 get the same attention_output seed 0: sample k "
+                       "of dp 0's batch and sample k of dp 1's lose the same units (step 2)"),
+    (shard_by_tp_only, "ranks (dp 0, tp 0) and (dp 1, tp 0) get the same attention_probs seed 100: they hold the "
+                       "same heads of different samples, and would drop the same positions of both. That is "
+                       "Megatron-LM's default"),
+    (shard_by_dp_only, "ranks (dp 0, tp 0) and (dp 0, tp 1) get the same attention_probs seed 100: they hold "
+                       "different heads of the same samples"),
+    (shard_by_sum_of_coordinates, "ranks (dp 0, tp 1) and (dp 1, tp 0) get the same attention_probs seed 101: "
+                                  "they hold different heads of different samples"),
+    (one_seed_for_both_whole_draws, "rank (dp 0, tp 0) gets the same seed 0 for attention_output and for "
+                                    "mlp_output: a generator started from one seed draws one sequence"),
+    (shard_overlapping_a_whole_block, "the seed 1 is rank (dp 1, tp 0)'s attention_output seed and rank "
+                                      "(dp 0, tp 0)'s attention_probs seed"),
     (random_seeds, "Derive the seeds from base_seed and the mesh only"),
     (ignores_base, "the seeds must change with base_seed"),
-    (not_a_pair, "return two ints from 0 to 2**63 - 1"),
+    (a_pair_as_before, 'return a dict with the keys "attention_probs", "attention_output", "mlp_output"'),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
     verdict = check_dropout_seeds(group, mistake)
@@ -454,18 +511,36 @@ def test_dtensor_dropout_on_a_cpu_mesh_repeats_one_mask_in_every_shard_as_stored
 
 
 def test_the_exercise_says_whose_choice_differing_dp_seeds_are():
-    """An expert review: Megatron-LM seeds dp ranks alike by default, so the exercise's rule 1
-    is a choice; the text says so, and the verdict no longer claims one mask for the batch."""
+    """An expert review: Megatron-LM seeds dp ranks alike by default, so differing dp seeds
+    are a choice; the text says so, and the verdict no longer claims one mask for the batch."""
     task = source_with("## Exercise: dropout seeds", kind="markdown")
-    assert "That is this exercise's choice" in task and "--data-parallel-random-init" in task
+    assert "that is this exercise's choice" in task and "--data-parallel-random-init" in task
     from reducelab.checks import randomness
     assert "as if one mask served" not in pathlib.Path(randomness.__file__).read_text()
 
 
+def test_the_learner_decides_which_ranks_share_each_seed():
+    """A third review (17-2): the rules dictated the design (a replicated seed the same in a
+    tp group and different across dp, a sharded seed per rank), and the learner copied them.
+    Now the task names the draws and the aim, not who shares what; the check names each
+    mistake by what it does to the masks (test_each_usual_mistake_gets_its_explanation)."""
+    task = " ".join(source_with("## Exercise: dropout seeds", kind="markdown").split())
+    assert "Which ranks share a seed, for each draw, is yours to decide." in task
+    for rule in ("replicated_seed", "sharded_seed", "the same on every rank of a tp group, and different",
+                 "different on every rank of the mesh", "1. **"):
+        assert rule not in task, rule
+    stub = source_with("# %load solutions/17_dropout_seeds.py")
+    assert "get_local_rank" in stub and "size()" not in stub and "+ " not in stub.split("return", 1)[1]
+    from reducelab.checks.randomness import DRAWS
+    assert all(f'`"{draw}"`' in task for draw in DRAWS)
+    assert DRAWS == {"attention_probs": "shard", "attention_output": "whole", "mlp_output": "whole"}
+
+
 def salted_by_the_process(base, mesh):           # agrees on forked ranks, not under torchrun
     dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    replicated = hash(("replicated", base, dp)) % 2 ** 62
-    return replicated, hash(("sharded", base, dp, tp)) % 2 ** 62 + 2 ** 62
+    return {"attention_output": hash(("output", base, dp)) % 2 ** 61,
+            "mlp_output": hash(("mlp", base, dp)) % 2 ** 61 + 2 ** 61,
+            "attention_probs": hash(("probs", base, dp, tp)) % 2 ** 61 + 2 ** 62}
 
 
 def test_seeds_that_change_from_process_to_process_fail(group):
@@ -498,7 +573,7 @@ def test_two_seeds_become_two_streams_with_the_solution(group):
     assert len({tuple(shard.tolist()) for _, _, shard, _ in out}) == 4
     assert all(untouched for *_, untouched in out)
     stored = stored_text(cell_with("import contextlib\n\n\nclass RNGStreams"))
-    assert "sharded masks all different: False | the global stream untouched on every rank: True" in stored
+    assert "attention_probs masks all different: False | the global stream untouched on every rank: True" in stored
     text = " ".join(markdown().split())
     assert "`F.dropout` takes no generator" in text and "CudaRNGStatesTracker.fork" in text
     assert "run it once your function passes the check" in text

@@ -220,22 +220,17 @@ WHY = {
             "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
     },
     "11": {
-        1: "None: []. monitored_barrier is run by rank 0: the other ranks report to rank 0 "
-            "and wait for its answer, and only rank 0 counts the barrier's timeout and names "
-            "the ranks that are missing. Here rank 0 is stuck in all_reduce and never "
-            "reaches the barrier, so nobody counts the 1 second. Ranks 1 to 3 wait as long "
-            "as their process group's own timeout (30 minutes by default on gloo; 7 s on "
-            "these ranks, which LocalGroup stops after 2 s). Then each raises, in torch's "
-            "words: \"Rank 1 successfully reached monitoredBarrier, but received errors while "
-            "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.\" "
-            "That points at rank 0, but rank 0's log holds only its own all_reduce's "
-            "timeout (\"Timed out waiting ... for recv operation to complete\"), not where "
-            "anyone is. Put a monitored_barrier where rank 0 is sure to arrive, such as the "
-            "top of each training step while you hunt a hang. On an NCCL job it needs a "
-            "gloo group (on NCCL it raises \"monitored_barrier is only implemented for GLOO "
-            "backend.\"): make one once with dist.new_group(backend=\"gloo\", timeout=...) "
-            "and pass it as group=; each call then costs N - 1 send/recv round trips "
-            "through rank 0, on the CPU.",
+        1: "None: []. Only rank 0 counts a monitored_barrier's timeout: the other ranks report "
+            "to rank 0 and wait for its answer, and rank 0 names the ranks that are missing. "
+            "Here rank 0 is stuck in all_reduce and never reaches the barrier, so nobody counts "
+            "the 1 second. Ranks 1 to 3 wait as long as their process group's own timeout (30 "
+            "minutes by default on gloo; 7 s on these ranks, which LocalGroup stops after 2 s), "
+            "then each raises, in torch's words: \"Rank 1 successfully reached monitoredBarrier, "
+            "but received errors while waiting for send/recv from rank 0. Please check rank 0 "
+            "logs for faulty rank.\" That points at rank 0, but rank 0's log holds only its own "
+            "all_reduce's timeout (\"Timed out waiting ... for recv operation to complete\"). So "
+            "put a monitored_barrier where rank 0 is sure to arrive, such as the top of each "
+            "training step while you hunt a hang.",
         2: "The fingerprint holds the collective, the sequence number and each tensor's "
             "shape, dtype and device, not the ReduceOp (CollectiveFingerPrint in torch's "
             "ProcessGroupWrapper.cpp). Every rank ran an all_reduce of 4 float32 numbers, so "
@@ -295,12 +290,13 @@ WHY = {
             "DDP never all-reduced it: backward() returned with each rank's own, local "
             "gradient, and the optimizer stepped on it. Nothing raised. From here the four "
             "replicas differ. The error comes one step later, at the next forward.",
-        4: "Without buffers there is nothing to broadcast, and under torch.no_grad() DDP's "
-            "forward runs no collective at all. With gradients enabled it does hang: the "
-            "first forward after the first backward rebuilds the gradient buckets, and "
-            "_rebuild_buckets broadcasts rank 0's new bucket order (the two broadcasts step 4 "
-            "counted). So whether a rank-0-only forward through the wrapper hangs depends on "
-            "the model and the step; model.module never runs a collective.",
+        4: "It hangs, buffers or not. This is the first forward after the first backward, and "
+            "with gradients enabled it rebuilds the gradient buckets: _rebuild_buckets "
+            "broadcasts rank 0's new bucket order (the two broadcasts step 4 counted in the "
+            "second step), a collective only rank 0 runs. Under torch.no_grad() that forward "
+            "rebuilds nothing, and without buffers it syncs none, so it runs no collective at "
+            "all and returns. Whether a rank-0-only forward through the wrapper hangs depends "
+            "on the model, the step and torch.no_grad(); model.module never runs a collective.",
     },
     "14": {
         1: "The squared 2-norm is a sum over elements, ‖g‖² = Σ g_i², and the two ranks hold "

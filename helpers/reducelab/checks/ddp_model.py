@@ -271,10 +271,14 @@ def check_evaluate_together(group, fn) -> Verdict:
     problem = _judge_evaluation(rows)
     if problem:
         return failed(*problem)
-    how = (" Rank 0's BatchNorm statistics reached every rank through the wrapper: called in "
-           "forward, DDP broadcasts rank 0's buffers (forward_sync_buffers=True, the default, "
-           "notebook 13's step 2), a collective every rank must join; through model.module that broadcast "
-           "is yours to make." if any(row["through_wrapper"] for row in rows) else "")
+    how = (" Rank 0's BatchNorm statistics reached every rank through the wrapper: DDP's forward "
+           "starts with a broadcast of rank 0's buffers (forward_sync_buffers=True, the default, "
+           "notebook 13's step 2) when the wrapper's previous forward ran with gradients enabled, "
+           "as the last training step's did (require_forward_param_sync in "
+           "torch/nn/parallel/distributed.py). A forward under torch.no_grad() clears that flag, "
+           "so a second call through the wrapper, for a second validation batch, broadcasts "
+           "nothing: there, and through model.module, the broadcast is yours to make."
+           if any(row["through_wrapper"] for row in rows) else "")
     return passed(f"Every rank returned {rows[0]['value']:.4f}, the mean squared error over all "
                   f"{sum(SHARD_SIZES)} validation samples (shares of "
                   f"{', '.join(map(str, SHARD_SIZES))}) of the model rank 0 holds, its parameters "

@@ -7,8 +7,8 @@ on the ranks:
 * :func:`seeds_on_mesh` runs a learner's seeding function on a real ``(dp, tp)`` device
   mesh;
 * :func:`mask` draws the dropout mask a seed gives;
-* :func:`check_dropout_seeds` checks the exercise: dropout seeds for data-parallel and
-  tensor-parallel ranks.
+* :func:`check_dropout_seeds` checks the exercise: a seed for each dropout draw of a
+  tensor-parallel layer, on every rank of a ``(dp, tp)`` mesh (:data:`DRAWS`).
 
 Moved here from notebook 13's module (``checks/ddp_model.py``) when notebook 13 was split;
 the check's behaviour is unchanged.
@@ -121,7 +121,7 @@ def _another_process(fn, dp: int, tp: int, rows: list) -> str | None:
                         f"{row['tp_rank']}) got the seeds {seeds} with base seed {base}, and "
                         f"the same call in another Python process gives {here}. Under "
                         f"torchrun every rank is a process of its own, so its seeds would "
-                        f"not follow from base_seed and the mesh alone (rule 3). These ranks "
+                        f"not follow from base_seed and the mesh alone. These ranks "
                         f"agreed only because they were forked from one process (step 2). "
                         f"Something in the function changes from process to process: "
                         f"hash() of a string, say, which Python salts per process.")
@@ -136,69 +136,92 @@ def _where(dp: int, tp: int) -> str:
     return f"(dp {dp}, tp {tp})"
 
 
+DRAWS = {"attention_probs": "shard", "attention_output": "whole", "mlp_output": "whole"}
+"""The exercise's three dropout draws in a tensor-parallel transformer layer, and how a tp
+group holds the activation each one drops from: ``"shard"``, each tp rank its own part
+(the attention probabilities of its own heads), or ``"whole"``, every tp rank a copy (the
+output of a row-parallel layer after its all_reduce)."""
+
+
+def _unwanted_pair(seeds: dict) -> tuple | None:
+    """The first two (draw, coordinate) entries of ``seeds`` that share a seed but should
+    draw independent masks, ordered so that the most telling mistake comes first; ``None``
+    if there are none. Only the same whole draw within one dp coordinate (one tp group)
+    should share a seed."""
+    def kind(a, b):
+        (da, ca), (db, cb) = a, b
+        if da == db:
+            return 0 if DRAWS[da] == "whole" else 1     # a draw repeated across dp, or a shard repeated
+        return 2 if ca == cb else 3                     # two draws on one rank, or across ranks
+    pairs = [(a, b) for a, b in itertools.combinations(sorted(seeds), 2)
+             if seeds[a] == seeds[b] and not (a[0] == b[0] and DRAWS[a[0]] == "whole"
+                                             and a[1][0] == b[1][0])]
+    return min(pairs, key=lambda ab: (kind(*ab), ab), default=None)
+
+
 def _judge(dp: int, tp: int, rows: list[dict]) -> str | None:
     """The first thing wrong with the seeds of one mesh, as a sentence, or ``None``."""
     shape = f"On a ({dp}, {tp}) mesh"
+    names = ", ".join(f'"{d}"' for d in DRAWS)
     for row in rows:
         for base, got in row["seeds"].items():
-            if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(map(_is_seed, got))):
+            if not (isinstance(got, dict) and set(got) == set(DRAWS)
+                    and all(map(_is_seed, got.values()))):
                 return (f"{shape}, rank {_where(row['dp_rank'], row['tp_rank'])} returned "
-                        f"{got!r} for base_seed={base}; return two ints from 0 to "
-                        f"2**63 - 1: (replicated_seed, sharded_seed).")
+                        f"{got!r} for base_seed={base}; return a dict with the keys {names}, "
+                        f"each an int from 0 to 2**63 - 1.")
             if row["again"][base] != got:
                 return (f"{shape}, rank {_where(row['dp_rank'], row['tp_rank'])} returned "
                         f"{got} and then {row['again'][base]} for the same base_seed={base}. "
                         f"Derive the seeds from base_seed and the mesh only, so that a "
                         f"rerun draws the same masks.")
     for base in BASE_SEEDS:
-        rep = {(r["dp_rank"], r["tp_rank"]): r["seeds"][base][0] for r in rows}
-        shd = {(r["dp_rank"], r["tp_rank"]): r["seeds"][base][1] for r in rows}
-        for d in range(dp):
-            seeds = {rep[d, t] for t in range(tp)}
-            if len(seeds) > 1:
-                a, b = next((t, u) for t, u in itertools.combinations(range(tp), 2)
-                            if rep[d, t] != rep[d, u])
-                return (f"{shape}, ranks {_where(d, a)} and {_where(d, b)} are in the same "
-                        f"tensor-parallel group but get the replicated seeds {rep[d, a]} and "
-                        f"{rep[d, b]}: they would drop different units of an activation they "
-                        f"both hold whole, and their copies of it would no longer agree. The "
-                        f"replicated seed must be the same within a tp group.")
-        for d, e in itertools.combinations(range(dp), 2):
-            if rep[d, 0] == rep[e, 0]:
-                return (f"{shape}, the data-parallel groups dp {d} and dp {e} get the same "
-                        f"replicated seed {rep[d, 0]}: sample k of dp {d}'s batch and sample k "
-                        f"of dp {e}'s lose the same units (step 2). The replicated seed must "
-                        f"differ between dp ranks (rule 1).")
-        for a, b in itertools.combinations(sorted(shd), 2):
-            if shd[a] == shd[b]:
+        seeds = {(draw, (r["dp_rank"], r["tp_rank"])): r["seeds"][base][draw]
+                 for r in rows for draw in DRAWS}
+        for draw, held in DRAWS.items():
+            for d in range(dp):
+                group_seeds = [seeds[draw, (d, t)] for t in range(tp)]
+                if held == "whole" and len(set(group_seeds)) > 1:
+                    a, b = next((t, u) for t, u in itertools.combinations(range(tp), 2)
+                                if group_seeds[t] != group_seeds[u])
+                    return (f"{shape}, ranks {_where(d, a)} and {_where(d, b)} are in the same "
+                            f"tensor-parallel group but get the {draw} seeds {group_seeds[a]} and "
+                            f"{group_seeds[b]}. Each holds a copy of that whole activation: "
+                            f"they would drop different units of it, and their copies would no "
+                            f"longer agree (step 4).")
+        pair = _unwanted_pair(seeds)
+        if pair:
+            (da, a), (db, b) = pair
+            s = seeds[pair[0]]
+            if da == db and DRAWS[da] == "whole":
+                return (f"{shape}, the data-parallel groups dp {a[0]} and dp {b[0]} get the same "
+                        f"{da} seed {s}: sample k of dp {a[0]}'s batch and sample k of dp "
+                        f"{b[0]}'s lose the same units (step 2), where one process would draw a "
+                        f"mask for each sample.")
+            if da == db:
                 if a[1] == b[1]:      # the same tp rank in two dp groups: Megatron-LM's default
-                    what = (f"they hold the same shard (the same units) of different samples, and "
-                            f"would drop the same units of both. That is Megatron-LM's default "
-                            f"(its tensor-parallel seed depends on the tp rank only); the "
-                            f"exercise's rule 2 excludes it on purpose, as rule 1 does for the "
-                            f"replicated seed")
-                elif a[0] == b[0]:    # one tp group: two shards of the same samples
-                    what = (f"they hold different units of the same samples, and would drop the "
-                            f"same positions of their shards, so the mask of the whole activation "
-                            f"repeats itself shard by shard")
+                    what = ("they hold the same heads of different samples, and would drop the "
+                            "same positions of both. That is Megatron-LM's default (its "
+                            "tensor-parallel seed depends on the tp rank only); this exercise "
+                            "asks for what one process would draw, as step 2 did")
+                elif a[0] == b[0]:    # one tp group: different heads of the same samples
+                    what = ("they hold different heads of the same samples, and would drop the "
+                            "same positions in each, so the mask of the whole activation "
+                            "repeats itself head group by head group")
                 else:
-                    what = (f"they hold different units of different samples, and would draw one "
-                            f"mask where two independent ones belong")
-                return (f"{shape}, ranks {_where(*a)} and {_where(*b)} get the same sharded "
-                        f"seed {shd[a]}: {what}. Every rank of the mesh needs a sharded seed of "
-                        f"its own (rule 2).")
-        both = set(rep.values()) & set(shd.values())
-        if both:
-            s = min(both)
-            owner = next(k for k, v in rep.items() if v == s)
-            other = next(k for k, v in shd.items() if v == s)
-            whose = (f"both the replicated and the sharded seed of rank {_where(*owner)}"
-                     if owner == other else f"the replicated seed of rank {_where(*owner)} and "
-                                            f"the sharded seed of rank {_where(*other)}")
-            return (f"{shape}, the seed {s} is {whose}: two random streams that should be "
-                    f"independent are one stream, and the masks repeat. Keep the sharded "
-                    f"seeds apart from every replicated seed (Megatron-LM adds an offset for "
-                    f"the same reason).")
+                    what = ("they hold different heads of different samples, and would draw one "
+                            "mask where two independent ones belong")
+                return (f"{shape}, ranks {_where(*a)} and {_where(*b)} get the same {da} seed "
+                        f"{s}: {what}.")
+            if a == b:
+                return (f"{shape}, rank {_where(*a)} gets the same seed {s} for {da} and for "
+                        f"{db}: a generator started from one seed draws one sequence, so the "
+                        f"two dropouts would lose the same positions, where one process draws "
+                        f"them one after the other from its stream.")
+            return (f"{shape}, the seed {s} is rank {_where(*a)}'s {da} seed and rank "
+                    f"{_where(*b)}'s {db} seed: two masks that should be independent would come "
+                    f"from one stream, and repeat each other. Keep the seeds of different draws "
+                    f"apart (Megatron-LM adds an offset for the same reason).")
     first, second = BASE_SEEDS
     for r in rows:
         if r["seeds"][first] == r["seeds"][second]:
@@ -209,21 +232,23 @@ def _judge(dp: int, tp: int, rows: list[dict]) -> str | None:
 
 
 def check_dropout_seeds(group, fn) -> Verdict:
-    """Notebook 17's exercise: ``fn(base_seed, mesh) -> (replicated_seed, sharded_seed)``
-    gives this rank two seeds (ints from 0 to 2**63 - 1), on a device mesh with
-    dimensions ``("dp", "tp")``:
+    """Notebook 17's exercise: ``fn(base_seed, mesh) -> {draw: seed}`` gives this rank, on a
+    device mesh with dimensions ``("dp", "tp")``, a seed (an int from 0 to 2**63 - 1) for
+    each dropout draw of :data:`DRAWS` in a tensor-parallel transformer layer. The learner
+    decides which ranks share each seed; the check holds the masks to what one process
+    training on the whole global batch would draw:
 
-    * the *replicated* seed, for dropout on activations that every rank of a
-      tensor-parallel group holds whole: the same within a tp group, different
-      between dp ranks;
-    * the *sharded* seed, for dropout on activations each tp rank holds a shard of:
-      different on every rank of the mesh, and never equal to a replicated seed;
-    * both derived from ``base_seed`` and the mesh only (a second call gives the same
-      seeds; another ``base_seed`` gives other seeds).
+    * a draw on an activation every tp rank holds whole: the same seed within a tp group
+      (or the copies stop agreeing), different between dp ranks (other samples);
+    * a draw on an activation each tp rank holds a shard of: a seed on every rank of its own;
+    * no seed shared by two draws that should be independent (two draws on one rank, or
+      on different ranks);
+    * all derived from ``base_seed`` and the mesh only (a second call, and a call in another
+      process, give the same seeds; another ``base_seed`` gives other seeds).
 
     Runs ``fn`` on real ranks at world size 4 on the meshes :data:`MESHES` (the group is
-    resized, then restored), with base seeds :data:`BASE_SEEDS`, and says what is wrong
-    with the first seeds that break a rule.
+    resized, then restored), with base seeds :data:`BASE_SEEDS`, and says what the first
+    mistake would do to the masks.
 
     Returns:
         A :class:`~reducelab.checks.Verdict`.
@@ -242,9 +267,8 @@ def check_dropout_seeds(group, fn) -> Verdict:
                 return failed(problem)
     meshes = ", ".join(f"({dp}, {tp})" for dp, tp in MESHES)
     return passed(f"On the (dp, tp) meshes {meshes}, with base seeds "
-                  f"{' and '.join(map(str, BASE_SEEDS))}: every tp group shares one replicated "
-                  f"seed and the dp ranks' replicated seeds differ; every rank has a sharded "
-                  f"seed of its own, apart from every replicated seed; and the same base seed "
-                  f"gives the same seeds again. Dropout on a replicated activation now keeps "
-                  f"the tp ranks' copies equal, and no two ranks drop the same units of "
-                  f"different data.")
+                  f"{' and '.join(map(str, BASE_SEEDS))}: attention_output and mlp_output each "
+                  f"have one seed per tp group, different across dp, so the tp ranks' copies stay "
+                  f"equal and every sample gets masks of its own; attention_probs has a seed on "
+                  f"every rank; no two draws share a seed; and the same base seed gives the same "
+                  f"seeds again, in any process.")
