@@ -21,13 +21,17 @@ def _first_bucket() -> str:
 
 WHY = {
     "01": {
-        1: "SUM adds 1 + 2 + ... + 8 = 8 * 9 / 2 = 36, and every rank receives it.",
+        1: "before = value copies nothing: it gives the same tensor a second name. "
+            "all_reduce writes the sum, 1 + 2 + 3 + 4 = 10, into that tensor in place, so "
+            "before shows 10 on every rank and the input is gone. To keep it, copy it "
+            "first: before = value.clone(), as the explorer's rank function below does, or "
+            "read a Python number with .item() as step 1 did.",
         2: "SUM adds signed values: 1 - 1 + 2 - 2 = 0. The inputs cancelled, and nothing "
             "grew.",
-        3: "MIN writes the smallest value, 1, into every rank's tensor. Rank 3 already holds "
-            "1, and so does rank 1: a tie changes nothing, so both keep what they had, while "
-            "ranks 0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not "
-            "already hold the result.",
+        3: "MIN writes the smallest value, 1, into every rank's tensor. Ranks 1 and 3 "
+            "already hold 1: a tie changes nothing, so both keep what they had, while ranks "
+            "0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not already "
+            "hold the result; SUM of positive inputs changes every rank.",
     },
     "02": {
         1: "Every rank's. dst only decides where the gather (Step 4's part 3) sends the "
