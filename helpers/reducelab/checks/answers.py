@@ -67,11 +67,13 @@ WHY = {
             "it divides each by world_size = 4 during backward() (notebook 04 shows where in "
             "torch), so a quarter of the reference is left. Multiplying each loss by "
             "world_size undoes that division.",
-        3: "all_reduce changed the loss's value, but autograd has no formula for it and "
-            "passes the gradient through unchanged, as if it were the identity: what flows "
-            "back is each rank's own local gradient, scaled by 1 / world_size. Nothing was "
-            "exchanged in backward(). torch's warning above says only that c10d::allreduce_ "
-            "has no autograd kernel, and that this may be silently incorrect.",
+        3: "0.25 = 1 / world_size, on every rank. all_reduce changed the loss's value, but "
+            "autograd has no formula for it and passes the gradient through unchanged, as if "
+            "it were the identity; only the division by world_size is left. So each rank gets "
+            "its own local gradient divided by 4: the four gradients differ, and no rank "
+            "learned from another's data. Nothing was exchanged in backward(). torch's "
+            "warning above says only that c10d::allreduce_ has no autograd kernel, and that "
+            "this may be silently incorrect.",
     },
     "04": {
         1: "DDP does not look at how your loss reduces and has nothing to warn about: the "
