@@ -398,6 +398,15 @@ def hard_codes_four(data_loss, penalty, reduction, world_size, penalty_in_parts)
     return data_loss * (4 if reduction == "sum" else 1) + penalty * (4 if penalty_in_parts else 1)
 
 
+def parts_times_four(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return data_loss * _scale(reduction, world_size) + penalty * (4 if penalty_in_parts else 1)
+
+
+def whole_penalty_times_four(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return (data_loss * _scale(reduction, world_size)
+            + penalty * (world_size if penalty_in_parts else 4 if world_size == 3 else 1))
+
+
 def ignores_the_parts(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return data_loss * _scale(reduction, world_size) + penalty
 
@@ -448,7 +457,15 @@ MISTAKES = [
      "The data term's gradient came out 4 x one process's; expected 1 x. Why: with 'mean' "
      "and equal local batches every rank's loss weighs each of its 210 samples 1/210"),
     (hard_codes_four, "reduction='sum', world_size=3, equal",
-     "The data term's gradient came out 1.3333 x one process's"),
+     "The data term's gradient came out 1.3333 x one process's; expected 1 x. That is a factor "
+     "4 where world_size is 3: a number written into the loss does not follow the world size."),
+    (parts_times_four, "reduction='mean', world_size=3, equal local batches [280, 280, 280] "
+                       "(global batch 840), the penalty in parts",
+     "The penalty's gradient came out 1.3333 x one process's; expected 1 x. That is a factor 4 "
+     "where world_size is 3"),
+    (whole_penalty_times_four, "reduction='mean', world_size=3, equal",
+     "The penalty's gradient came out 4 x one process's; expected 1 x. That is a factor 4 "
+     "where world_size is 3"),
     (returns_a_number, "reduction='mean', world_size=4, equal",
      "ddp_loss must return the loss to call backward() on"),
     (raises, "reduction='mean', world_size=4, equal", "ZeroDivisionError: oops"),
