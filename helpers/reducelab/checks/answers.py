@@ -76,8 +76,10 @@ WHY = {
             "this may be silently incorrect.",
     },
     "04": {
-        1: "DDP does not look at how your loss reduces and has nothing to warn about: the "
-            "reduce_op warning comes only from reading torch.distributed.reduce_op.",
+        1: "DDP does not look at how your loss reduces and has nothing to warn about, and "
+            "nothing in a DDP step reads torch.distributed.reduce_op: no warning of any kind "
+            "came, with either loss. What does warn is reading the old name: steps 1 and 2 "
+            "below.",
         2: "With reduction='sum' the local sums add up to the full-batch sum whatever the "
             "split, and DDP divides each rank's gradient by world_size = 8 before it sums "
             "them: k = 1/8.",
