@@ -376,7 +376,7 @@ def test_the_figure_says_by_text_what_it_says_by_colour(explorer):
         plots.AUDITS.remove(caught.append)
     texts = [t.get_text() for t in caught[-1].findobj(lambda a: hasattr(a, "get_text"))]
     for want in ("rank 0", "rank 3", "token 0, 64 B", "all tokens, 256 B", "partial, 256 B",
-                 "fwd: all_gather\nbwd: reduce_scatter\n384 B sent", "256 B", "outside"):
+                 "fwd: all_gather\nbwd: reduce_scatter\n384 B sent (fwd + bwd)", "256 B", "outside"):
         assert want in texts, want
     hatched = [c for c in caught[-1].axes[0].collections if c.get_hatch()]
     assert len(hatched) == 1 and len(hatched[0].get_paths()) == 4 * SEQ   # the partial sums
