@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 import sys
 
 import cloudpickle
@@ -164,6 +165,89 @@ def test_min_and_max_change_only_the_ranks_not_holding_the_result(group, op, val
     assert group.run(changed_by, op, values) == changed
 
 
+def keep_the_input():
+    value = torch.tensor([dist.get_rank() + 1.0])
+    before = value
+    dist.all_reduce(value)
+    return before.item(), value.item()
+
+
+def test_question_1_before_is_the_same_tensor_and_shows_the_sum(group):
+    """Question 1 (a second review: it was arithmetic, step 1 again with 8 ranks): a
+    name bound before the call, without clone, shows the sum on every rank."""
+    group.resize(4)
+    assert group.run(keep_the_input) == [(10.0, 10.0)] * 4
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    q = next(c for c in cells if "".join(c["source"]).startswith("def keep_the_input"))
+    shown = "".join("".join(o["data"]["text/html"]) for o in q["outputs"] if "data" in o)
+    assert "rank 0: before 10, value 10" in shown and "gives 10.0." in shown
+
+
+def test_question_1_is_not_answered_above_it():
+    cells = notebook_cells()
+    q = next(i for i, c in enumerate(cells) if c.startswith("def keep_the_input"))
+    above = "\n".join(cells[:q])
+    assert "before = value  " in above                        # the question shows the lines
+    for spoiler in (".clone(", "same tensor", "alias", "second name", "before: 10"):
+        assert spoiler not in above, spoiler
+    assert "before = value.clone()" in why_01(1)             # the reveal says how to keep it
+
+
+def why_01(q):
+    from reducelab.checks import why
+    return why("01", q)
+
+
+def reduced_twice():
+    x = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(x)
+    first = x.item()
+    dist.all_reduce(x)
+    return first, x.item()
+
+
+def test_the_same_tensor_reduced_twice_gives_world_size_times_the_sum(group):
+    """The everyday cause of values that grow (a second review): 1..4 give 10, then 40;
+    the stored cell shows it and the text names the two ways it happens."""
+    group.resize(4)
+    assert group.run(reduced_twice) == [(10.0, 40.0)] * 4
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    i = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("def reduced_twice"))
+    out = "".join("".join(o.get("text", "")) for o in cells[i]["outputs"])
+    assert out.count("after one all_reduce 10, after two 40") == 4, out
+    after = "".join(cells[i + 1]["source"])
+    assert after.startswith("10, then 40") and "running metric" in after and "DDP" in after
+
+
+def test_the_table_shows_sum_mean_their_ratio_and_the_largest_input():
+    """A second review: the table proved a definition (world_size x mean); it now shows
+    SUM, the mean, SUM / mean (world_size in every row) and the largest |input|."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    cell = next(c for c in cells if "".join(c["source"]).startswith("def all_reduce_inputs"))
+    rows = "".join(cell["outputs"][0]["text"]).splitlines()
+    assert "SUM   mean  SUM / mean  largest |input|" in rows[0], rows[0]
+    for row in rows[1:]:
+        total, mean, ratio, largest = (float(v) for v in row.split()[-4:])
+        assert ratio == 4 and total == pytest.approx(4 * mean)
+        assert abs(total) <= 4 * largest + 1e-6
+    text = "".join(cells[cells.index(cell) + 1]["source"]).split("## Step 3")[0]
+    assert len(re.findall(r"[.!?](?:\s|$)", text.strip())) == 3, text
+
+
+def test_question_3_asks_which_ranks_change_and_the_run_answers_0_and_2(group):
+    """A second review: question 3 turned on the word "values"; it asks for the list of
+    ranks whose tensor changes, and the stored reveal gives [0, 2]."""
+    group.resize(4)
+    changed = group.run(changed_by, "MIN", [3.0, 1.0, 4.0, 1.0])
+    assert [r for r, c in enumerate(changed) if c] == [0, 2]
+    text = "\n".join(notebook_cells())
+    assert "On which ranks does the tensor change? Answer with a list" in text
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    q = next(c for c in cells if "".join(c["source"]).startswith("def changed_by"))
+    shown = "".join("".join(o["data"]["text/html"]) for o in q["outputs"] if "data" in o)
+    assert "The real run gives [0, 2]." in shown
+
+
 def test_question_3_asks_about_inputs_the_table_did_not_show():
     """The table of step 3 runs every op on inputs 1, 2, 3, 4: question 3 asks about other
     inputs, so the table does not answer it."""
@@ -317,6 +401,24 @@ def one_pass(n):                                        # E[x²] - mean², done 
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     mean, mean_sq = sums / dist.get_world_size()
     return mean, (mean_sq - mean ** 2).clamp(min=0).sqrt()
+
+
+def one_pass_far_from_zero():
+    x = torch.tensor([10000.0 + dist.get_rank() + 1])
+    sums = torch.cat([x, x ** 2])
+    dist.all_reduce(sums)
+    mean, mean_sq = sums / dist.get_world_size()
+    return (mean_sq - mean ** 2).item()
+
+
+def test_the_pass_message_says_why_two_passes_beat_one(group):
+    """A second review: a one-pass E[x²] - mean² passes too; the pass message says why the
+    two-pass form is preferred, and its example (10001 to 10004) is a run's result."""
+    group.resize(4)
+    assert all(v <= 0 for v in group.run(one_pass_far_from_zero))
+    verdict = check_spread_over_ranks(group, one_pass)
+    assert verdict and "one-pass" in verdict.message
+    assert "10001 to 10004 get a variance of 0 or below, not 1.25" in verdict.message
 
 
 def test_reference_is_the_one_process_mean_and_population_std():

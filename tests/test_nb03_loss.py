@@ -800,16 +800,122 @@ def test_the_exercise_asks_for_one_all_reduce_with_the_check_s_batch_sizes():
     assert TOLERANCE == 1e-5
 
 
-def test_the_spawn_cell_shows_what_spawn_started():
-    (src, cell), = [(s, c) for s, c in notebook_cells() if "mp.spawn(" in s and c["cell_type"] == "code"]
-    assert "join=False" in src and "len(ctx.processes)" in src
+def test_the_spawn_claim_is_one_paragraph_with_what_spawn_does_on_a_cpu():
+    """A review (12:20): the mp.spawn / device_count cells were off topic; one paragraph
+    keeps the claim and its reality, which the two tests above run."""
+    assert not [s for s, c in notebook_cells() if "mp.spawn(" in s and c["cell_type"] == "code"]
+    claim = next(s for s, c in notebook_cells() if "torch.cuda.device_count()`, then `mp.spawn" in s)
+    assert "`device_count()` is 0: `mp.spawn` then starts no process and returns `None` " \
+        "without an error" in claim
+
+
+def token_grad(variant, lengths):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 5))
+    torch.manual_seed(rank)
+    x = torch.randn(2, 2, 6, 4)
+    labels = torch.randint(0, 5, (2, 2, 6))
+    for m, micro_batch in enumerate(lengths[rank]):
+        for s, length in enumerate(micro_batch):
+            labels[m, s, length:] = -100
+    tokens = (labels != -100).sum().float()
+    dist.all_reduce(tokens)
+    for xb, yb in zip(x, labels):
+        logits, targets = model(xb).flatten(0, 1), yb.flatten()
+        if variant == "mean / micro_batches":
+            loss = F.cross_entropy(logits, targets, ignore_index=-100) / len(x)
+        else:
+            loss = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+            loss = loss / tokens * world_size
+        loss.backward()
+    return torch.cat([model.module.weight.grad.flatten(), model.module.bias.grad])
+
+
+def token_reference(lengths):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    logits, targets = [], []
+    for rank, micro_batches in enumerate(lengths):
+        torch.manual_seed(rank)
+        x, labels = torch.randn(2, 2, 6, 4), torch.randint(0, 5, (2, 2, 6))
+        for m, micro_batch in enumerate(micro_batches):
+            for s, length in enumerate(micro_batch):
+                logits.append(model(x[m, s, :length]))
+                targets.append(labels[m, s, :length])
+    F.cross_entropy(torch.cat(logits), torch.cat(targets)).backward()
+    return torch.cat([model.weight.grad.flatten(), model.bias.grad])
+
+
+def test_token_losses_need_the_global_token_count_not_a_mean_per_micro_batch(group):
+    """A review (12:20): token-level losses were only hinted. With equal numbers of
+    sequences but 11, 3 / 6, 12 real tokens, the per-micro-batch mean is far off one
+    process's (not a rounding matter), the global token count matches it; the stored cell
+    and the text say so, with the weights the text computes (1/12, 1/48, 1/32)."""
+    lengths = [[[6, 5], [1, 2]], [[3, 3], [6, 6]]]
+    assert [[sum(m) for m in r] for r in lengths] == [[11, 3], [6, 12]]
+    assert sum(sum(sum(m) for m in r) for r in lengths) == 32
+    group.resize(2)
+    reference = token_reference(lengths)
+    per_micro = group.run(token_grad, "mean / micro_batches", lengths)
+    counted = group.run(token_grad, "sum / global tokens * world_size", lengths)
+    group.resize(4)
+    assert (per_micro[0] - reference).abs().max() > 0.2 * reference.abs().max()
+    assert all(torch.allclose(g, reference, atol=1e-6) for g in counted)
+    cells = notebook_cells()
+    i, (src, cell) = next((i, sc) for i, sc in enumerate(cells) if sc[0].startswith("def token_grad"))
     shown = "".join("".join(o.get("text", "")) for o in cell["outputs"])
-    if not torch.cuda.is_available():
-        assert "processes mp.spawn started: 0" in shown
+    assert "mean / micro_batches               matches one process: False" in shown
+    assert "sum / global tokens * world_size   matches one process: True" in shown
+    assert "lengths = [[[6, 5], [1, 2]], [[3, 3], [6, 6]]]" in src
+    text = cells[i + 1][0]
+    assert "= 1/12" in text and "1/48" in text and "1/32" in text
+    assert "huggingface/transformers#24725, 2023-07-10" in text
+    assert "meta-pytorch/torchtune#1875, 2024-10-20" in text
+    assert "ignore_index" in cells[i - 1][0]
+
+
+def test_distributed_sampler_pads_by_repeating_samples():
+    """Step 1's text (a review, 12:20): DistributedSampler(drop_last=False) evens the ranks
+    out by repeating samples, which count twice in an epoch's mean."""
+    from torch.utils.data.distributed import DistributedSampler
+    data = list(range(10))
+    seen = [i for r in range(4) for i in DistributedSampler(data, num_replicas=4, rank=r,
+                                                              shuffle=False)]
+    assert len(seen) == 12 and sorted(set(seen)) == data
+    assert sorted(i for i in set(seen) if seen.count(i) == 2) == [0, 1]
     text = "\n".join(s for s, c in notebook_cells() if c["cell_type"] == "markdown")
-    assert "returns `None` whether it started processes or not" in text
-    assert "mp.spawn(..., join=True) returned: None" in shown
-    assert "Nothing was printed by `train`" not in text
+    assert "`DistributedSampler(drop_last=False)` evens the ranks out by repeating samples, " \
+        "which then count twice in an epoch's mean" in text
+
+
+def test_question_3_asks_for_the_multiple_of_the_local_gradient_and_the_run_gives_a_quarter(group):
+    """A review (12:20): question 3 was a True/False give-away; it asks what multiple of
+    rank 0's local gradient its gradient is. The run gives 0.25 on every rank, stored."""
+    group.resize(4)
+    for grad, local, _ in group.run(backward_through_all_reduce):
+        ratio = (grad * local).sum().item() / (local * local).sum().item()
+        assert round(ratio, 4) == 0.25
+    cells = notebook_cells()
+    q = next(i for i, (s, _) in enumerate(cells) if s.startswith("answer_3 = None"))
+    assert "what multiple of its **local** gradient" in cells[q - 1][0]
+    shown = "".join("".join(o["data"].get("text/html", "")) for o in cells[q + 1][1]["outputs"]
+                    if "data" in o)
+    assert "grad / local grad, rank by rank: [0.25, 0.25, 0.25, 0.25]" in shown
+    assert "The real run gives 0.25." in shown
+    before = "\n".join(s for s, _ in cells[:q + 1])
+    for spoiler in ("identity", "1 / world_size", "passes the gradient", "stays local",
+                    "its local grad / world_size", "0.25"):
+        assert spoiler not in before, spoiler
+
+
+def test_the_myth_section_is_marked_optional_and_counted_in_the_header():
+    """A review (12:20) timed 03 at about 55 min against 40: Myth vs reality is marked
+    optional, and the header counts it."""
+    cells = notebook_cells()
+    assert "· parts marked optional: about 10 min more, after the lesson*" in cells[0][0]
+    assert any(s.startswith("## Myth vs reality (optional, after the lesson)\n") for s, _ in cells)
 
 
 def test_question_1_asks_for_the_recipe_not_the_arithmetic():

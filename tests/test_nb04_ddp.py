@@ -398,6 +398,15 @@ def hard_codes_four(data_loss, penalty, reduction, world_size, penalty_in_parts)
     return data_loss * (4 if reduction == "sum" else 1) + penalty * (4 if penalty_in_parts else 1)
 
 
+def parts_times_four(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return data_loss * _scale(reduction, world_size) + penalty * (4 if penalty_in_parts else 1)
+
+
+def whole_penalty_times_four(data_loss, penalty, reduction, world_size, penalty_in_parts):
+    return (data_loss * _scale(reduction, world_size)
+            + penalty * (world_size if penalty_in_parts else 4 if world_size == 3 else 1))
+
+
 def ignores_the_parts(data_loss, penalty, reduction, world_size, penalty_in_parts):
     return data_loss * _scale(reduction, world_size) + penalty
 
@@ -448,7 +457,15 @@ MISTAKES = [
      "The data term's gradient came out 4 x one process's; expected 1 x. Why: with 'mean' "
      "and equal local batches every rank's loss weighs each of its 210 samples 1/210"),
     (hard_codes_four, "reduction='sum', world_size=3, equal",
-     "The data term's gradient came out 1.3333 x one process's"),
+     "The data term's gradient came out 1.3333 x one process's; expected 1 x. That is a factor "
+     "4 where world_size is 3: a number written into the loss does not follow the world size."),
+    (parts_times_four, "reduction='mean', world_size=3, equal local batches [280, 280, 280] "
+                       "(global batch 840), the penalty in parts",
+     "The penalty's gradient came out 1.3333 x one process's; expected 1 x. That is a factor 4 "
+     "where world_size is 3"),
+    (whole_penalty_times_four, "reduction='mean', world_size=3, equal",
+     "The penalty's gradient came out 4 x one process's; expected 1 x. That is a factor 4 "
+     "where world_size is 3"),
     (returns_a_number, "reduction='mean', world_size=4, equal",
      "ddp_loss must return the loss to call backward() on"),
     (raises, "reduction='mean', world_size=4, equal", "ZeroDivisionError: oops"),
@@ -812,6 +829,111 @@ def test_questions_2_and_3_are_asked_before_they_are_explained():
         assert mechanism not in "\n".join(cells[:q3]), mechanism
 
 
+
+
+def _stored(cell):
+    return "".join("".join(o.get("text", "")) for o in cell["outputs"])
+
+
+def test_question_1_opens_the_notebook_and_asks_about_reduce_op_warnings_only():
+    """A review (12:20): question 1 was answered by step 1 just above it. It now comes
+    before step 1, as the hook, and counts reduce_op warnings; nothing above it says
+    where the warning comes from."""
+    cells = notebook_cells()
+    q1 = next(i for i, c in enumerate(cells) if c.startswith("answer_1 = None"))
+    step1 = next(i for i, c in enumerate(cells) if c.startswith("## Step 1"))
+    assert q1 < step1
+    assert "How many `reduce_op` warnings does the step with `nn.CrossEntropyLoss()`" in cells[q1 - 1]
+    above = "\n".join(cells[:q1 + 1])
+    for spoiler in ("__getattribute__", "dist.reduce_op.SUM", "reading the old", "read an attribute",
+                    "lower-case name"):
+        assert spoiler not in above, spoiler
+    nb = json.loads(NOTEBOOK.read_text())
+    shown = "".join("".join(o["data"].get("text/html", "")) for o in nb["cells"][q1 + 1]["outputs"]
+                    if "data" in o)
+    assert "CrossEntropyLoss: reduce_op warnings per rank [0, 0]" in shown
+    assert "The real run gives 0." in shown
+
+
+def test_any_read_of_the_old_name_warns_and_the_stored_cell_says_so():
+    """A review (12:20): not only a library using the old name; hasattr, docstrings and
+    tools that walk an object (dir, inspect.getmembers) warn too. Run here and stored."""
+    import inspect as inspect_module
+
+    def warns(read):
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            read()
+        return len(records) > 0
+    assert warns(lambda: hasattr(dist.reduce_op, "SUM"))
+    assert warns(lambda: dist.reduce_op.__doc__)
+    assert warns(lambda: dir(dist.reduce_op))
+    assert warns(lambda: inspect_module.getmembers(dist.reduce_op))
+    assert not warns(lambda: dist.reduce_op is None)
+    nb = json.loads(NOTEBOOK.read_text())
+    cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("def warns(read)"))
+    rows = _stored(cell).splitlines()
+    assert [r.rsplit(" ", 1)[1] for r in rows] == ["True", "True", "True", "True", "False"], rows
+
+
+def test_minus_w_error_turns_the_warning_into_a_traceback_that_names_the_reader(tmp_path):
+    """The notebook's -W error::FutureWarning run: the traceback leads to the library's line,
+    and ends in torch's own text."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "somelib.py").write_text(
+        'import torch.distributed as dist\n\nHAS_SUM = hasattr(dist.reduce_op, "SUM")\n')
+    (tmp_path / "train.py").write_text("import somelib\n")
+    env = {k: v for k, v in os.environ.items() if k != "FORCE_COLOR"}
+    proc = subprocess.run([sys.executable, "-W", "error::FutureWarning", "train.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert re.search(r'somelib\.py", line 3', proc.stderr)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("FutureWarning: `torch.distributed.reduce_op` is deprecated, please use "
+                    "`torch.distributed.ReduceOp` instead")
+    nb = json.loads(NOTEBOOK.read_text())
+    cell = next(c for c in nb["cells"] if '"-W", "error::FutureWarning"' in "".join(c["source"]))
+    shown = _stored(cell)
+    assert "frames in our files: ['train.py, line 1', 'somelib.py, line 3']" in shown
+    assert last in shown
+    assert "`python -W error::FutureWarning train.py`" in "\n".join(notebook_cells())
+
+
+def test_step_3_keeps_the_division_and_the_three_reducer_functions_and_folds_the_rest():
+    """A review (12:20): step 3 was overloaded. Outside its <details>: divide by world_size,
+    then sum, and the three reducer functions; the bucket rules and batched_grad_copy are
+    folded."""
+    step3 = next(c for c in notebook_cells() if c.startswith("## Step 3"))
+    folded = step3.split("<details>")[1].split("</details>")[0]
+    shown = step3.replace(folded, "")
+    for name in ("Reducer::set_divide_factor()", "Reducer::mark_variable_ready_dense()",
+                 "Reducer::run_allreduce_hook()", "divided by `world_size` as it is copied"):
+        assert name in shown, name
+    for name in ("batched_grad_copy", "compute_bucket_size_limits", "first iteration",
+                 "mark_bucket_ready", "_DEFAULT_FIRST_BUCKET_BYTES"):
+        assert name in folded and name not in shown, name
+
+
+def test_an_optimizer_s_weight_decay_acts_in_step_after_the_all_reduce():
+    """The exercise's line (a review, 12:20): weight_decay of SGD or AdamW is applied by
+    optimizer.step(), with no gradient from the loss at all."""
+    for opt_class in (torch.optim.SGD, torch.optim.AdamW):
+        p = nn.Parameter(torch.ones(3))
+        p.grad = torch.zeros(3)
+        opt_class([p], lr=1.0, weight_decay=0.1).step()
+        assert torch.allclose(p.detach(), torch.full((3,), 0.9))
+    text = "\n".join(notebook_cells())
+    assert "`weight_decay` in SGD or AdamW, needs none of this: `optimizer.step()` applies it " \
+        "after DDP's all_reduce" in text
+
+
+def test_myth_vs_reality_is_marked_optional_and_counted_in_the_header():
+    """A review (12:20) timed 04 at about 55 min against 40."""
+    cells = notebook_cells()
+    assert "· parts marked optional: about 10 min more, after the lesson*" in cells[0]
+    assert any(c.startswith("## Myth vs reality (optional, after the lesson)\n") for c in cells)
 
 
 def test_the_gap_panel_says_where_an_exact_zero_is_drawn(drawn):

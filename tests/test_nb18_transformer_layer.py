@@ -56,7 +56,8 @@ def test_the_header_gives_study_time_run_time_and_what_it_follows():
     header = cells()[0][0]
     assert header.startswith("# How does a whole transformer layer split over tp and dp?")
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · "
-                     r"world sizes? [^·]+ · CPU only \(gloo\) · follows notebooks 05, 08 and 09\*",
+                     r"world sizes? [^·]+ · CPU only \(gloo\) · follows notebooks 05, 08 and 09"
+                     r"( · parts marked optional: about \d+ min more, after the lesson)?\*",
                      header), header[:300]
     for part in ("## What you will learn", "## Prerequisites",
                  '"Usage pattern for torch.distributed.all_reduce for gradient synchronization '
@@ -375,7 +376,7 @@ def test_the_figure_says_by_text_what_it_says_by_colour(explorer):
         plots.AUDITS.remove(caught.append)
     texts = [t.get_text() for t in caught[-1].findobj(lambda a: hasattr(a, "get_text"))]
     for want in ("rank 0", "rank 3", "token 0, 64 B", "all tokens, 256 B", "partial, 256 B",
-                 "fwd: all_gather\nbwd: reduce_scatter\n384 B sent", "256 B", "outside"):
+                 "fwd: all_gather\nbwd: reduce_scatter\n384 B sent (fwd + bwd)", "256 B", "outside"):
         assert want in texts, want
     hatched = [c for c in caught[-1].axes[0].collections if c.get_hatch()]
     assert len(hatched) == 1 and len(hatched[0].get_paths()) == 4 * SEQ   # the partial sums
@@ -495,6 +496,14 @@ def summed_over_dp(grads, mesh):
         dist.all_reduce(g, group=mesh["dp"].get_group())
 
 
+def divided_a_loop_variable(grads, mesh):     # the division lands on a new tensor
+    for name, g in grads.items():
+        if name in SP_NAMES:
+            dist.all_reduce(g, group=mesh["tp"].get_group())
+        dist.all_reduce(g, group=mesh["dp"].get_group())
+        g = g / 2
+
+
 def sp_summed_over_the_default_group(grads, mesh):   # step 1's line, copied without a group
     for name, g in grads.items():
         if name in SP_NAMES:
@@ -533,7 +542,9 @@ def raises(grads, mesh):
     (replaced_by_a_new_dict, "unchanged, as backward left it"),
     (averaged_over_tp_too, "half the right one: the tp ranks' partial sums were averaged"),
     (sp_not_summed, "the dp average of this rank's own gradient"),
-    (summed_over_dp, "2 times the right one: it was summed over dp"),
+    (summed_over_dp, "every gradient is 2 times the right one: summed over dp but never divided"),
+    (divided_a_loop_variable, "g = g / 2 on a loop variable makes a new tensor and does not "
+                              "change grads"),
     (sp_summed_over_the_default_group, "A collective called without a group runs over the default process group, all 4 ranks"),
     (everything_over_all_ranks, "every gradient was averaged over all 4 ranks"),
     (everything_summed_over_tp, "was added with the other tp rank's"),
@@ -548,6 +559,74 @@ def test_each_usual_mistake_gets_its_explanation(group, fn, words):
     assert not any(line in verdict.message for line in solution[1:] if len(line) > 12)
     assert "all_reduce(" not in verdict.message and "get_group" not in verdict.message
     assert group.world_size == 4
+
+
+def test_every_gradient_summed_over_dp_names_the_division_not_the_default_group(group):
+    """A review (12:20): when every gradient is the dp sum, the message says it was never
+    divided and names g = g / 2 on a loop variable; the default group's sentence is for
+    the sequence-parallel gradients summed without a group only."""
+    verdict = check_sync_gradients(group, divided_a_loop_variable)
+    assert verdict.mistake == "summed over dp, never divided"
+    assert "default process group" not in verdict.message
+    verdict = check_sync_gradients(group, sp_summed_over_the_default_group)
+    assert "default process group" in verdict.message
+
+
+def mesh_as_group(grads, mesh):
+    for g in grads.values():
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"])
+
+
+def test_a_device_mesh_passed_as_group_is_named_with_get_group(group):
+    """A review (12:20): torch's raw ValueError ("Process group DeviceMesh(...) is not
+    initialized") is named for what it is, and .get_group() with it."""
+    verdict = check_sync_gradients(group, mesh_as_group)
+    assert not verdict and verdict.mistake == "a mesh as group", verdict.message
+    assert "DeviceMesh((dp=2), 'cpu'" in verdict.message and ".get_group()" in verdict.message
+    assert group.world_size == 4
+
+
+def one_collective_per_gradient(grads, mesh):   # right numbers, 22 collectives on a rank
+    for name, g in grads.items():
+        if name in SP_NAMES:
+            dist.all_reduce(g, group=mesh["tp"].get_group())
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+
+
+def test_right_gradients_in_more_than_two_collectives_are_refused(group):
+    """A review (12:20): the exercise was assembly; it now asks for at most 2 collectives
+    per rank, as Megatron-LM coalesces. The old per-gradient loop is right but refused,
+    counted on the ranks (6 + 16 on rank (0, 0)); the solution makes 2."""
+    verdict = check_sync_gradients(group, one_collective_per_gradient)
+    assert not verdict and verdict.mistake == "too many collectives", verdict.message
+    assert "rank (dp 0, tp 0) made 22 collectives" in verdict.message
+    assert "all_reduce(" not in verdict.message and "get_group" not in verdict.message
+    from reducelab.checks.transformer_layer import synced_on_mesh
+    from reducelab.checks.mesh import run_and_release
+    rows = group.run(run_and_release, synced_on_mesh, after_loading_the_solution()["sync_gradients"])
+    assert [n for _, _, n in rows] == [2, 2, 2, 2]
+    task = next(src for src, c in cells() if src.startswith("## Exercise: both rules at once"))
+    assert "at most **two** collectives per rank" in task and "one flat buffer" in task
+
+
+def test_the_key_insight_has_its_own_paragraph_and_the_sp_sum_says_what_its_absence_does():
+    """A review (12:20): "whose loss a gradient belongs to" was buried in a parenthesis;
+    and the SP all_reduce's absence fails silently (the copies drift apart)."""
+    text = markdown()
+    assert "\n\n**What decides between a sum and a mean is whose loss a gradient belongs to.**" in text
+    assert "(Step 1's LayerNorm gradients look like an exception" not in text
+    assert "the copies drift apart silently, and a checkpoint saved from rank 0 keeps one of them" in text
+
+
+def test_late_parts_are_marked_optional_and_counted_in_the_header():
+    """A review (12:20) timed 18 at 65 to 75 min against 45: step 2, the FSDP2 part and the
+    explorer are marked optional."""
+    text = markdown()
+    assert "· parts marked optional: about 20 min more, after the lesson*" in cells()[0][0]
+    for mark in ("## Step 2: torch's own, `parallelize_module` (optional, after the lesson)\n",
+                 "*Optional, after the lesson.*\n\n**In practice**",
+                 "## Step 4: explore a block, stage by stage (optional, after the lesson)\n"):
+        assert mark in text, mark
 
 
 def half_the_ranks_reduce(grads, mesh):        # only tp rank 0 joins: its tp partner never does

@@ -1,10 +1,19 @@
 # Solution to notebook 18, exercise: one rank's gradients on a (dp=2, tp=2) mesh with
-# sequence parallelism.
+# sequence parallelism, in two collectives.
 
 
 def sync_gradients(grads, mesh):
     dp_group, tp_group = mesh["dp"].get_group(), mesh["tp"].get_group()
-    for name, grad in grads.items():
-        if name in SEQUENCE_PARALLEL:                  # a partial sum over this rank's tokens
-            dist.all_reduce(grad, group=tp_group)      # SUM over tp: this batch's whole gradient
-        dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=dp_group)   # the mean over the batches
+    # the partial sums over this rank's tokens, in one flat buffer: SUM over tp gives this
+    # batch's whole gradient of each
+    partial = [grads[name] for name in SEQUENCE_PARALLEL]
+    flat = torch.cat([g.flatten() for g in partial])
+    dist.all_reduce(flat, group=tp_group)
+    for g, whole in zip(partial, flat.split([g.numel() for g in partial])):
+        g.copy_(whole.view_as(g))
+    # every gradient, in one flat buffer: the mean over the dp ranks' batches
+    every = list(grads.values())
+    flat = torch.cat([g.flatten() for g in every])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=dp_group)
+    for g, mean in zip(every, flat.split([g.numel() for g in every])):
+        g.copy_(mean.view_as(g))

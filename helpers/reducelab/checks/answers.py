@@ -21,13 +21,17 @@ def _first_bucket() -> str:
 
 WHY = {
     "01": {
-        1: "SUM adds 1 + 2 + ... + 8 = 8 * 9 / 2 = 36, and every rank receives it.",
+        1: "before = value copies nothing: it gives the same tensor a second name. "
+            "all_reduce writes the sum, 1 + 2 + 3 + 4 = 10, into that tensor in place, so "
+            "before shows 10 on every rank and the input is gone. To keep it, copy it "
+            "first: before = value.clone(), as the explorer's rank function below does, or "
+            "read a Python number with .item() as step 1 did.",
         2: "SUM adds signed values: 1 - 1 + 2 - 2 = 0. The inputs cancelled, and nothing "
             "grew.",
-        3: "MIN writes the smallest value, 1, into every rank's tensor. Rank 3 already holds "
-            "1, and so does rank 1: a tie changes nothing, so both keep what they had, while "
-            "ranks 0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not "
-            "already hold the result.",
+        3: "MIN writes the smallest value, 1, into every rank's tensor. Ranks 1 and 3 "
+            "already hold 1: a tie changes nothing, so both keep what they had, while ranks "
+            "0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not already "
+            "hold the result; SUM of positive inputs changes every rank.",
     },
     "02": {
         1: "Every rank's. dst only decides where the gather (Step 4's part 3) sends the "
@@ -69,15 +73,19 @@ WHY = {
             "it divides each by world_size = 4 during backward() (notebook 04 shows where in "
             "torch), so a quarter of the reference is left. Multiplying each loss by "
             "world_size undoes that division.",
-        3: "all_reduce changed the loss's value, but autograd has no formula for it and "
-            "passes the gradient through unchanged, as if it were the identity: what flows "
-            "back is each rank's own local gradient, scaled by 1 / world_size. Nothing was "
-            "exchanged in backward(). torch's warning above says only that c10d::allreduce_ "
-            "has no autograd kernel, and that this may be silently incorrect.",
+        3: "0.25 = 1 / world_size, on every rank. all_reduce changed the loss's value, but "
+            "autograd has no formula for it and passes the gradient through unchanged, as if "
+            "it were the identity; only the division by world_size is left. So each rank gets "
+            "its own local gradient divided by 4: the four gradients differ, and no rank "
+            "learned from another's data. Nothing was exchanged in backward(). torch's "
+            "warning above says only that c10d::allreduce_ has no autograd kernel, and that "
+            "this may be silently incorrect.",
     },
     "04": {
-        1: "DDP does not look at how your loss reduces and has nothing to warn about: the "
-            "reduce_op warning comes only from reading torch.distributed.reduce_op.",
+        1: "DDP does not look at how your loss reduces and has nothing to warn about, and "
+            "nothing in a DDP step reads torch.distributed.reduce_op: no warning of any kind "
+            "came, with either loss. What does warn is reading the old name: steps 1 and 2 "
+            "below.",
         2: "With reduction='sum' the local sums add up to the full-batch sum whatever the "
             "split, and DDP divides each rank's gradient by world_size = 8 before it sums "
             "them: k = 1/8.",

@@ -346,6 +346,7 @@ def _data_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int, N:
     found = (f"came out {_fmt(cmp.factor)} x one process's" if cmp.constant else
              f"is not a multiple of one process's (element-wise ratios "
              f"{cmp.ratio_min:.2f} to {cmp.ratio_max:.2f})")
+    fixed = _fixed_number(cmp.factor * W, W) if cmp.constant and reduction == "sum" else ""
     if reduction == "sum":
         why = (f"DDP divides every rank's gradient by world_size={W} before it sums them, and "
                f"the local sums already add up to the full-batch sum.")
@@ -353,7 +354,18 @@ def _data_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int, N:
         why = (f"with 'mean' and equal local batches every rank's loss weighs each of its "
                f"{N // W} samples 1/{N // W}, DDP divides by world_size={W} before it sums, "
                f"and one process weighs each of the {N} samples 1/{N}.")
-    return f"The data term's gradient {found}; expected 1 x. Why: {why}"
+    return f"The data term's gradient {found}; expected 1 x.{fixed} Why: {why}"
+
+
+def _fixed_number(m: float, W: int) -> str:
+    """A hint when a term came out scaled by a whole number ``m`` other than 0, 1 and
+    ``W``: a number written into the loss (a review found a hard-coded 4 at world size 3
+    named only as "1.3333 x"). ``m`` is the factor the learner's loss applied."""
+    n = round(m)
+    if abs(m - n) > 1e-3 or n in (0, 1, W):
+        return ""
+    return (f" That is a factor {n} where world_size is {W}: a number written into the loss "
+            f"does not follow the world size.")
 
 
 def _penalty_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int,
@@ -374,6 +386,8 @@ def _penalty_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int,
     if in_parts:
         if constant and abs(k - 1 / W) < 1e-3:
             hint = " That is each rank's part left as it is. "
+        elif constant and _fixed_number(k * W, W):
+            hint = _fixed_number(k * W, W) + " "
         why = (f"Each rank's part covers other rows of the weight, so the ranks' penalty "
                f"gradients differ (each is zero outside its own rows), and DDP sums the "
                f"{W} of them after dividing each by {W}.")
@@ -385,6 +399,8 @@ def _penalty_part(got: torch.Tensor, want: torch.Tensor, reduction: str, W: int,
         elif constant and abs(k - 1 / W) < 1e-3:
             hint = (f" That is 1/{W} of it, as if each rank divided the penalty by "
                     f"world_size={W}, or one rank alone added it. ")
+        elif constant and _fixed_number(k, W):
+            hint = _fixed_number(k, W) + " "
         why = (f"When every rank adds the same penalty, computed from the same weights, every "
                f"rank's penalty gradient is the same, and DDP's divide-by-{W}-then-sum of {W} "
                f"equal gradients gives that gradient back.")

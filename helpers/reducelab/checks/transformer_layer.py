@@ -68,15 +68,18 @@ def layer_grads(dp_index: int, tp_index: int) -> dict:
 def synced_on_mesh(fn) -> tuple:
     """Runs on a rank of 4: build the ``(dp, tp)`` mesh, hand ``fn`` this rank's
     gradients and the mesh, and return ``((dp_index, tp_index), grads)``, ``grads`` as
-    the dict holds them after the call (copies), or ``(coord, None, returned)`` when a
-    value is not a tensor."""
+    the dict holds them after the call (copies; a value that is not a tensor as its
+    ``repr``), and the number of collectives ``fn`` made on this rank."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from .loss import _Collectives
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     d, t = (int(c) for c in mesh.get_coordinate())
     grads = layer_grads(d, t)
-    fn(grads, mesh)
+    with _Collectives() as made:                 # every collective fn makes, however called
+        fn(grads, mesh)
     return (d, t), {name: (g.detach().clone() if isinstance(g, torch.Tensor) else repr(g))
-                    for name, g in grads.items()}
+                    for name, g in grads.items()}, sum(made.counts.values())
 
 
 def reference() -> dict:
@@ -113,9 +116,15 @@ def _near(a, b) -> bool:
     return a.shape == b.shape and (a - b).abs().max().item() <= TOL
 
 
+MAX_COLLECTIVES = 2
+"""Collectives a rank may make: one over each dimension of the mesh, each on all the
+gradients it combines in one flat buffer, as Megatron-LM coalesces them
+(``_flatten_dense_tensors`` in ``megatron/core/distributed/finalize_model_grads.py``)."""
+
+
 def _judge(rows: list, right: dict) -> Verdict | None:
     every = {(d, t): layer_grads(d, t) for d in range(DP) for t in range(TP)}
-    for (d, t), grads in rows:
+    for (d, t), grads, _ in rows:
         where = f"rank (dp {d}, tp {t})"
         missing = [n for n in SP_NAMES + SHARDED_NAMES if n not in grads]
         if missing:
@@ -135,6 +144,13 @@ def _judge(rows: list, right: dict) -> Verdict | None:
                           f"added up over tp) and mixes each sharded weight's gradient with the "
                           f"other tp rank's, a different shard. Combine over the mesh's "
                           f"dimensions one at a time.", "averaged over all 4 ranks")
+        if seen_as and set(seen_as) == set(SP_NAMES + SHARDED_NAMES) and \
+                set(seen_as.values()) <= {"dp summed", "tp summed, dp summed"}:
+            return failed(f"{where}: every gradient is {DP} times the right one: summed over dp "
+                          f"but never divided. The dp ranks saw different batches, and one "
+                          f"process training on both would take their mean. Note that g = g / 2 "
+                          f"on a loop variable makes a new tensor and does not change grads.",
+                          "summed over dp, never divided")
         for name in SP_NAMES + SHARDED_NAMES:
             got = grads[name]
             if name not in seen_as:
@@ -196,8 +212,10 @@ def check_sync_gradients(group, fn) -> Verdict:
     compares every rank's gradients with one process's (:func:`reference`), and names
     the usual mistake it finds: gradients unchanged, sequence-parallel gradients not
     summed over tp or averaged over tp, summed over dp instead of averaged, sharded
-    gradients mixed over tp (averaged over all 4 ranks, or added), an error or a hang on
-    the ranks.
+    gradients mixed over tp (averaged over all 4 ranks, or added), a DeviceMesh passed
+    as a group, an error or a hang on the ranks; with every gradient right, more than
+    :data:`MAX_COLLECTIVES` collectives on a rank (counted as notebook 03's check counts
+    them, ``reducelab.checks.loss._Collectives``).
 
     Returns:
         A :class:`~reducelab.checks.Verdict`.
@@ -210,11 +228,29 @@ def check_sync_gradients(group, fn) -> Verdict:
         try:
             rows = group.run(run_and_release, synced_on_mesh, fn)
         except RankError as err:
+            if any("DeviceMesh(" in r.summary and "not initialized" in r.summary
+                   for r in err.reports):
+                return failed(f"On a (dp={DP}, tp={TP}) mesh, a collective got a DeviceMesh as its "
+                              f"group, and torch says the process group "
+                              f"{err.reports[0].summary.split('Process group ')[-1].split(' is ')[0]}"
+                              f" is not initialized: a collective takes a process group, which "
+                              f"a mesh dimension gives with .get_group().", "a mesh as group")
             return raised_on_ranks(f"On a (dp={DP}, tp={TP}) mesh,", err)
     problem = _judge(rows, reference())
     if problem is not None:
         return problem
+    made = {coord: n for coord, _, n in rows}
+    most = max(made.values())
+    if most > MAX_COLLECTIVES:
+        (d, t), n = next((c, n) for c, n in sorted(made.items()) if n == most)
+        return failed(f"Every rank's gradients are right, but rank (dp {d}, tp {t}) made {n} "
+                      f"collectives for them; at most {MAX_COLLECTIVES} are asked, one over each "
+                      f"dimension of the mesh, each carrying all the gradients it combines. "
+                      f"Every collective pays its latency; Megatron-LM coalesces the "
+                      f"sequence-parallel gradients into one buffer for one all_reduce.",
+                      "too many collectives")
     return passed(f"On a (dp={DP}, tp={TP}) mesh, every rank's {len(SP_NAMES)} sequence-parallel "
                   f"gradients and {len(SHARDED_NAMES)} sharded ones equal one process's for its "
                   f"own shards: the partial sums over tokens added up over tp, every gradient "
-                  f"averaged over dp, and no shard mixed with another.")
+                  f"averaged over dp, and no shard mixed with another, in at most "
+                  f"{MAX_COLLECTIVES} collectives per rank.")

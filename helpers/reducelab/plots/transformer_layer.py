@@ -124,7 +124,8 @@ def layer_figure(stage_names: list, held: list, partial: list, hops: list, seq: 
         ax.annotate("", xy=(x + 0.09, 0.21), xytext=(x - 0.09, 0.21),
                     arrowprops=dict(arrowstyle="->", color="black", lw=1.2))
         if hop is not None:
-            ax.text(x, -0.12, f"fwd: {hop.forward}\nbwd: {hop.backward}\n{hop.sent} B sent",
+            ax.text(x, -0.12, f"fwd: {hop.forward}\nbwd: {hop.backward}\n"
+                              f"{hop.sent} B sent (fwd + bwd)",
                     ha="center", va="bottom", fontsize=MIN_FONT, linespacing=1.1,
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=NEUTRAL))
     right = stages * COLUMN - (COLUMN - STRIP) + 0.05
