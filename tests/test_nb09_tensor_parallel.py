@@ -462,6 +462,21 @@ def ids_changed_in_place(ids, w):
     return G.apply(E(ids, w) * m.unsqueeze(-1), None)
 
 
+def whole_table_gathered(ids, w):
+    pieces = [torch.empty_like(w) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, w.detach())
+    pieces[dist.get_rank()] = w
+    return E(ids, torch.cat(pieces))
+
+
+def whole_table_all_reduced(ids, w):
+    k, first, _ = _mine(ids, w)
+    table = torch.zeros(k * dist.get_world_size(), w.shape[1])
+    table[first:first + k] = w.detach()
+    dist.all_reduce(table)
+    return E(ids, torch.cat([table[:first], w, table[first + k:]]))
+
+
 def all_reduce_both_ways(ids, w):
     import torch.distributed.nn.functional as dist_nn
     return dist_nn.all_reduce(no_sum(ids, w))
@@ -489,6 +504,8 @@ def cut_off(ids, w):
     (first_id_left_out, "Only the tokens with ids 0 and 6 are wrong: the first id of a rank's range"),
     (next_ranks_first_id_let_in, "let through an id of the next rank's range"),
     (ids_changed_in_place, "wrote into the ids it was given (in place)"),
+    (whole_table_gathered, "sent rows of the table between the ranks (c10d.allgather_ "),
+    (whole_table_all_reduced, "no rank ever holds the whole table"),
     (all_reduce_both_ways, "2 times too large: your sum runs an all_reduce in backward too"),
     (plain_all_reduce, "autograd ran backward through dist.all_reduce itself"),
     (cut_off, "no gradient reached weight_shard"),

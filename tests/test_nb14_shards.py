@@ -375,6 +375,16 @@ def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
     assert group.world_size == 4
 
 
+def test_a_wrong_norm_and_the_right_one_show_four_decimals(group):
+    """A fifth review (14-5): with 4 significant digits the by-mesh mistake printed
+    "returns 0.32" against "has norm 0.3185", which reads as nearly right. Four decimals
+    show both numbers to the same place, so the difference is plain."""
+    message = check_global_grad_norm(group, mesh_only).message
+    got = re.search(r"returns (\d+\.\d{4}) on every rank; .* has norm (\d+\.\d{4})\.", message)
+    assert got, message
+    assert got.group(1) != got.group(2)
+
+
 def test_exercise_data_match_the_docstring(group, whole):
     group.resize(4)
     out = group.run(exercise_run, conftest.load_solution("14_global_grad_norm").global_grad_norm, X, y)

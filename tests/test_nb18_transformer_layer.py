@@ -533,8 +533,33 @@ def replaced_by_a_new_dict(grads, mesh):       # returns new tensors; grads unch
     return {n: g * 1 for n, g in grads.items()}
 
 
+def flat_buffers_never_copied_back(grads, mesh):   # torch.cat copies: grads never change
+    sp = torch.cat([grads[n].flatten() for n in SP_NAMES])
+    dist.all_reduce(sp, group=mesh["tp"].get_group())
+    every = torch.cat([g.flatten() for g in grads.values()])
+    dist.all_reduce(every, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+
+
+def sp_buffer_never_copied_back(grads, mesh):      # the dp mean in place, the tp sum lost
+    sp = torch.cat([grads[n].flatten() for n in SP_NAMES])
+    dist.all_reduce(sp, group=mesh["tp"].get_group())
+    for g in grads.values():
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+
+
 def raises(grads, mesh):
     dist.all_reduce(grads["nothing"], group=mesh["dp"].get_group())
+
+
+def test_the_copy_back_hint_comes_only_where_a_buffer_was_reduced(group):
+    """A fifth review (18-4): a flat buffer reduced but never copied back left grads as they
+    were, and the verdict did not say why. The hint names torch.cat's copy only where a rank
+    ran a collective on a tensor outside grads, not where the gradients were reduced in
+    place or not at all."""
+    for fn in (unchanged, sp_not_summed, replaced_by_a_new_dict):
+        verdict = check_sync_gradients(group, fn)
+        assert not verdict and "torch.cat" not in verdict.message, (fn.__name__, verdict.message)
+    assert "notebook 18's" not in check_sync_gradients(group, sp_not_summed).message
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -549,6 +574,13 @@ def raises(grads, mesh):
     (everything_over_all_ranks, "every gradient was averaged over all 4 ranks"),
     (everything_summed_over_tp, "was added with the other tp rank's"),
     (dp_forgotten, "the dp ranks' gradients were never averaged"),
+    (flat_buffers_never_copied_back, "unchanged, as backward left it: nothing combined it with "
+                                     "the other ranks' gradients. This rank ran a collective on a "
+                                     "tensor that is none of grads' tensors: torch.cat makes a "
+                                     "copy: copy the reduced buffer back into the grads."),
+    (sp_buffer_never_copied_back, "must be added up as well (question 1). This rank ran a "
+                                  "collective on a tensor that is none of grads' tensors: "
+                                  "torch.cat makes a copy"),
     (raises, "your function raised on the ranks"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, fn, words):
@@ -604,7 +636,7 @@ def test_right_gradients_in_more_than_two_collectives_are_refused(group):
     from reducelab.checks.transformer_layer import synced_on_mesh
     from reducelab.checks.mesh import run_and_release
     rows = group.run(run_and_release, synced_on_mesh, after_loading_the_solution()["sync_gradients"])
-    assert [n for _, _, n in rows] == [2, 2, 2, 2]
+    assert [n for _, _, n, _ in rows] == [2, 2, 2, 2]
     task = next(src for src, c in cells() if src.startswith("## Exercise: both rules at once"))
     assert "at most **two** collectives per rank" in task and "one flat buffer" in task
 

@@ -288,10 +288,10 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
         return failed(f"Your function returned {type(values[0]).__name__} on rank 0: return the "
                       f"norm as one number, a float (or a one-element tensor).")
     same = all(_near(v, values[0]) for v in values)
-    listed = ", ".join(f"rank {r}: {v:.4g}" for r, v in enumerate(values))
-    head = (f"Your function returns {values[0]:.4g} on every rank" if same else
+    listed = ", ".join(f"rank {r}: {v:.4f}" for r, v in enumerate(values))
+    head = (f"Your function returns {values[0]:.4f} on every rank" if same else
             f"Your function returns different norms on the ranks ({listed})")
-    head += f"; one process's gradient on the whole global batch has norm {want:.4g}."
+    head += f"; one process's gradient on the whole global batch has norm {want:.4f}."
     if same and _near(values[0], want):
         gathers = next((o["gathers"] for o in out if o["gathers"]), None)
         if gathers and any(name in gathers for name in ("full_tensor", "redistribute")):

@@ -90,21 +90,56 @@ def _on_rank(fn, count: bool = False) -> dict:
     counts = {"forward": None, "backward": None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with CommDebugMode() as comm:
+        with CommDebugMode() as comm, _table_rows_moved() as moved:
             out = fn(ids, weight_shard)
         if count:
             counts["forward"] = comm.get_total_counts()
         changed = not torch.equal(ids, t["ids"])
         if not isinstance(out, torch.Tensor):
             return {"out": out, "grad": None, "ids_changed": changed, "counts": counts,
-                    "warnings": []}
+                    "warnings": [], "rows_moved": moved}
         if out.requires_grad and tuple(out.shape) == (*IDS_SHAPE, DIM):
             with CommDebugMode() as comm:
                 (out * t["upstream"]).sum().backward()
             if count:
                 counts["backward"] = comm.get_total_counts()
     return {"out": out.detach().clone(), "grad": weight_shard.grad, "ids_changed": changed,
-            "counts": counts, "warnings": [str(w.message) for w in caught]}
+            "counts": counts, "warnings": [str(w.message) for w in caught],
+            "rows_moved": moved}
+
+
+def _table_rows_moved() -> "contextlib.AbstractContextManager[list]":
+    """A context that records, for every collective run inside it (any op of torch's
+    ``c10d`` or functional-collective namespaces, as the dispatcher sees it, like
+    ``CommDebugMode``), the op's name when one of its tensors has the size of the whole
+    table or of one rank's shard of it: rows of the table sent between ranks. The
+    ranks' shares of the output (``(4, 4, 4)``, 64 numbers) have neither size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    rank_rows = VOCAB // dist.get_world_size()
+    sizes = {VOCAB * DIM, rank_rows * DIM}
+
+    class _Rows(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.moved: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "namespace", "") in ("c10d", "_c10d_functional",
+                                                  "c10d_functional"):
+                if any(isinstance(a, torch.Tensor) and a.numel() in sizes
+                       for a in tree_leaves((args, kwargs))):
+                    self.moved.append(func._overloadpacket.__name__)
+            return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def recording():
+        mode = _Rows()
+        with mode:
+            yield mode.moved
+    return recording()
 
 
 def _close(a, b) -> bool:
@@ -187,7 +222,8 @@ def check_vocab_parallel_embedding(group: LocalGroup, fn, tps=(2, 3)) -> Verdict
     global ids used as rows of the shard (torch's ``IndexError``), no sum over the
     ranks, the ranks' results concatenated where they must be summed, tokens of other
     ranks contributing a row instead of zeros, a range test off by one at either end,
-    the ``ids`` changed in place, an all_reduce in backward too (a gradient ``tp`` times
+    the ``ids`` changed in place, rows of the table sent between the ranks in forward
+    (a collective on a tensor the size of the whole table or of a shard), an all_reduce in backward too (a gradient ``tp`` times
     too large), ``dist.all_reduce`` called where autograd cannot see it, or the output
     cut off from autograd.
 
@@ -226,6 +262,16 @@ def check_vocab_parallel_embedding(group: LocalGroup, fn, tps=(2, 3)) -> Verdict
                            f"tolerance {TOLERANCE:g})" if out.shape == ref["out"].shape else "")
                     return failed(f"At tp={tp}, rank {r}'s embeddings differ from one "
                                   f"process's{how}." + _diagnose_output(out, r, tp))
+            for r, o in enumerate(outs):
+                if o["rows_moved"]:
+                    ops = ", ".join(f"c10d.{n}" for n in dict.fromkeys(o["rows_moved"]))
+                    return failed(
+                        f"At tp={tp}, the embeddings are right, but rank {r}'s forward sent "
+                        f"rows of the table between the ranks ({ops} of a tensor the size of "
+                        f"the whole table or of one rank's shard). Splitting the table by "
+                        f"rows exists so that no rank ever holds the whole table: each rank "
+                        f"must look up tokens in its own {VOCAB // tp} rows only, and the "
+                        f"ranks exchange only their results, never rows of the table.")
             for r, o in enumerate(outs):
                 if o["ids_changed"]:
                     return failed(f"At tp={tp}, the embeddings are right, but rank {r}'s ids "

@@ -76,10 +76,45 @@ def synced_on_mesh(fn) -> tuple:
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     d, t = (int(c) for c in mesh.get_coordinate())
     grads = layer_grads(d, t)
-    with _Collectives() as made:                 # every collective fn makes, however called
+    off = _OffGrads({g.untyped_storage().data_ptr() for g in grads.values()})
+    with _Collectives() as made, off:            # every collective fn makes, however called
         fn(grads, mesh)
     return (d, t), {name: (g.detach().clone() if isinstance(g, torch.Tensor) else repr(g))
-                    for name, g in grads.items()}, sum(made.counts.values())
+                    for name, g in grads.items()}, sum(made.counts.values()), off.count
+
+
+class _OffGrads:
+    """Counts, while entered, the collectives whose tensors all live outside ``grads``
+    (none shares storage with a gradient it was given): a flat buffer, which torch.cat
+    fills with copies, so its result reaches ``grads`` only if copied back. Seen as
+    :class:`~reducelab.checks.loss._Collectives` sees them, by a ``TorchDispatchMode``."""
+
+    def __init__(self, storages: set):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        from .loss import COUNTED_NAMESPACES, NOT_COLLECTIVES
+        owner, self.count = self, 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if (func.namespace in COUNTED_NAMESPACES
+                        and f"{func.namespace}::{func._overloadpacket.__name__}" not in NOT_COLLECTIVES):
+                    tensors = [a for a in tree_leaves((args, kwargs or {}))
+                               if isinstance(a, torch.Tensor)]
+                    if tensors and not any(a.untyped_storage().data_ptr() in storages
+                                           for a in tensors):
+                        owner.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 def reference() -> dict:
@@ -124,8 +159,11 @@ gradients it combines in one flat buffer, as Megatron-LM coalesces them
 
 def _judge(rows: list, right: dict) -> Verdict | None:
     every = {(d, t): layer_grads(d, t) for d in range(DP) for t in range(TP)}
-    for (d, t), grads, _ in rows:
+    for (d, t), grads, _, off in rows:
         where = f"rank (dp {d}, tp {t})"
+        copy_back = (" This rank ran a collective on a tensor that is none of grads' tensors: "
+                     "torch.cat makes a copy: copy the reduced buffer back into the grads."
+                     if off else "")
         missing = [n for n in SP_NAMES + SHARDED_NAMES if n not in grads]
         if missing:
             return failed(f"{where}: grads lost {', '.join(missing)}. Change the tensors in grads "
@@ -159,13 +197,13 @@ def _judge(rows: list, right: dict) -> Verdict | None:
             seen = seen_as[name]
             if seen == "unchanged":
                 return failed(f"{where}: the gradient of {name} is unchanged, as backward left it: "
-                              f"nothing combined it with the other ranks' gradients.", "unchanged")
+                              f"nothing combined it with the other ranks' gradients.{copy_back}", "unchanged")
             if kind == "sequence-parallel" and seen == "dp only":
                 return failed(f"{where}: the gradient of {name} is the dp average of this rank's "
                               f"own gradient. Under sequence parallelism a rank used {name} on its "
                               f"own tokens only, so its gradient is a partial sum over those "
                               f"tokens: the tp ranks' partial sums must be added up as well "
-                              f"(notebook 18's question 1).", "SP gradients not summed over tp")
+                              f"(question 1).{copy_back}", "SP gradients not summed over tp")
             if kind == "sequence-parallel" and seen == "tp averaged":
                 return failed(f"{where}: the gradient of {name} is half the right one: the tp "
                               f"ranks' partial sums were averaged. Each holds the sum over its "
@@ -239,7 +277,7 @@ def check_sync_gradients(group, fn) -> Verdict:
     problem = _judge(rows, reference())
     if problem is not None:
         return problem
-    made = {coord: n for coord, _, n in rows}
+    made = {coord: n for coord, _, n, _ in rows}
     most = max(made.values())
     if most > MAX_COLLECTIVES:
         (d, t), n = next((c, n) for c, n in sorted(made.items()) if n == most)
