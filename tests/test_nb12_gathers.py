@@ -755,12 +755,20 @@ def test_step_2_says_all_gather_object_needs_a_device_on_nccl_and_every_rank():
 
 def test_the_exercise_rule_is_said_to_rest_on_the_samplers_layout_after_the_check():
     """The solution's rule (position k * world_size + rank is padding from dataset_size
-    on) is DistributedSampler.__iter__'s layout: said after the check, with what to do for
-    another sampler, and held here against the sampler itself."""
+    on) is DistributedSampler.__iter__'s layout: said after the check, folded so that it
+    does not spoil "Work out where the repeats sit" (a fifth review, 12-1), with what to do
+    for another sampler, and held here against the sampler itself."""
     text = [("".join(c["source"])) for c in CELLS]
     check = next(i for i, t in enumerate(text) if t.startswith("from reducelab.checks.gathers import check_exact_mean_loss"))
     after = next(t for t in text[check:] if "rests on `DistributedSampler.__iter__`'s layout" in t)
-    assert "count each sample number once" in after
+    fold = "<details><summary>After you have solved it: why the rule holds</summary>"
+    assert fold in after
+    folded = after[after.index(fold):after.index("</details>", after.index(fold))]
+    assert "rests on `DistributedSampler.__iter__`'s layout" in folded
+    assert "position `k · world_size + r`" in folded and "are padding" in folded
+    outside = after.replace(folded, "")
+    assert "k · world_size" not in outside and "are padding" not in outside
+    assert "count each sample number once" in folded
     assert not any("rests on `DistributedSampler.__iter__`" in t for t in text[:check])
     for n, w, epoch in ((10, 3, 2), (7, 4, 1)):
         full = []

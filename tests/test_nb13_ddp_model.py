@@ -885,11 +885,64 @@ def test_the_pre_forward_excerpts_are_the_installed_source_unabridged():
     assert "unabridged" in source_with("DDP's `forward` starts with `_pre_forward`", "markdown")
 
 
+def _broadcasts_per_call():
+    """On 2 ranks: the gloo collectives of one training forward, its backward, then a forward
+    under torch.no_grad() and a forward with gradients, each profiled alone."""
+    import os
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    os.environ["KINETO_LOG_LEVEL"] = "99"
+
+    def calls(fn):
+        with torch.profiler.profile() as prof:
+            fn()
+        return sorted(e.name for e in prof.events() if e.name.startswith("gloo:"))
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)))
+    x = torch.ones(4, 2) * (dist.get_rank() + 1)
+    out = {}
+    out["forward 1"] = calls(lambda: setattr(model, "_y", model(x)))
+    out["backward 1"] = calls(lambda: model._y.sum().backward())
+
+    def no_grad_forward():
+        with torch.no_grad():
+            model(x)
+    out["no_grad forward"] = calls(no_grad_forward)
+    out["forward with gradients"] = calls(lambda: model(x))
+    return out
+
+
+def test_step_4_states_when_the_rebuild_runs_before_question_4():
+    """A fifth review (13-1): question 4 was a guess, since the fact that decides it (the
+    bucket rebuild runs in the forward, and only with gradients enabled) came only after
+    the reveal. Step 4 now states the rule above the question, in words; the run here holds
+    it: the rebuild's two broadcasts come in the first forward with gradients after the first
+    backward, not in the backward, and a torch.no_grad() forward puts them off."""
+    import inspect
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    with LocalGroup(world_size=2, timeout=30) as two:
+        out = two.run(_broadcasts_per_call)[0]
+    assert out == {"forward 1": [], "backward 1": ["gloo:all_reduce"], "no_grad forward": [],
+                   "forward with gradients": ["gloo:broadcast", "gloo:broadcast"]}
+    assert "if torch.is_grad_enabled() and self.reducer._rebuild_buckets():" in inspect.getsource(DDP._pre_forward)
+    q4 = next(i for i, c in enumerate(CELLS) if "**Question 4.**" in "".join(c["source"]))
+    rule = ("DDP rebuilds its buckets at the start of the second forward, and only with gradients enabled: "
+            "a forward under `torch.no_grad()` leaves the rebuild to the next forward that has them.")
+    assert any(rule in "".join(c["source"]) for c in CELLS[:q4] if c["cell_type"] == "markdown")
+    # the rule, not the answer: nothing above the reveal says what question 4's forward does
+    for c in CELLS[:q4 + 1]:
+        text = "".join(c["source"]) + (stored_text(c) if c["cell_type"] == "code" else "")
+        assert "It hangs, buffers or not" not in text and "a collective only rank 0 runs" not in text
+
+
 def test_question_4_is_not_answered_above_it():
     """An own finding of the third round: question 4 (no buffers, through the wrapper) was
     asked under torch.no_grad() right below an excerpt that showed the rebuild runs only
     with gradients enabled and the sync only with buffers: the answer could be read off.
-    Now it is asked with gradients enabled, and the rebuild is shown after the reveal."""
+    Now it is asked with gradients enabled, and the rebuild's code is shown after the reveal;
+    step 4 states the rule in words (the test above), so question 4 is a deduction, not a
+    guess, and no cell above it names the code."""
     cells = CELLS
     q4 = next(i for i, c in enumerate(cells) if "**Question 4.**" in "".join(c["source"]))
     above = [c for c in cells[:q4 + 1]]

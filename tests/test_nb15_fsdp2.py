@@ -880,3 +880,61 @@ def test_fsdp2s_quarter_holds_between_steps_and_its_peak_holds_two_gathered_unit
     assert "(with `fully_shard` on the root only, the whole model, as DDP)" in text
     for seen in group.run(_gathered_during_layer_2s_backward):
         assert seen == {"after forward": (False, False), "in": (True, True), "after backward": (False, False)}
+
+
+def _reduce_scatter_dtypes(param_dtype, **reduce):
+    """The dtypes FSDP2 hands to reduce_scatter_single in one backward, and the gradient
+    shards, with MixedPrecisionPolicy(param_dtype=param_dtype, **reduce)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, **reduce)
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    seen, real = [], dist.reduce_scatter_single
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("input", args[1] if len(args) > 1 else None).dtype)
+        return real(*args, **kwargs)
+    dist.reduce_scatter_single = spy
+    try:
+        torch.manual_seed(1 + dist.get_rank())
+        model(torch.randn(6, 8)).square().mean().backward()
+    finally:
+        dist.reduce_scatter_single = real
+    return seen, [p.grad.to_local().clone() for p in model.parameters()]
+
+
+def test_reduce_dtypes_default_none_reduces_in_param_dtype(group):
+    """A fifth review (15-1): reduce_dtype defaults to None, and then the reduction runs in
+    the compute dtype, so MixedPrecisionPolicy(param_dtype=torch.bfloat16) alone
+    reduce-scatters in bfloat16 (and accumulates unsynced gradients in it). The default and
+    the docstring's words are read from torch; the dtype from a run on 4 ranks, where the
+    gradients equal those of an explicit reduce_dtype=bfloat16 and differ from float32's."""
+    import dataclasses
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    defaults = {f.name: f.default for f in dataclasses.fields(MixedPrecisionPolicy)}
+    assert defaults["reduce_dtype"] is None and defaults["param_dtype"] is None
+    doc = " ".join(MixedPrecisionPolicy.__doc__.split())
+    assert ("If this is ``None`` but ``param_dtype`` is not ``None``, then the reduction uses the "
+            "compute dtype.") in doc
+    assert "then FSDP will accumulate gradients using ``reduce_dtype``" in doc
+    assert "reduce_dtype = reduce_dtype or grad_dtype" in inspect.getsource(_fsdp_collectives.foreach_reduce)
+    group.resize(4)
+    default = group.run(_reduce_scatter_dtypes, torch.bfloat16)
+    bf16 = group.run(_reduce_scatter_dtypes, torch.bfloat16, reduce_dtype=torch.bfloat16)
+    f32 = group.run(_reduce_scatter_dtypes, torch.bfloat16, reduce_dtype=torch.float32)
+    assert all(seen and set(seen) == {torch.bfloat16} for seen, _ in default)
+    assert all(set(seen) == {torch.float32} for seen, _ in f32)
+    assert all(torch.equal(a, b) for r in range(4) for a, b in zip(default[r][1], bf16[r][1]))
+    assert not all(torch.equal(a, b) for r in range(4) for a, b in zip(default[r][1], f32[r][1]))
+    step_3 = " ".join(cell_with("With bfloat16 parameters each rank computes its gradient in bfloat16").split())
+    assert ("That is also the default: `reduce_dtype=None` means, in `MixedPrecisionPolicy`'s docstring, "
+            "\"the reduction uses the compute dtype\", so `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` "
+            "alone reduce-scatters in bfloat16 (and accumulates unsynced gradients in it).") in step_3
+    summary = markdown().split("## Summary")[1].split("## Further reading")[0]
+    assert "The default, `reduce_dtype=None`, reduces in `param_dtype`: ask for float32 explicitly." in summary

@@ -663,3 +663,43 @@ def test_the_myths_and_summary_say_what_the_notebook_showed():
     assert "about 32 of 64" in WHY["17"][2] and "about 4 of 64" in WHY["17"][2]
     assert "`torch.get_rng_state()`, different on every rank) and the sampler's epoch" in text
     assert "one_seed = dp_masks" not in "".join("".join(c["source"]) for c in CELLS)   # the repeat was cut
+
+
+def _run_the_summary_recipe(code, base):
+    """The summary's recipe, run as written on this rank, with `mesh` a 1-D CPU mesh: the
+    whole weight, this rank's shard and a dropout mask."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    names = {"torch": torch, "nn": nn, "dist": dist, "fully_shard": fully_shard, "base": base,
+             "mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
+    exec(code, names)
+    model = names["model"]
+    return (model.weight.full_tensor().detach(), model.weight.to_local().detach().clone(),
+            F.dropout(torch.ones(64), p=0.5) == 0)
+
+
+def test_the_summary_recipe_combines_one_seed_for_the_model_and_per_rank_seeds_after(group):
+    """A fifth review (17-1): no recipe combined step 1 (the same seed to build an FSDP2
+    model) and step 2 (per-rank seeds for dropout). The summary's 4-line block, in that
+    order, run on 4 gloo ranks: the shards make up the model one process builds with `base`,
+    and the dropout masks differ from rank to rank. Its fourth line, the alternative of one
+    stream per purpose, is a comment that names what the notebook ran (steps 3 and 4)."""
+    text = markdown().split("## Summary")[1].split("## Further reading")[0]
+    intro = "Steps 1 and 2 together, on every rank, in this order"
+    assert intro in text
+    code = text.split(intro)[1].split("```python\n")[1].split("\n```")[0]
+    lines = code.splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("torch.manual_seed(base)") and "fully_shard(" in lines[1]
+    assert lines[2].startswith("torch.manual_seed(base + dist.get_rank())")
+    assert lines[3].startswith("# or, in place of line 3") and "RNGStreams" in lines[3]
+    for base in (0, 7):
+        out = group.run(_run_the_summary_recipe, code, base)
+        torch.manual_seed(base)
+        one = torch.nn.Linear(4, 8).weight.detach()
+        assert all(torch.equal(whole, one) for whole, _, _ in out)
+        assert all(torch.equal(shard, one.chunk(4)[r]) for r, (_, shard, _) in enumerate(out))
+        assert len({tuple(m.tolist()) for _, _, m in out}) == 4

@@ -725,3 +725,45 @@ def test_fsdp2_on_the_dp_dimension_of_a_tp_model_averages_over_dp_only(group):
     assert text.count("the whole equals one process's mean over the two batches: True") == 4
     assert "False" not in text and "suboptimal" not in text
     assert 'fully_shard(model, mesh=mesh["dp"])' in source_with("def fsdp_over_dp")
+
+
+def _bound_and_loaded(source: str) -> tuple[set, set]:
+    """The names a code cell binds (imports, assignments, defs, classes, arguments) and those it loads;
+    IPython lines (% and !) are left out."""
+    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+    bound, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+    return bound, loaded
+
+
+def test_a_cell_runs_with_the_optional_parts_skipped():
+    """A fifth review (18-1): step 3's FSDP2 cell used parallelize_module, ColwiseParallel and
+    RowwiseParallel, imported only in step 2, which is marked optional: a learner who skipped
+    it got a NameError. No code cell may need a name that only an optional part (step 2, the
+    optional part of step 3, step 4) binds, unless it is in that part itself."""
+    def part(i):
+        for start, heading in ((19, "## Step 2: torch's own"), (30, "*Optional, after the lesson.*"),
+                               (32, "## Step 4: explore")):
+            assert "".join(CELLS[start]["source"]).startswith(heading)
+        return next((s for s, e in ((19, 24), (30, 32), (32, 35)) if s <= i < e), None)
+    assert "".join(CELLS[24]["source"]).startswith("## Step 3")
+    assert "".join(CELLS[35]["source"]).startswith("## Exercise")
+    code = [(i, *_bound_and_loaded("".join(c["source"]))) for i, c in enumerate(CELLS) if c["cell_type"] == "code"]
+    optional_only = set().union(*(b for i, b, _ in code if part(i) is not None))
+    missing = {}
+    for i, bound, loaded in code:
+        available = bound.union(*(b for j, b, _ in code if j < i and part(j) in (None, part(i))))
+        need = (loaded & optional_only) - available
+        if need:
+            missing[i] = sorted(need)
+    assert missing == {}, missing
+    fsdp = next(i for i, _, _ in code if "def fsdp_over_dp" in "".join(CELLS[i]["source"]))
+    assert part(fsdp) == 30
