@@ -102,18 +102,25 @@ class NotebookCells:
 
 
 def stored_text(cell: dict) -> str:
-    """Everything a code cell shows as text: streams, and the folded verdicts' HTML."""
+    """Everything a code cell shows as text: streams, and the folded verdicts' HTML. Consecutive
+    outputs of one stream are one text, as JupyterLab shows and saves them (a kernel may send a
+    line in two messages, depending on when it flushes)."""
     import html
     import re
     parts = []
+    previous = None
     for o in cell["outputs"]:
-        if o["output_type"] == "stream":
+        if o["output_type"] == "stream" and previous is not None \
+                and previous["output_type"] == "stream" and previous["name"] == o["name"]:
+            parts[-1] += "".join(o["text"])
+        elif o["output_type"] == "stream":
             parts.append("".join(o["text"]))
         elif "text/html" in o.get("data", {}):
             page = "".join(o["data"]["text/html"]).replace("<br>", "\n")
             parts.append(html.unescape(re.sub(r"<[^>]+>", "", page)))
         elif "text/plain" in o.get("data", {}):
             parts.append("".join(o["data"]["text/plain"]))
+        previous = o
     return "\n".join(parts)
 
 
