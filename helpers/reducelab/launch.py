@@ -80,7 +80,6 @@ def validate(world_size, backend, timeout) -> None:
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
 
 
-
 def loopback_interface() -> str:
     """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS).
 

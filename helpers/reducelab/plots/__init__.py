@@ -65,7 +65,6 @@ the first figure is made (:mod:`reducelab.plots.agg`); a learner's own plots aft
 follow the same palette and sizes."""
 
 
-
 def new_figure(width: float, height: float, layout_key=None, layout: bool = True) -> Figure:
     """A matplotlib ``Figure`` of ``width`` x ``height`` inches with an Agg canvas attached.
 
