@@ -104,3 +104,78 @@ def test_a_kernel_imports_matplotlib_while_the_learner_reads():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def _kernel_runner():
+    from jupyter_client.manager import start_new_kernel
+    km, kc = start_new_kernel(kernel_name="python3")
+
+    def run(code: str) -> str:
+        out: list[str] = []
+        kc.execute_interactive(code, timeout=180, output_hook=lambda m: out.append(
+            m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+        return "".join(out).strip()
+    return km, kc, run
+
+
+RANKS_HAVE = ("print(g.run(lambda: [m in __import__('sys').modules for m in "
+              "('torch.distributed.tensor', 'torch.distributed.fsdp')]))")
+
+
+def test_a_kernel_imports_what_the_setup_cell_names_while_the_learner_reads():
+    """``import_while_reading`` (issue 23: DTensor and FSDP cost about 0.6 s each after
+    torch, so a setup cell that imported them took 2 times a bare ``import torch``): the
+    setup cell ends without them; once the kernel has been idle they are imported, and
+    the setup cell's group, whose ranks have run nothing, is started again from the
+    forkserver with them, so a rank's first DTensor or FSDP call imports nothing."""
+    import time
+
+    from reducelab import processes
+    km, kc, run = _kernel_runner()
+    try:
+        assert run("import sys\nfrom reducelab import LocalGroup, import_while_reading\n"
+                   "print(import_while_reading('torch.distributed.tensor', "
+                   "'torch.distributed.fsdp'))\ng = LocalGroup(2, timeout=60)\n"
+                   "print([m in sys.modules for m in ('torch.distributed.tensor', "
+                   "'torch.distributed.fsdp')])") == "True\n[False, False]"
+        deadline = time.monotonic() + 60
+        while run("print('torch.distributed.fsdp' in sys.modules)") != "True":
+            assert time.monotonic() < deadline, "the idle kernel never imported them"
+            time.sleep(processes.READING_DELAY)
+        assert run(RANKS_HAVE) == "[[True, True], [True, True]]"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_run_before_the_kernel_was_idle_makes_the_imports_first():
+    """Run All: the cell after the setup cell runs on the ranks at once. The first run
+    makes the imports ``import_while_reading`` was given and starts the group's ranks
+    again with them, as a setup cell that imported them itself got."""
+    km, kc, run = _kernel_runner()
+    try:
+        assert run("import sys\nfrom reducelab import LocalGroup, import_while_reading\n"
+                   "import_while_reading('torch.distributed.tensor', 'torch.distributed.fsdp')\n"
+                   "g = LocalGroup(2, timeout=60)\n" + RANKS_HAVE) == "[[True, True], [True, True]]"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_import_while_reading_names_a_module_it_cannot_find_and_schedules_nothing():
+    result = fresh("""
+        import json, sys
+        from reducelab import import_while_reading, processes
+        try:
+            import_while_reading("torch.distributed.tensor", "torch.distributed.tensr")
+        except ModuleNotFoundError as e:
+            error = str(e)
+        print("RESULT", json.dumps({"error": error, "pending": processes._reading,
+                                    "imported": "torch.distributed.tensor" in sys.modules,
+                                    "now": import_while_reading("torch.distributed.fsdp"),
+                                    "fsdp": "torch.distributed.fsdp" in sys.modules}))
+    """)
+    assert result["error"].startswith("import_while_reading(): no module named "
+                                      "'torch.distributed.tensr' is installed")
+    assert result["pending"] == [] and not result["imported"]
+    assert result["now"] is False and result["fsdp"]     # outside a kernel: at once

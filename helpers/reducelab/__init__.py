@@ -5,8 +5,9 @@ Start with :class:`LocalGroup` (notebook 01).
 from .errors import GroupBusyError, GroupClosedError, RankError, RankReport
 from .determinism import setup
 from .group import LocalGroup
+from .processes import import_while_reading
 
-__all__ = ["GroupBusyError", "GroupClosedError", "LocalGroup", "RankError", "RankReport", "setup", "load_ipython_extension"]
+__all__ = ["GroupBusyError", "GroupClosedError", "LocalGroup", "RankError", "import_while_reading", "RankReport", "setup", "load_ipython_extension"]
 
 
 def _prewarm() -> None:

@@ -399,6 +399,123 @@ def release_requests() -> None:
         _released_later[:] = [pid]  # the server has WITH_TORCH: torch imports it
 
 
+READING_DELAY = 0.5
+"""Seconds a Jupyter kernel stays idle after the cell that called
+:func:`import_while_reading` before it imports the modules named there."""
+_reading: list[str] = []  # modules import_while_reading was given and has not imported yet
+
+
+def import_while_reading(*modules: str) -> bool:
+    """Import ``modules`` (dotted names, e.g. ``"torch.distributed.tensor"``) in this
+    kernel, and have the ranks' forkserver import those it can preload, while the
+    learner reads: after the current cell has ended and the kernel has been idle for
+    :data:`READING_DELAY` seconds, or at the start of the next :meth:`LocalGroup.run`,
+    whichever comes first. Returns ``True`` if the imports wait for one of those,
+    ``False`` if they were made at once (outside a Jupyter kernel, or already imported).
+
+    Why: DTensor, FSDP2 and distributed checkpoint (DCP) cost about 0.6 s of CPU each to
+    import after torch (most of it ``sympy``, through ``torch.fx.experimental
+    .symbolic_shapes``; ``python -X importtime``, torch 2.13): a setup cell that imports
+    them took about 2 times a bare ``import torch`` (issue 23's goal: 1.3 times). A
+    notebook's setup cell names them here and imports them in the step that uses them,
+    where the import is then already done. The ranks get them as they get what a setup
+    cell imports (:func:`hold_requests_for_first_cell`): the server imports them in the
+    background and a group whose ranks have run nothing yet is started again from it
+    before its first run, so the first DTensor or FSDP call is as fast as before.
+
+    The imports run on the kernel's own thread (IPython's ``post_run_cell`` event, then
+    ``call_later`` on its event loop), never beside a cell's own code.
+
+    Raises ``ModuleNotFoundError`` naming the module, before anything is imported or
+    scheduled, for a name that no installed module has."""
+    for name in modules:
+        if not isinstance(name, str):
+            raise TypeError(f"import_while_reading() takes module names, such as "
+                            f"'torch.distributed.tensor'; got {name!r}")
+        if not _installed(name):
+            raise ModuleNotFoundError(f"import_while_reading(): no module named {name!r} is "
+                                      f"installed in this kernel (torch {_torch_version()})",
+                                      name=name)
+    _reading.extend(m for m in modules if m not in sys.modules and m not in _reading)
+    if not _reading:
+        return False
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is None or not hasattr(shell, "events") or "ipykernel" not in sys.modules:
+        import_read_modules()
+        return False
+
+    def at_cell_end(result=None) -> None:
+        import asyncio
+        shell.events.unregister("post_run_cell", at_cell_end)
+        try:
+            asyncio.get_running_loop().call_later(READING_DELAY, import_read_modules)
+        except RuntimeError:  # no running loop: the next run, or the step's own import
+            pass
+    shell.events.register("post_run_cell", at_cell_end)
+    return True
+
+
+def _installed(name: str) -> bool:
+    """Whether module ``name`` is installed, found without importing it or its parents
+    (``importlib.util.find_spec`` would import ``torch.distributed.checkpoint`` to find
+    ``torch.distributed.checkpoint.state_dict``)."""
+    import importlib.machinery
+    import importlib.util
+    parts = name.split(".")
+    if parts[0] in sys.modules:
+        spec = getattr(sys.modules[parts[0]], "__spec__", None)
+    else:
+        try:
+            spec = importlib.util.find_spec(parts[0])
+        except (ImportError, ValueError):
+            return False
+    for i in range(1, len(parts)):
+        full = ".".join(parts[:i + 1])
+        if full in sys.modules:
+            spec = getattr(sys.modules[full], "__spec__", None)
+            continue
+        path = getattr(spec, "submodule_search_locations", None)
+        if not path:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(full, list(path))
+    return spec is not None
+
+
+def _torch_version() -> str:
+    torch = sys.modules.get("torch")
+    return getattr(torch, "__version__", "not imported")
+
+
+def import_read_modules() -> None:
+    """Make the imports :func:`import_while_reading` left for later, if any, then ask
+    the forkserver for what it can preload of them (:func:`kernel_later`). If that names
+    DTensor, FSDP or DCP, a group whose ranks were forked in the setup cell's hold and
+    have run nothing yet is started again before its first run, with them
+    (:meth:`reducelab.LocalGroup.run`). An import that fails is left for the step's own
+    ``import`` line to raise, with torch's message."""
+    import importlib
+    if not _reading:
+        return
+    while _reading:
+        name = _reading.pop(0)
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the cell that imports it says why
+            continue
+    if _held:
+        return  # the end of the setup cell asks for them, with the rest
+    from .forkserver_imports import LATER, WITH_TORCH
+    wanted = kernel_later()
+    ask_for_later(wanted)
+    pid, later = _server()
+    if pid and later and any(m in LATER and m not in WITH_TORCH for m in wanted):
+        _released_later[:] = [pid]
+
+
 def _before_group(ctx) -> None:
     """Count a group start. Ask for the later imports this kernel's own imports call for
     (from the second group on; for the first group too when the kernel has imported some
