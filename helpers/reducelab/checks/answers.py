@@ -36,7 +36,7 @@ WHY = {
             "hold the result; SUM of positive inputs changes every rank.",
     },
     "02": {
-        1: "Every rank's. dst only decides where the gather (Step 4's part 3) sends the "
+        1: "Every rank's. dst only decides where the gather (Step 3's part 3) sends the "
             "sums; the cut and the reduce-scatter are the same for any dst. At 2 elements "
             "both lie in chunk 0, rank 0's, so its sum builds on rank 0 along 3 -> 2 -> 1 -> 0 "
             "as in Step 2: rank 1 is left with 1110, rank 2 with 1100, and rank 0, not dst, "
@@ -63,7 +63,8 @@ WHY = {
             "was done, and the write changed only rank 1's own x. The docs promise the result "
             "only once wait() has returned (for CPU collectives it blocks \"until the operation "
             "is completed\") and nothing about a tensor written before that. In a real "
-            "program nothing pins the moment: the next cell shows what timing alone does. "
+            "program nothing pins the moment, and timing alone decides (an optional part "
+            "after the lesson runs it). "
             "Wait first, then write.",
     },
     "03": {
