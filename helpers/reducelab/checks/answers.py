@@ -68,19 +68,22 @@ WHY = {
             "Wait first, then write.",
     },
     "03": {
-        1: "(2.0 + 0.0) / 2 = 1.0: each rank's mean counts once, whatever its batch size. "
-            "The global mean is 2.0 / 4 = 0.5. The one sample on rank 0 weighs as much as the "
-            "three samples on rank 1.",
+        1: "3. mean_of_means counts each rank's mean once, whatever its batch size, and "
+            "divides by world_size = 2. Rank 0's one sample is its whole mean, so it weighs "
+            "1/2: raised by 1, the result moves by 0.5. Each of rank 1's three samples is a "
+            "third of rank 1's mean and weighs 1/6. In the global mean every sample weighs "
+            "the same, 1/4. So mean_of_means gives (2.0 + 0.0) / 2 = 1.0, twice the global "
+            "mean 0.5: the small batch's sample pulls it its way.",
         2: "Added up over the four ranks, the gradients of sum / 32 would make the "
             "full-batch mean. But DDP averages the ranks' gradients instead of adding them: "
             "it divides each by world_size = 4 during backward() (notebook 04 shows where in "
             "torch), so a quarter of the reference is left. Multiplying each loss by "
             "world_size undoes that division.",
-        3: "0.25 = 1 / world_size, on every rank. all_reduce changed the loss's value, but "
+        3: "0.5 = 1 / world_size, on both ranks. all_reduce changed the loss's value, but "
             "autograd has no formula for it and passes the gradient through unchanged, as if "
             "it were the identity; only the division by world_size is left. So each rank gets "
-            "its own local gradient divided by 4: the four gradients differ, and no rank "
-            "learned from another's data. Nothing was exchanged in backward(). torch's "
+            "its own local gradient divided by 2: the two gradients differ, and no rank "
+            "learned from the other's data. Nothing was exchanged in backward(). torch's "
             "warning above says only that c10d::allreduce_ has no autograd kernel, and that "
             "this may be silently incorrect.",
     },
