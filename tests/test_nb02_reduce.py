@@ -934,3 +934,43 @@ def test_the_replays_send_schedule_is_commented_and_the_comments_hold():
                 assert senders[ws - 1:] in ([], [c]), (ws, n, seg)
                 rounds = [i for i, _ in sends]
                 assert all(b - a == per_rank for a, b in zip(rounds, rounds[1:]))
+
+
+def _bound_and_loaded(source: str) -> tuple[set, set]:
+    """The names a code cell binds and those it loads (IPython lines left out)."""
+    import ast
+    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+    bound, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+    return bound, loaded
+
+
+def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
+    """Review 5: the core fits one study unit. NCCL's contract, the untimed race and the
+    popular answer's three examples follow the summary, each marked optional; the myth
+    table stays in the core; no code cell outside them uses a name only they bind."""
+    from test_notebooks import OPTIONAL_MARK
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    summary = next(i for i, t in enumerate(text) if t.startswith("## Summary"))
+    marks = [i for i, t in enumerate(text) if OPTIONAL_MARK.search(t)]
+    reading = next(i for i, t in enumerate(text) if t.startswith("## Further reading"))
+    assert [text[i].split("\n")[0] for i in marks] == [
+        "## What NCCL does with `x` (optional, after the lesson)",
+        "## A write before `wait()`, left to timing (optional, after the lesson)",
+        "## The popular answer's examples, run (optional, after the lesson)"]
+    assert summary < marks[0] and marks[-1] < reading
+    assert "## Myth vs reality" in "\n".join(text[:summary])
+    code = [(i, *_bound_and_loaded(t)) for i, t in enumerate(text) if cells[i]["cell_type"] == "code"]
+    optional = lambda i: marks[0] <= i < reading
+    only_there = set().union(*(b for i, b, _ in code if optional(i))) - set().union(*(b for i, b, _ in code if not optional(i)))
+    assert only_there and not [(i, loaded & only_there) for i, _, loaded in code
+                               if not optional(i) and loaded & only_there]
