@@ -139,12 +139,24 @@ def all_reduce_signed():
     return value.item()
 
 
-def test_signed_inputs_sum_to_a_plain_zero_not_minus_zero(group):
-    """Question 2's cell prints the sum as it comes: +1 - 1 + 2 - 2 rounds to +0.0 on
-    every rank, so no "-0" shows and no "+ 0.0" is needed (which would hint the answer)."""
-    group.resize(4)
-    for total in group.run(all_reduce_signed):
-        assert total == 0.0 and math.copysign(1.0, total) == 1.0 and f"{total:g}" == "0"
+def test_question_2_on_five_ranks_sums_to_the_one_input_nothing_cancels(group):
+    """Question 2 (review 5, 01-2: +1, -1, +2, -2 summing to 0 was trivial): five ranks hold
+    +1, -1, +2, -2, +3; the pairs cancel and every rank holds 3, no more than the largest
+    input. The stored reveal shows that run; nothing above the question says it."""
+    group.resize(5)
+    assert group.run(all_reduce_signed) == [3.0] * 5
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    q = next(c for c in cells if "".join(c["source"]).startswith("def all_reduce_signed"))
+    assert "group.resize(5)" in "".join(q["source"])
+    shown = "".join("".join(o["data"]["text/html"]) for o in q["outputs"] if "data" in o)
+    assert "gives 3.0." in shown and re.search(r"rank 4: \+3 -(>|&gt;) 3\b", shown), shown
+    text = notebook_cells()
+    above = "\n".join(text[:next(i for i, c in enumerate(text) if c.startswith("answer_2 = None"))])
+    assert "+1, -1, +2, -2, +3" in above
+    for spoiler in ("= 3", "-> 3", "cancel", "+ 3 ="):
+        assert spoiler not in above.split("**Question 2.**")[1], spoiler
+    from reducelab.checks import why
+    assert "1 - 1 + 2 - 2 + 3 = 3" in why("01", 2)
 
 
 def changed_by(op, values):
@@ -219,19 +231,31 @@ def test_the_same_tensor_reduced_twice_gives_world_size_times_the_sum(group):
     assert after.startswith("10, then 40") and "running metric" in after and "DDP" in after
 
 
-def test_the_table_shows_sum_mean_their_ratio_and_the_largest_input():
-    """A second review: the table proved a definition (world_size x mean); it now shows
-    SUM, the mean, SUM / mean (world_size in every row) and the largest |input|."""
+def test_the_table_sets_each_sum_against_its_ceiling():
+    """Review 5 (01-1): SUM / mean was world_size in every row, an identity. The table now
+    shows |SUM| / (world_size x largest |input|): 1.00 for equal inputs, 0.00 for inputs
+    that cancel wholly (+1, -1, +2, -2, the old question 2's case), between for the rest;
+    each stored ratio is re-derived from the stored SUM and largest |input|."""
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     cell = next(c for c in cells if "".join(c["source"]).startswith("def all_reduce_inputs"))
+    assert "group.resize(4)" in "".join(cell["source"])
     rows = "".join(cell["outputs"][0]["text"]).splitlines()
-    assert "SUM   mean  SUM / mean  largest |input|" in rows[0], rows[0]
+    assert "SUM  largest |input|  |SUM| / (world_size × largest)" in rows[0], rows[0]
+    ratios = {}
     for row in rows[1:]:
-        total, mean, ratio, largest = (float(v) for v in row.split()[-4:])
-        assert ratio == 4 and total == pytest.approx(4 * mean)
-        assert abs(total) <= 4 * largest + 1e-6
+        total, largest, ratio = (float(v) for v in row.split()[-3:])
+        assert ratio == round(abs(total) / (4 * largest), 2) and 0 <= ratio <= 1, row
+        ratios[row.split("(")[1].split(")")[0]] = ratio
+    assert ratios["equal"] == 1.0 and ratios["opposed"] == 0.0
+    assert 0 < ratios["signed"] < ratios["positive"] < ratios["close"] < 1
     text = "".join(cells[cells.index(cell) + 1]["source"]).split("## Step 3")[0]
-    assert len(re.findall(r"[.!?](?:\s|$)", text.strip())) == 3, text
+    assert "ceiling" in text and "(row 3)" in text and "(row 5)" in text
+    assert "`world_size` times the mean" in text
+
+
+def test_sum_over_mean_is_no_longer_shown_as_a_finding():
+    text = "\n".join(notebook_cells())
+    assert "SUM / mean" not in text
 
 
 def test_question_3_asks_which_ranks_change_and_the_run_answers_0_and_2(group):
@@ -246,6 +270,12 @@ def test_question_3_asks_which_ranks_change_and_the_run_answers_0_and_2(group):
     q = next(c for c in cells if "".join(c["source"]).startswith("def changed_by"))
     shown = "".join("".join(o["data"]["text/html"]) for o in q["outputs"] if "data" in o)
     assert "The real run gives [0, 2]." in shown
+    # review 5 (01-3): [2, 0] names the same ranks; the cell compares as sets do
+    same = "same=lambda a, b: sorted(a) == sorted(b)"
+    assert same in "".join(q["source"]) and "in any order" in text
+    compare = eval(same.split("=", 1)[1])
+    assert reveal([2, 0], [0, 2], "", same=compare).passed
+    assert not reveal([0, 1], [0, 2], "", same=compare).passed
 
 
 def test_question_3_asks_about_inputs_the_table_did_not_show():
@@ -656,3 +686,44 @@ def test_stored_max_example_raises_no_value_lowers_none():
     assert all(a == maximum for a in after)
     assert all(x >= y for a, b in zip(after, before) for x, y in zip(a, b))
     assert after[-1] == before[-1]                       # the rank holding the maximum keeps it
+
+
+def _bound_and_loaded(source: str) -> tuple[set, set]:
+    """The names a code cell binds and those it loads (IPython lines left out)."""
+    import ast
+    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+    bound, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+    return bound, loaded
+
+
+def test_the_optional_claims_follow_the_summary_and_no_core_cell_needs_them():
+    """Review 5 (01-4): the myth section opened with a script's NameError, a distraction.
+    That claim, and the ReduceOp docstring's, now follow the summary in a part marked
+    optional, the NameError last; the stored NameError output is kept. No code cell
+    outside that part uses a name only that part binds."""
+    from test_notebooks import OPTIONAL_MARK
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    summary = next(i for i, t in enumerate(text) if "## Summary" in t)
+    start = next(i for i, t in enumerate(text) if OPTIONAL_MARK.search(t))
+    reading = next(i for i, t in enumerate(text) if t.startswith("## Further reading"))
+    assert summary < start < reading
+    assert any("## Myth vs reality" in t for t in text[:summary])
+    name_error = next(i for i, t in enumerate(text) if "if __name__ == \"__main__\":" in t and cells[i]["cell_type"] == "code")
+    assert start < name_error < reading and all(cells[j]["cell_type"] == "markdown" for j in range(name_error + 1, reading))
+    out = "".join("".join(o.get("text", "")) for o in cells[name_error]["outputs"])
+    assert "NameError: name 'run' is not defined" in out
+    assert not any("NameError" in t for t in text[:start])
+    code = [(i, *_bound_and_loaded(t)) for i, t in enumerate(text) if cells[i]["cell_type"] == "code"]
+    optional = lambda i: start <= i < reading
+    only_there = set().union(*(b for i, b, _ in code if optional(i))) - set().union(*(b for i, b, _ in code if not optional(i)))
+    assert not [(i, loaded & only_there) for i, _, loaded in code if not optional(i) and loaded & only_there]

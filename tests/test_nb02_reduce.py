@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import conftest
+from reducelab.checks import reveal
 from reducelab.plots import message_png
 from reducelab.checks.reduce import check_reduce_to_owners, exercise_input, expected_sums
 from reducelab.plots.reduce import (FULL, PARTIAL, STATUS_HATCHES, UNCHANGED, ReduceGrid,
@@ -225,7 +226,10 @@ def test_the_nccl_paragraph_states_only_what_its_sources_say():
     except on root), says it was not run, and says the docstring promises only dst."""
     text = "\n".join(notebook_cells())
     assert "may leave other values" not in text and "MPI" not in text.split("## Step 5")[0]
-    part = text[text.index("**On NCCL**"):text.index("## Step 5")]
+    # review 5: NCCL notes are a digression, in a part marked optional after the summary
+    start = text.index("## What NCCL does with `x` (optional, after the lesson)")
+    assert text.index("## Summary") < start
+    part = text[start:text.index("## ", start + 3)]
     for fact in ("not run here", "`ProcessGroupNCCL::reduce`", "`ProcessGroupNCCL.cpp`", "`const`",
                  '"may be NULL on all calls except for root device"', "`nccl.h`",
                  "only the result on `dst` (Step 1)"):
@@ -797,7 +801,7 @@ def test_the_notebook_asks_before_it_explains():
     # outcomes stated evenly and nothing above it that says whether reduce copies x
     asked_3 = cells[q3 - 1].split("## Step 7")[1]
     for option in ('`"A"`: 11 in both runs', '`"B"`: 16 in both runs',
-                   '`"C"`: 16 in run (a), 11 in run (b)'):
+                   '`"C"`: 16 in run (a), 11 in run (b)', '`"D"`: 11 in run (a), 16 in run (b)'):
         assert option in asked_3, option
     assert "before `dst` (rank 0) has called `reduce`" in asked_3
     assert "after `dst`'s `work.wait()` has returned" in asked_3
@@ -869,3 +873,104 @@ def test_a_new_world_size_figure_is_built_while_the_ranks_run(group):
     ranks start and run (Explorer.preparation), not after them."""
     e = ReduceExplorer(group, reduce_once, world_size=4, dst=0, n=8)
     conftest.assert_new_world_size_is_built_on_the_preparer(e, e.plot)
+
+
+def test_question_3_has_four_even_options_and_reads_lower_case():
+    """Review 5 (02-4): with A, B and C, C was the only option whose runs differed. D (11,
+    then 16) is the other split; the cell maps each option to its runs, and reads "c" as
+    "C"."""
+    cell = next(c for c in notebook_cells() if "def write_at_a_pinned_moment" in c)
+    assert 'options = {"A": [11.0, 11.0], "B": [16.0, 16.0], "C": [16.0, 11.0], "D": [11.0, 16.0]}' in cell
+    same = "same=lambda a, b: str(a).strip().upper() == b"
+    assert same in cell
+    compare = eval(same.split("=", 1)[1])
+    assert reveal("c", "C", "", same=compare).passed and reveal(" C", "C", "", same=compare).passed
+    assert not reveal("d", "C", "", same=compare).passed
+
+
+def test_the_explorer_comes_after_question_1s_reveal():
+    """Review 5 (02-3): the explorer before question 1 invited the learner to move dst before
+    predicting. It now follows question 1's reveal, and nothing above question 1 points at it."""
+    cells = notebook_cells()
+    q1 = next(i for i, c in enumerate(cells) if "reveal(answer_1," in c)
+    explorer = next(i for i, c in enumerate(cells) if c.startswith("explorer = ReduceExplorer("))
+    assert q1 < explorer and cells[explorer - 1].startswith("## Step 4. Explore")
+    above = "\n".join(cells[:q1])
+    assert "predict first, then move it" not in above and "ReduceExplorer(group" not in above
+
+
+def test_reading_the_table_names_one_thing_and_explains_it():
+    """Review 5 (02-1): the text named three things to look for and explained one. It names
+    the 2-rank one, and the worked case derives both of its numbers (4 at n = 8, 0 at n = 2)."""
+    text = next(c for c in notebook_cells() if c.startswith("**Reading the table.**"))
+    assert "three things" not in text.lower()
+    assert "On 2 ranks, rank 1 keeps its input at `n` = 1 and 2" in text
+    assert "the table's 4" in text and "the table's 0" in text
+
+
+def test_the_replays_send_schedule_is_commented_and_the_comments_hold():
+    """Review 5 (02-2): the replay's send schedule was unexplained. Each of its two lines has a
+    comment; what the comment says is checked here on gloo's own formulas: a segment of chunk
+    c is sent first by rank c - 1, then by c - 2, ..., every per_rank rounds, reaches its
+    owner c last, and, if rounds remain, goes on to rank c - 1."""
+    import math
+    cell = next(c for c in notebook_cells() if "def ring_reduce_replay" in c)
+    lines = cell.splitlines()
+    loop = next(i for i, l in enumerate(lines) if "for i in range(num_segments - 2):" in l)
+    assert "sends in all" in lines[loop - 2] and "last two rounds" in lines[loop - 1]
+    k = next(i for i, l in enumerate(lines) if "k = ((r + 1) * per_rank + i) % num_segments" in l)
+    assert "first segment of chunk r + 1" in lines[k - 3] and "reaches its owner c last" in lines[k - 1]
+    for ws in range(2, 7):
+        for n in range(1, 60):
+            segment = math.ceil(n / (2 * ws))
+            num_segments = math.ceil(max(math.ceil(n / segment), 2 * ws) / ws) * ws
+            per_rank = num_segments // ws
+            for seg in range(num_segments):
+                c = seg // per_rank
+                sends = [(i, r) for i in range(num_segments - 2) for r in range(ws)
+                         if ((r + 1) * per_rank + i) % num_segments == seg]
+                senders = [r for _, r in sends]
+                assert senders[:ws - 1] == [(c - 1 - h) % ws for h in range(ws - 1)], (ws, n, seg)
+                assert senders[ws - 1:] in ([], [c]), (ws, n, seg)
+                rounds = [i for i, _ in sends]
+                assert all(b - a == per_rank for a, b in zip(rounds, rounds[1:]))
+
+
+def _bound_and_loaded(source: str) -> tuple[set, set]:
+    """The names a code cell binds and those it loads (IPython lines left out)."""
+    import ast
+    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+    bound, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+    return bound, loaded
+
+
+def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
+    """Review 5: the core fits one study unit. NCCL's contract, the untimed race and the
+    popular answer's three examples follow the summary, each marked optional; the myth
+    table stays in the core; no code cell outside them uses a name only they bind."""
+    from test_notebooks import OPTIONAL_MARK
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    summary = next(i for i, t in enumerate(text) if t.startswith("## Summary"))
+    marks = [i for i, t in enumerate(text) if OPTIONAL_MARK.search(t)]
+    reading = next(i for i, t in enumerate(text) if t.startswith("## Further reading"))
+    assert [text[i].split("\n")[0] for i in marks] == [
+        "## What NCCL does with `x` (optional, after the lesson)",
+        "## A write before `wait()`, left to timing (optional, after the lesson)",
+        "## The popular answer's examples, run (optional, after the lesson)"]
+    assert summary < marks[0] and marks[-1] < reading
+    assert "## Myth vs reality" in "\n".join(text[:summary])
+    code = [(i, *_bound_and_loaded(t)) for i, t in enumerate(text) if cells[i]["cell_type"] == "code"]
+    optional = lambda i: marks[0] <= i < reading
+    only_there = set().union(*(b for i, b, _ in code if optional(i))) - set().union(*(b for i, b, _ in code if not optional(i)))
+    assert only_there and not [(i, loaded & only_there) for i, _, loaded in code
+                               if not optional(i) and loaded & only_there]

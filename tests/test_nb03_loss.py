@@ -89,14 +89,44 @@ def test_mean_of_means_equals_the_global_mean_with_equal_batches(group):
 
 
 def test_question_1_one_sample_against_three():
-    # (2.0 + 0.0) / 2 against 2.0 / 4, as the notebook's question 1 sets it up
-    def q1():
-        losses = torch.tensor([2.0]) if dist.get_rank() == 0 else torch.zeros(3)
+    """Review 5 (03-1): question 1 was arithmetic on the code above it. It asks how many times
+    as much as one of rank 1's three samples rank 0's one sample counts in mean_of_means; the
+    run measures each weight (raise one sample's loss by 1, read how far the result moves):
+    1/2 against 1/6, so 3, where the global mean counts every sample the same."""
+    def q1(raise_rank, by):
+        rank = dist.get_rank()
+        losses = torch.tensor([2.0]) if rank == 0 else torch.zeros(3)
+        if rank == raise_rank:
+            losses[0] += by
         loss = losses.mean()
         dist.all_reduce(loss)
         return (loss / dist.get_world_size()).item()
     with LocalGroup(world_size=2, timeout=60) as g:
-        assert g.run(q1) == [1.0, 1.0]
+        as_given = g.run(q1, 0, 0.0)
+        assert as_given == [1.0, 1.0]
+        weight = [g.run(q1, r, 1.0)[0] - as_given[0] for r in (0, 1)]
+    assert weight[0] == pytest.approx(0.5) and weight[1] == pytest.approx(1 / 6, rel=1e-5)
+    assert round(weight[0] / weight[1], 4) == 3.0
+    cells = notebook_cells()
+    q = next(i for i, (s, _) in enumerate(cells) if s.startswith("answer_1 = None"))
+    assert "round(weight[0] / weight[1], 4)" in cells[q + 1][0]
+    shown = conftest.stored_text(cells[q + 1][1])
+    assert "The real run gives 3.0." in shown
+    assert "moves it by 0.5000 on rank 0, 0.1667 on rank 1" in shown
+    asked = cells[q - 1][0]
+    assert "how many times as much as one of rank 1's samples" in asked
+    for spoiler in ("1/2", "1/6", "three times", "3 times", "weighs more"):
+        assert spoiler not in "\n".join(s for s, _ in cells[:q + 2]), spoiler
+
+
+def test_the_three_questions_have_three_different_answers():
+    """Review 5 (03-2): questions 2 and 3 both answered 0.25 (and 04's question 2, 1/8).
+    Question 3 runs on two ranks now: 3, 0.25 and 0.5, each read from its stored reveal."""
+    gives = []
+    for s, c in notebook_cells():
+        if "reveal(answer_" in s:
+            gives.append(re.search(r"The real run gives ([^ <]+?)\.(?:\s|<)", conftest.stored_text(c)).group(1))
+    assert gives == ["3.0", "0.25", "0.5"], gives
 
 
 # --- the explorer ---------------------------------------------------------------------------
@@ -890,23 +920,26 @@ def test_distributed_sampler_pads_by_repeating_samples():
         "which then count twice in an epoch's mean" in text
 
 
-def test_question_3_asks_for_the_multiple_of_the_local_gradient_and_the_run_gives_a_quarter(group):
+def test_question_3_asks_for_the_multiple_of_the_local_gradient_and_the_run_gives_a_half(group):
     """A review (12:20): question 3 was a True/False give-away; it asks what multiple of
-    rank 0's local gradient its gradient is. The run gives 0.25 on every rank, stored."""
-    group.resize(4)
+    rank 0's local gradient its gradient is. Review 5 (03-2): it runs on two ranks, so its
+    answer, 0.5, differs from question 2's 0.25; stored."""
+    group.resize(2)
     for grad, local, _ in group.run(backward_through_all_reduce):
         ratio = (grad * local).sum().item() / (local * local).sum().item()
-        assert round(ratio, 4) == 0.25
+        assert round(ratio, 4) == 0.5
     cells = notebook_cells()
     q = next(i for i, (s, _) in enumerate(cells) if s.startswith("answer_3 = None"))
     assert "what multiple of its **local** gradient" in cells[q - 1][0]
+    assert "Try it on two ranks" in cells[q - 1][0]
+    assert "group.resize(2)" in cells[q + 1][0]
     shown = "".join("".join(o["data"].get("text/html", "")) for o in cells[q + 1][1]["outputs"]
                     if "data" in o)
-    assert "grad / local grad, rank by rank: [0.25, 0.25, 0.25, 0.25]" in shown
-    assert "The real run gives 0.25." in shown
+    assert "grad / local grad, rank by rank: [0.5, 0.5]" in shown
+    assert "The real run gives 0.5." in shown
     before = "\n".join(s for s, _ in cells[:q + 1])
     for spoiler in ("identity", "1 / world_size", "passes the gradient", "stays local",
-                    "its local grad / world_size", "0.25"):
+                    "its local grad / world_size", "half"):
         assert spoiler not in before, spoiler
 
 
@@ -914,8 +947,64 @@ def test_the_myth_section_is_marked_optional_and_counted_in_the_header():
     """A review (12:20) timed 03 at about 55 min against 40: Myth vs reality is marked
     optional, and the header counts it."""
     cells = notebook_cells()
-    assert "· parts marked optional: about 10 min more, after the lesson*" in cells[0][0]
+    assert "· parts marked optional: about 12 min more, after the lesson*" in cells[0][0]
     assert any(s.startswith("## Myth vs reality (optional, after the lesson)\n") for s, _ in cells)
+
+
+def _bound_and_loaded(source: str) -> tuple[set, set]:
+    """The names a code cell binds and those it loads (IPython lines left out)."""
+    import ast
+    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+    bound, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+    return bound, loaded
+
+
+def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
+    """Review 5: the core fits one study unit. Token-level losses (a second case of step 4's
+    normalisation) and the myth section follow the summary, each marked optional; the
+    learning goals say so; no code cell outside them uses a name only they bind."""
+    from test_notebooks import OPTIONAL_MARK
+    cells = notebook_cells()
+    text = [s for s, _ in cells]
+    summary = next(i for i, t in enumerate(text) if t.startswith("## Summary"))
+    marks = [i for i, t in enumerate(text) if OPTIONAL_MARK.search(t)]
+    reading = next(i for i, t in enumerate(text) if t.startswith("## Further reading"))
+    assert [text[i].split("\n")[0] for i in marks] == [
+        "## Token-level losses: count tokens, not samples (optional, after the lesson)",
+        "## Myth vs reality (optional, after the lesson)"]
+    assert summary < marks[0] and marks[-1] < reading
+    assert "Token-level losses, which need the global number of tokens, are an optional part" in text[0]
+    assert "token" not in text[summary].lower()
+    code = [(i, *_bound_and_loaded(t)) for i, (t, c) in enumerate(cells) if c["cell_type"] == "code"]
+    optional = lambda i: marks[0] <= i < reading
+    only_there = set().union(*(b for i, b, _ in code if optional(i))) - set().union(*(b for i, b, _ in code if not optional(i)))
+    assert not [(i, loaded & only_there) for i, _, loaded in code if not optional(i) and loaded & only_there]
+
+
+def test_the_variants_figure_shows_each_gradient_over_the_reference(drawn):
+    """Review 5 (03-3): "not normalised" (4 times the reference) dwarfed the other bars. The
+    figure divides each variant by the reference, element by element, and says so on its
+    axis: right variants stand at 1, "sum / global batch" at 0.25, "not normalised" at 4."""
+    cell = next(s for s, _ in notebook_cells() if s.startswith("VARIANTS = ("))
+    assert "gradient_variants(reference / reference, {v: g / reference for v, g in grads.items()}" in cell
+    assert 'ylabel="gradient / reference"' in cell
+    reference = torch.tensor([0.28, 1.24, -1.29, -1.11])
+    grads = {"right": reference.clone(), "quarter": reference / 4, "four": reference * 4}
+    gradient_variants(reference / reference, {v: g / reference for v, g in grads.items()},
+                      names=["w0", "w1", "w2", "bias"], ylabel="gradient / reference")
+    ax = drawn[-1].axes[0]
+    assert ax.get_ylabel() == "gradient / reference"
+    heights = sorted({round(p.get_height(), 4) for p in ax.patches})
+    assert heights == [0.25, 1.0, 4.0]
 
 
 def test_question_1_asks_for_the_recipe_not_the_arithmetic():

@@ -26,15 +26,17 @@ WHY = {
             "before shows 10 on every rank and the input is gone. To keep it, copy it "
             "first: before = value.clone(), as the explorer's rank function below does, or "
             "read a Python number with .item() as step 1 did.",
-        2: "SUM adds signed values: 1 - 1 + 2 - 2 = 0. The inputs cancelled, and nothing "
-            "grew.",
+        2: "SUM adds signed values: 1 - 1 + 2 - 2 + 3 = 3. The pairs cancel, and every rank "
+            "ends with 3, rank 4's input, which no other input cancels: nothing grew past "
+            "the largest input. Inputs that disagree in sign shrink a SUM; only inputs that "
+            "agree make it grow.",
         3: "MIN writes the smallest value, 1, into every rank's tensor. Ranks 1 and 3 "
             "already hold 1: a tie changes nothing, so both keep what they had, while ranks "
             "0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not already "
             "hold the result; SUM of positive inputs changes every rank.",
     },
     "02": {
-        1: "Every rank's. dst only decides where the gather (Step 4's part 3) sends the "
+        1: "Every rank's. dst only decides where the gather (Step 3's part 3) sends the "
             "sums; the cut and the reduce-scatter are the same for any dst. At 2 elements "
             "both lie in chunk 0, rank 0's, so its sum builds on rank 0 along 3 -> 2 -> 1 -> 0 "
             "as in Step 2: rank 1 is left with 1110, rank 2 with 1100, and rank 0, not dst, "
@@ -61,23 +63,27 @@ WHY = {
             "was done, and the write changed only rank 1's own x. The docs promise the result "
             "only once wait() has returned (for CPU collectives it blocks \"until the operation "
             "is completed\") and nothing about a tensor written before that. In a real "
-            "program nothing pins the moment: the next cell shows what timing alone does. "
+            "program nothing pins the moment, and timing alone decides (an optional part "
+            "after the lesson runs it). "
             "Wait first, then write.",
     },
     "03": {
-        1: "(2.0 + 0.0) / 2 = 1.0: each rank's mean counts once, whatever its batch size. "
-            "The global mean is 2.0 / 4 = 0.5. The one sample on rank 0 weighs as much as the "
-            "three samples on rank 1.",
+        1: "3. mean_of_means counts each rank's mean once, whatever its batch size, and "
+            "divides by world_size = 2. Rank 0's one sample is its whole mean, so it weighs "
+            "1/2: raised by 1, the result moves by 0.5. Each of rank 1's three samples is a "
+            "third of rank 1's mean and weighs 1/6. In the global mean every sample weighs "
+            "the same, 1/4. So mean_of_means gives (2.0 + 0.0) / 2 = 1.0, twice the global "
+            "mean 0.5: the small batch's sample pulls it its way.",
         2: "Added up over the four ranks, the gradients of sum / 32 would make the "
             "full-batch mean. But DDP averages the ranks' gradients instead of adding them: "
             "it divides each by world_size = 4 during backward() (notebook 04 shows where in "
             "torch), so a quarter of the reference is left. Multiplying each loss by "
             "world_size undoes that division.",
-        3: "0.25 = 1 / world_size, on every rank. all_reduce changed the loss's value, but "
+        3: "0.5 = 1 / world_size, on both ranks. all_reduce changed the loss's value, but "
             "autograd has no formula for it and passes the gradient through unchanged, as if "
             "it were the identity; only the division by world_size is left. So each rank gets "
-            "its own local gradient divided by 4: the four gradients differ, and no rank "
-            "learned from another's data. Nothing was exchanged in backward(). torch's "
+            "its own local gradient divided by 2: the two gradients differ, and no rank "
+            "learned from the other's data. Nothing was exchanged in backward(). torch's "
             "warning above says only that c10d::allreduce_ has no autograd kernel, and that "
             "this may be silently incorrect.",
     },

@@ -226,7 +226,8 @@ VARIANT_COLOURS = [PALETTE["black"], PALETTE["blue"], PALETTE["sky"], PALETTE["o
 
 def gradient_variants(reference, variants: Mapping[str, object],
                       names: Sequence[str] | None = None,
-                      title: str = "each variant's gradient against the full-batch reference") -> bytes:
+                      title: str = "each variant's gradient against the full-batch reference",
+                      ylabel: str = "gradient") -> bytes:
     """Grouped bars: the reference gradient and each variant's gradient, element by element.
 
     Series ``k`` (the reference is series 0) has colour ``VARIANT_COLOURS[k]`` and hatch
@@ -239,6 +240,9 @@ def gradient_variants(reference, variants: Mapping[str, object],
             at most 7 variants.
         names: ``p`` labels for the parameter elements (default ``"p0".."p{p-1}"``).
         title: the figure title.
+        ylabel: the y axis's label (notebook 03 plots each gradient divided by the
+            reference, ``"gradient / reference"``, so that a factor of 4 does not dwarf the
+            rest).
 
     Returns:
         PNG bytes of a 9.6 x 3.4 in figure.
@@ -271,7 +275,7 @@ def gradient_variants(reference, variants: Mapping[str, object],
     ax.axhline(0, color=PALETTE["black"], lw=0.8)
     ax.set_xticks(x, names)
     ax.set_xlabel("gradient element")
-    ax.set_ylabel("gradient")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=MIN_FONT + 1, loc="left")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), handlelength=2.4, handleheight=1.4)
