@@ -556,6 +556,17 @@ def steps_the_optimizer(model, x, y):        # a backward and an update while ev
     return _sum_and_count(loss.detach() * len(x), len(x))
 
 
+def with_gradients_enabled(model, x, y):     # right numbers, but no torch.no_grad(): a graph per forward
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    model.eval()
+    for buffer in model.module.buffers():
+        dist.broadcast(buffer, src=0)
+    value = _sum_and_count(F.mse_loss(model.module(x), y, reduction="sum").detach(), len(x))
+    model.train()
+    return value
+
+
 def returns_a_list(model, x, y):
     return [0.0]
 
@@ -567,6 +578,7 @@ def returns_a_list(model, x, y):
     (training_mode, "the model ran in training mode"),
     (left_in_eval_mode, "the model is still in eval mode"),
     (steps_the_optimizer, "The parameters changed during evaluate"),
+    (with_gradients_enabled, "the model's output required grad: evaluate ran with gradients enabled"),
     (returns_a_list, "Return the mean loss as a Python float"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
