@@ -879,3 +879,42 @@ def test_a_cell_runs_with_the_optional_parts_skipped():
         if need:
             missing[i] = (part, sorted(need))
     assert missing == {}, missing
+
+
+def _pending_through_clip_grad_norm_s_steps(X, y):
+    """On a rank: clip_grad_norm_'s steps on FSDP2's gradients (get_total_norm in
+    torch/nn/utils/clip_grad.py), each under CommDebugMode: its placements and collectives."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    grads = [p.grad for p in NB.fsdp_model_after_backward(X, y).parameters()]
+    steps = []
+    with CommDebugMode() as comms:
+        norms = torch._foreach_norm(grads, 2.0)
+    steps.append(("norms", str(norms[0].placements), comms.get_total_counts()))
+    with CommDebugMode() as comms:
+        stacked = torch.stack([n.to(grads[0].device) for n in norms])
+    steps.append(("stack", str(stacked.placements), comms.get_total_counts()))
+    with CommDebugMode() as comms:
+        total = torch.linalg.vector_norm(stacked, 2.0)
+    steps.append(("norm of norms", str(total.placements), comms.get_total_counts()))
+    return steps
+
+
+def test_a_pending_norm_stays_pending_through_stack_and_is_completed_before_the_norm_of_norms(group):
+    """Review 5 (14-2): question 2 was a guess, and "Nothing in that file calls
+    torch.distributed" leaned to False. The cell above it now states the rule: a pending value
+    stays pending through an operation that acts on each piece alike (torch.stack), and DTensor
+    completes it with an all_reduce before one that needs the value. Run here on the steps of
+    get_total_norm: the per-gradient norms and their stack stay _NormPartial with no
+    collective; the norm of norms runs one all_reduce first."""
+    group.resize(2)
+    steps = group.run(_pending_through_clip_grad_norm_s_steps, X, y)[0]
+    assert steps[0] == ("norms", "(_NormPartial(2.0),)", 0)
+    assert steps[1] == ("stack", "(_NormPartial(2.0),)", 0)
+    assert steps[2] == ("norm of norms", "(Replicate(),)", 1)
+    q2 = next(i for i, c in enumerate(CELLS) if "**Question 2.**" in "".join(c["source"]))
+    rule = ("A pending value stays pending through operations that act on each piece alike, such as "
+            "`torch.stack`; before one that needs the value itself, DTensor completes it with an "
+            "`all_reduce` on every rank")
+    assert rule in "".join(CELLS[q2]["source"]).split("**Question 2.**")[0]
+    assert "Nothing in that file calls `torch.distributed`" not in markdown()
+    group.resize(4)
