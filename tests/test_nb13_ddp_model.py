@@ -556,6 +556,17 @@ def steps_the_optimizer(model, x, y):        # a backward and an update while ev
     return _sum_and_count(loss.detach() * len(x), len(x))
 
 
+def with_gradients_enabled(model, x, y):     # right numbers, but no torch.no_grad(): a graph per forward
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    model.eval()
+    for buffer in model.module.buffers():
+        dist.broadcast(buffer, src=0)
+    value = _sum_and_count(F.mse_loss(model.module(x), y, reduction="sum").detach(), len(x))
+    model.train()
+    return value
+
+
 def returns_a_list(model, x, y):
     return [0.0]
 
@@ -567,6 +578,7 @@ def returns_a_list(model, x, y):
     (training_mode, "the model ran in training mode"),
     (left_in_eval_mode, "the model is still in eval mode"),
     (steps_the_optimizer, "The parameters changed during evaluate"),
+    (with_gradients_enabled, "the model's output required grad: evaluate ran with gradients enabled"),
     (returns_a_list, "Return the mean loss as a Python float"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
@@ -734,7 +746,7 @@ def test_header_and_cited_questions():
     head = source_with("# What does DDP expect of my model?", "markdown")
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom", head)
     # the review's 60-70 min against a 45 min header: the myths are marked optional, with their time
-    assert "· parts marked optional: about 10 min more, after the lesson*" in head
+    assert "· parts marked optional: about 20 min more, after the lesson*" in head
     assert "## Myth vs reality (optional, after the lesson)" in markdown()
     text = markdown()
     for cited in ("open-mmlab/mmdetection#2153", "open-mmlab/mmdetection#4742, 2021-03-10",
@@ -810,9 +822,15 @@ def test_freezing_after_wrapping_is_too_late_as_the_text_says():
     assert len(grads0) == len(grads1) == 1 and grads0[0] != grads1[0]       # step 1: no error, not averaged
     quote = "Expected to have finished reduction in the prior iteration before starting a new one"
     assert error0.startswith(quote) and error1.startswith(quote)
-    text = " ".join(source_with("A branch that no step uses can simply be frozen", kind="markdown").split())
+    text = " ".join(source_with("## Freezing a branch after wrapping (optional, after the lesson)", kind="markdown").split())
     assert ("Freezing **after** `DDP(model)`, a common fine-tuning slip, is too late: on 2 ranks the first step is "
             f"silently not averaged and the second raises \"{quote}\"") in text
+    # review 5 (13-4): the claim is run in the notebook too, and its stored output says the same
+    stored = stored_text(cell_with("def frozen_after_wrapping("))
+    assert "step 1 completed on both ranks: True; the same gradient on both: False" in stored
+    assert stored.count(f"step 2, rank 0: {quote}") == 1 and stored.count(f"step 2, rank 1: {quote}") == 1
+    assert "after wrapping it is too late (optional part at the end)" in source_with(
+        "A branch that no step uses can simply be frozen", kind="markdown")
 
 
 def test_reentrant_checkpointing_clashes_with_find_unused_parameters_as_stored(group):
@@ -981,3 +999,48 @@ def test_moe_experts_without_tokens_are_unused_only_when_skipped():
     assert expert.weight.grad is not None and not expert.weight.grad.any()
     text = " ".join(markdown().split())
     assert "leaves that expert unused on that rank only (an expert run on zero tokens still gets a gradient, of zeros)" in text
+
+
+# --- review 5: the core is one study unit, the late parts optional ------------------------------------
+def _bound_and_loaded(code: str) -> tuple[set, set]:
+    import ast
+    bound, loaded = set(), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+    return bound, loaded
+
+
+def test_a_cell_runs_with_the_optional_parts_skipped():
+    """Review 5 moved late parts after the summary and marked them optional (as 18 did after
+    its review's 18-1): a learner who stops at the first optional mark, or skips one
+    optional part, runs every other cell without a NameError. No core code cell needs a
+    name that only an optional part binds, and no optional part needs another's."""
+    import builtins
+
+    from test_notebooks import OPTIONAL_MARK
+    part, code = "core", []
+    for c in CELLS:
+        text = "".join(c["source"])
+        if c["cell_type"] == "markdown":
+            if OPTIONAL_MARK.search(text):
+                part = text.splitlines()[0]
+            elif re.search(r"^## ", text, re.M):
+                part = "core"
+        elif not text.lstrip().startswith("# group.close()"):
+            code.append((part, *_bound_and_loaded(text)))
+    assert sum(p != "core" for p, _, _ in code) >= 3 and code[0][0] == "core"
+    missing = {}
+    for i, (part, bound, loaded) in enumerate(code):
+        available = bound.union(*(b for p, b, _ in code[:i] if p in ("core", part)))
+        elsewhere = set().union(*(b for p, b, _ in code if p not in ("core", part)))
+        need = (loaded & elsewhere) - available - set(dir(builtins))
+        if need:
+            missing[i] = (part, sorted(need))
+    assert missing == {}, missing

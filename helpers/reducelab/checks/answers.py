@@ -313,10 +313,12 @@ WHY = {
             "on the model, the step and torch.no_grad(); model.module never runs a collective.",
     },
     "14": {
-        1: "The squared 2-norm is a sum over elements, ‖g‖² = Σ g_i², and the two ranks hold "
-            "different elements, so ‖g‖² = a² + b²: norms of disjoint pieces add as squares. "
-            "A sum of norms is too large, a mean or a maximum too small. With n ranks holding "
-            "equal shares, each local norm is about ‖g‖ / √n.",
+        1: "Recipe 2. The squared 2-norm is a sum over elements, ‖g‖² = Σ g_i², and the two "
+            "ranks hold different elements, so ‖g‖² = n₀² + n₁²: norms of disjoint pieces add "
+            "as squares. Each rank all-reduces its n², and every rank takes the square root of "
+            "the sum. A sum of norms is too large, a maximum too small. Recipe 4 assumes that "
+            "each rank holds exactly half of the squares: close here, where the shares are "
+            "similar, but not the norm, and further off when a rank holds fewer rows, or none.",
         2: "In torch 2.13 every rank holds the whole norm. The norm of a Shard(0) DTensor is "
             "a scalar DTensor with the placement _NormPartial(2): each rank holds the norm of "
             "its own rows, and the value is their reduction, (Σ local²)^½, not yet computed "

@@ -106,7 +106,9 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
         this rank's share with rank 0's and with this rank's own buffers, "sizes",
         "buffers_ok": the buffers after fn are this rank's own or rank 0's, untouched by
         training, "parameters_changed", "training_after": every module in training mode
-        after fn, "next_step": "" or the error text the next training step raised}``.
+        after fn, "next_step": "" or the error text the next training step raised,
+        "through_wrapper": fn called the DDP wrapper, "built_graph": an output of the model
+        required grad during fn (evaluated without torch.no_grad())}``.
         Computed on copies before fn runs; one broadcast of rank 0's buffers.
     """
     import copy
@@ -146,10 +148,14 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
     params = [p.detach().clone() for p in model.module.parameters()]
     wrapper_calls = []                                  # forwards through the DDP wrapper
     hook = model.register_forward_pre_hook(lambda module, args: wrapper_calls.append(1))
+    graphs = []                                         # each forward of the model: did it record a graph?
+    graph_hook = model.module.register_forward_hook(
+        lambda module, args, output: graphs.append(bool(getattr(output, "requires_grad", False))))
     try:
         value = fn(model, xv[mine], yv[mine])
     finally:
         hook.remove()
+        graph_hook.remove()
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     training_after = all(m.training for m in model.modules())
@@ -171,7 +177,7 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
             "share_rank0": share_rank0, "share_own": share_own, "sizes": tuple(sizes),
             "buffers_ok": buffers_ok, "parameters_changed": parameters_changed,
             "training_after": training_after, "next_step": next_step,
-            "through_wrapper": bool(wrapper_calls)}
+            "through_wrapper": bool(wrapper_calls), "built_graph": any(graphs)}
 
 
 def _close_to(a: float, b: float) -> bool:
@@ -198,6 +204,12 @@ def _judge_evaluation(rows: list[dict]) -> tuple[str, str] | None:
     if any(row["parameters_changed"] for row in rows):
         return ("The parameters changed during evaluate: evaluating must not train. Leave "
                 "the optimizer and backward() out of it.", "trained while evaluating")
+    if any(row["built_graph"] for row in rows):
+        which = [r for r, row in enumerate(rows) if row["built_graph"]]
+        return (f"On rank(s) {', '.join(map(str, which))} the model's output required grad: "
+                f"evaluate ran with gradients enabled, so autograd recorded a graph of the forward "
+                f"(its activations kept in memory) for a backward that evaluation never runs. "
+                f"Evaluate under torch.no_grad().", "built a graph")
     if not all(row["training_after"] for row in rows):
         return ("After evaluate, the model is still in eval mode: the next training steps "
                 "would run without dropout and with BatchNorm's statistics frozen. Put the "
