@@ -700,10 +700,16 @@ def test_the_store_is_taught_once_where_step_4_shows_it_and_referred_to_after():
     texts = [s for s, kind in cells if kind == "markdown"]
     step_4 = next(t for t in texts if "## Step 4: what a launch listens on" in t)
     for said_once in ("a small key-value server", "`torchrun` agent of the first node hosts",
-                      "the agent hosts two", "connects to it as a client"):
+                      "connects to it as a client"):
         assert said_once in step_4, said_once
         assert markdown().count(said_once) == 1, said_once
-    assert "_create_tcp_store_server" in step_4                 # its source, beside it
+    # the internals (the two stores of --standalone, the launcher script) are an optional
+    # part after the summary: step 4's core is two sentences (fifth review, 07-2)
+    inside = next(t for t in texts if t.startswith("## Inside a `--standalone` launch (optional, after the lesson)"))
+    assert "the agent hosts two" in inside and markdown().count("the agent hosts two") == 1
+    assert "_create_tcp_store_server" in inside                 # its source, beside it
+    assert texts.index(inside) > texts.index(next(t for t in texts if t.startswith("## Summary")))
+    assert len(step_4.split("## Step 4: what a launch listens on")[1].split()) < 90
     assert not re.search(r"every interface|all interfaces|wildcard|`::`", step_4)
     question_1 = next(i for i, (s, _) in enumerate(cells) if s.startswith("**Question 1.**"))
     assert cells.index((step_4, "markdown")) < question_1
@@ -736,3 +742,55 @@ def test_the_slurm_template_runs_one_torchrun_per_node_and_parses():
         "--rdzv-id 4242 train.py".split())
     assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "node1:29400", "4242")
     assert "Static when each node's rank is known before the job starts" in text
+
+
+# --- fifth review: question 1's clue, the c10d checklist item, --max-restarts -------------
+def test_question_1_asks_about_gloo_and_the_store_apart_with_a_clue_not_the_answer():
+    """07-1: question 1 names the two listeners, gloo and the agent's store, and the clue
+    that only gloo reads GLOO_SOCKET_IFNAME; it does not say where the store binds."""
+    cells = [("".join(c["source"]), c["cell_type"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+    q1 = next(s for s, _ in cells if s.startswith("**Question 1.**"))
+    for clue in ("gloo, on each rank, and the `torchrun` agent's store", "only gloo reads that variable",
+                 "Think about each of the two"):
+        assert clue in q1, clue
+    assert not re.search(r"every interface|all interfaces|wildcard|`::`|0\.0\.0\.0", q1)
+
+
+def test_the_checklist_names_c10ds_master_addr_as_torch_builds_it():
+    """07-3: with the c10d rendezvous, MASTER_ADDR is node 0's agent's own name,
+    ``local_addr or socket.getfqdn()`` (RendezvousStoreInfo.build and the node
+    descriptor in dynamic_rendezvous.py), not the --rdzv-endpoint; --local-addr sets it."""
+    import inspect
+    from torch.distributed.elastic.rendezvous import api, dynamic_rendezvous
+    from torch.distributed.run import get_args_parser
+    assert "addr = local_addr or socket.getfqdn()" in inspect.getsource(api.RendezvousStoreInfo.build)
+    assert "local_addr or socket.getfqdn()" in inspect.getsource(dynamic_rendezvous._NodeDescGenerator.generate)
+    assert any("--local-addr" in a.option_strings for a in get_args_parser()._actions)
+    text = markdown()
+    checklist = next(t for t in text.split("\n\n") if "check from each node" in t)
+    for fact in ("with the c10d rendezvous, `MASTER_ADDR` is not the `--rdzv-endpoint`",
+                 "`socket.getfqdn()`", "`RendezvousStoreInfo.build`", "`127.0.1.1`", "`--local-addr`",
+                 "the rendezvous succeeds and `init_process_group` then fails", "`NCCL_DEBUG=INFO`"):
+        assert fact in checklist, fact
+    assert "MASTER_ADDR=localhost" in printed(notebook_code_cell("lo = loopback_interface()"))  # "`localhost` here"
+
+
+def test_max_restarts_and_the_restart_count_are_said_as_torchrun_documents_them():
+    """07-5: by default (0) a failed worker ends the job; --max-restarts N restarts the
+    workers up to N times, and TORCHELASTIC_RESTART_COUNT counts the restarts so far."""
+    import torch.distributed.run as run
+    from torch.distributed.run import get_args_parser
+    action = next(a for a in get_args_parser()._actions if "--max-restarts" in a.option_strings)
+    assert action.default == 0
+    assert "``TORCHELASTIC_RESTART_COUNT`` - The number of worker group restarts so far." in run.__doc__
+    text = markdown()
+    assert "By default (`--max-restarts 0`) the job ends there" in text
+    assert "`TORCHELASTIC_RESTART_COUNT`" in text.split("## Summary")[0]
+
+
+def test_the_trusted_network_is_taught_in_the_core():
+    """The learning goal 'why a multi-node job belongs on a trusted network' is taught before
+    the summary, now that the misconceptions are optional (fifth review: core <= 45 min)."""
+    core = markdown().split("## Summary")[0]
+    assert "has no authentication" in core and "trusted network only" in core
+    assert core.index("**Question 1.**") < core.index("has no authentication")

@@ -467,11 +467,12 @@ def test_the_late_parts_are_marked_optional_and_the_header_counts_them():
     part, the GPU part and Myth vs reality are marked optional where they start, and the
     header counts them in the form every notebook uses (test_notebooks.py holds the form)."""
     header = "".join(CELLS[0]["source"]).splitlines()[2]
-    assert header.endswith("· torch 2.13 · parts marked optional: about 15 min more, after the lesson*")
+    assert header.endswith("· torch 2.13 · parts marked optional: about 10 min more, after the lesson*")
     headings = [line for c in CELLS if c["cell_type"] == "markdown"
                 for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
     optional = [h for h in headings if h.endswith(" (optional, after the lesson)")]
-    assert optional == ["## Saving a `ZeroRedundancyOptimizer`'s state (optional, after the lesson)",
+    assert optional == ["## Explore the stages (optional, after the lesson)",      # review 5: core <= 45 min
+                        "## Saving a `ZeroRedundancyOptimizer`'s state (optional, after the lesson)",
                         "## On GPUs with NCCL (optional, after the lesson)",
                         "## Myth vs reality (optional, after the lesson)"], optional
     assert headings.index(optional[0]) == headings.index("## Exercise: ZeRO-1 by whole parameters, as "
@@ -482,7 +483,7 @@ def test_fsdp2_moved_to_notebook_15_and_08_stays_one_study_unit():
     prose = markdown().split("## Further reading")[0]                  # the reading list is not study
     assert 1500 < len(prose.split()) < 3300, len(prose.split())        # 4,095 before the split
     header = "".join(CELLS[0]["source"])
-    assert "About 40 min to study" in header and "s to run top to bottom" in header
+    assert re.search(r"About (3\d|4[0-5]) min to study", header) and "s to run top to bottom" in header
     assert "fully_shard" not in "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "code")
     assert NOTEBOOK_15.exists() and "notebook 15" in markdown()
 
@@ -693,6 +694,34 @@ def test_solution_passes_equals_torchs_own_bit_for_bit_and_the_world_size_is_res
             [("broadcast", 0), ("broadcast", 2), ("broadcast", 1), ("broadcast", 3)]
 
 
+def test_the_owners_are_asked_for_and_checked_first_without_giving_them(group):
+    """Fifth review, 08-4: the exercise asks which rank owns which tensor at world sizes 2
+    and 5; the answers have slots (owners_ws2, owners_ws5) that the check tests first,
+    against torch's own partition, and a wrong one is explained without the right ranks."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    stub = cell_with("# %load solutions/08_zero1_step.py")
+    assert "owners_ws2 = None" in stub and "owners_ws5 = None" in stub
+    assert "owners={2: owners_ws2, 5: owners_ws5}" in cell_with("check_zero1_step(group, zero1_step")
+    sol = conftest.load_solution("08_zero1_step")
+    shapes = [p.shape for p in make_model().parameters()]
+    for ws, owners in ((2, sol.owners_ws2), (5, sol.owners_ws5)):   # torch's own partition
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        zro = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+        zro.world_size, zro._partition_parameters_cache, zro.param_groups = ws, [], [{"params": params}]
+        parts = zro._partition_parameters()
+        assert [next(r for r, part in enumerate(parts) for p in part[0]["params"] if p is q)
+                for q in params] == owners, ws
+    assert check_zero1_step(group, sol.zero1_step, owners={2: sol.owners_ws2, 5: sol.owners_ws5})
+    none = check_zero1_step(group, sol.zero1_step, owners={2: None, 5: None})
+    assert not none and "owners_ws2 is still None" in none.message
+    unsorted = check_zero1_step(group, sol.zero1_step, owners={2: [0, 1, 1, 1], 5: [0, 1, 2, 3]})
+    assert not unsorted and "owners_ws5 is not the partition" in unsorted.message
+    assert "without sorting by size" in unsorted.message
+    for verdict in (none, unsorted):
+        assert "[0, 2, 1, 3]" not in verdict.message and "[0, 1, 1, 1]" not in verdict.message
+        assert "-> rank" not in verdict.message
+
+
 def test_the_notebook_stub_fails_and_says_what_is_missing(group):
     verdict = check_zero1_step(group, NB.zero1_step)
     assert not verdict and "It is this rank's own local gradient" in verdict.message
@@ -843,7 +872,7 @@ def test_explorer_figure_fits_and_legends_cover_no_data(drawn, world_size):
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     assert figure.write_values == (world_size <= 7)          # as the notebook says
-    assert "up to 7 ranks" in cell_with("## Step 3: explore")
+    assert "up to 7 ranks" in cell_with("## Explore the stages")
     for ax, texts, title in zip(figure.heat_axes, figure.cell_texts, figure.titles):
         assert mcolors.to_hex(ax.get_facecolor()) == mcolors.to_hex(NOT_HELD)
         width = ax.get_window_extent().width / len(figure.columns)
@@ -925,3 +954,18 @@ def test_zero_train_names_the_optimizers_it_knows(group):
     for fn in (NB.zero_train, helper.zero_train):
         with pytest.raises(RankError, match="optimizer_name must be 'Adam' or 'SGD', got 'adam'"):
             group.run(fn, "DDP", X, y, 1, "float32", "adam")
+
+
+def test_the_review_5_wording_holds():
+    """Fifth review: the table's ZeRO-1 row says whose schedule it is (ours all-reduces, the
+    paper's reduce-scatters, torch's ZeroRedundancyOptimizer broadcasts whole tensors: the
+    exercise) (08-1); the memory part says no stage shards the activations, which need
+    activation checkpointing, citing the ZeRO paper (08-2); question 2 asks about bit-for-bit
+    equality here, on gloo, not in general (08-5)."""
+    table = cell_with("## Step 2: ZeRO stages 1, 2 and 3, by hand")
+    row = next(line for line in table.splitlines() if line.startswith("| ZeRO-1"))
+    assert "ours" in row and "the paper's reduce-scatters" in row and "torch's broadcasts whole tensors" in row
+    memory = cell_with("**Memory.** The measured bars sit on the formulas")
+    assert "No stage shards the activations" in memory and "activation checkpointing" in memory
+    assert "Rajbhandari et al. 2020, section 3.2" in memory
+    assert "equal **bit for bit**, here, on gloo?" in cell_with("**Question 2.**")

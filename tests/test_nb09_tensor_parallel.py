@@ -85,7 +85,9 @@ def real_result(start: str) -> str:
 def test_the_header_gives_study_time_and_run_time():
     header = cells()[0][0]
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · "
-                     r"world sizes 1 to 4 · CPU only \(gloo\)\*", header), header[:200]
+                     r"world sizes 1 to 4 · CPU only \(gloo\)"
+                     r"( · parts marked optional: about \d+ min more, after the lesson)?\*", header), \
+        header[:200]
 
 
 # --- step 2: f and g by hand ----------------------------------------------------------
@@ -493,7 +495,17 @@ def cut_off(ids, w):
         return G.apply(no_sum(ids, w), None)
 
 
+class F(torch.autograd.Function):
+    """Notebook 09's step 2 defines a class F (Megatron-LM's f), which hides
+    ``torch.nn.functional`` imported as F (fifth review, 09-2)."""
+
+
+def functional_shadowed(ids, w):
+    return F.embedding(ids, w)
+
+
 @pytest.mark.parametrize("fn, words", [
+    (functional_shadowed, "F is step 2's autograd Function (Megatron-LM's f)"),
     (global_ids_as_rows, "IndexError: index out of range in self. A rank looked up a row its "
                          "shard does not have"),
     (no_sum, "this rank's share only"),
@@ -596,8 +608,19 @@ def test_the_nccl_part_prints_torchs_own_words_and_says_what_was_not_run():
             "for other backends.") in text
     assert "Letting the current stream block on the completion of the NCCL work." in \
         " ".join(text.split())
-    prose = next(src for src, _ in cells() if src.startswith("Stuck?"))
+    prose = next(src for src, _ in cells() if src.startswith("## On GPUs with NCCL"))
     assert "Nothing in this part was run here" in prose
+    assert prose.startswith("## On GPUs with NCCL (optional, after the lesson)\n")   # review 5
+
+
+def test_the_output_side_is_named_after_the_exercise():
+    """Fifth review, 09-3: after the exercise, one sentence on the vocab-parallel LM head
+    and Megatron-LM's vocab-parallel cross-entropy, which all-reduces per-token numbers
+    (max: ReduceOp.MAX; target logit and sum of exponentials: SUM), never the logits."""
+    prose = next(src for src, _ in cells() if src.startswith("Stuck?"))
+    for fact in ("LM head", "split by vocabulary", "cross-entropy", "largest logit",
+                 "sum of exponentials", "never the logits", "Shoeybi et al. 2019"):
+        assert fact in prose, fact
 
 
 # --- myth vs reality ----------------------------------------------------------------------

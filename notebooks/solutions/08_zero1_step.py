@@ -2,6 +2,13 @@
 # each parameter tensor owned whole by one rank.
 import torch.distributed as dist
 
+# 0. the owners of 0.weight (2,048 elements), 0.bias (32), 2.weight (320) and 2.bias (10):
+#    largest first, each to the rank holding the fewest elements so far.
+#    2 ranks: 0.weight -> 0; 2.weight -> 1 (0 < 2,048); 0.bias -> 1 (320 < 2,048); 2.bias -> 1.
+#    5 ranks: 0.weight -> 0, 2.weight -> 1, 0.bias -> 2, 2.bias -> 3; rank 4 owns nothing.
+owners_ws2 = [0, 1, 1, 1]
+owners_ws5 = [0, 2, 1, 3]
+
 
 def zero1_step(params, optimizer):
     world_size = dist.get_world_size()

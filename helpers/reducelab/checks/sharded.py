@@ -491,6 +491,44 @@ def _partition_mistake(what: str, name: str, used: int, owner: dict[str, int],
             "(the lowest rank among equals).")
 
 
+def _check_owners(owners: dict) -> str:
+    """Why the learner's predicted owners (``{world size: [owner of each parameter, in
+    model.parameters() order]}``) are not torch's partition, or ``""``. Names the rule a
+    wrong list follows and the tensors it places wrongly, never the right ranks."""
+    for ws, guess in owners.items():
+        name = f"owners_ws{ws}"
+        if guess is None:
+            return (f"{name} is still None. Before you write zero1_step: at world size {ws}, "
+                    f"which rank owns each of the 4 tensors? A list of {len(PARAM_NAMES)} ranks, "
+                    f"in model.parameters() order ({', '.join(PARAM_NAMES)}).")
+        if (not isinstance(guess, (list, tuple)) or len(guess) != len(PARAM_NAMES)
+                or not all(isinstance(r, int) and not isinstance(r, bool) for r in guess)):
+            return (f"{name} should be a list of {len(PARAM_NAMES)} ranks (integers), one per "
+                    f"tensor in model.parameters() order ({', '.join(PARAM_NAMES)}); got {guess!r}.")
+        if any(not 0 <= r < ws for r in guess):
+            return f"{name} names a rank outside 0 to {ws - 1}: the world size is {ws}."
+        theirs, torchs = dict(zip(PARAM_NAMES, guess)), _greedy(ws, sorted(PARAM_NAMES, key=_size,
+                                                                           reverse=True))
+        if theirs == torchs:
+            continue
+        wrong = [nm for nm in PARAM_NAMES if theirs[nm] != torchs[nm]]
+        text = (f"{name} is not the partition torch makes at world size {ws}: "
+                f"{', '.join(wrong[:-1]) + ' and ' if wrong[:-1] else ''}{wrong[-1]} "
+                f"{'goes' if len(wrong) == 1 else 'go'} to another rank.")
+        if set(guess) == {0}:
+            text += " Every tensor on rank 0 would leave the other ranks nothing to step."
+        elif theirs == _greedy(ws, PARAM_NAMES):
+            text += " Yours are the greedy rule in model.parameters() order, without sorting by size."
+        elif theirs == {nm: i % ws for i, nm in enumerate(PARAM_NAMES)}:
+            text += " Yours are round robin by position; torch looks at the sizes."
+        elif theirs == _greedy(ws, sorted(PARAM_NAMES, key=_size)):
+            text += " Yours are the greedy rule with the smallest tensor first."
+        return (text + " Go through the tensors largest first, and give each to the rank that "
+                "holds the fewest elements so far (the lowest rank among equals), counting "
+                "the elements each rank already holds.")
+    return ""
+
+
 def _peers(calls, collective: str) -> dict[str, int]:
     """``{parameter name: the src (or dst) of the first call of collective on it}``."""
     out = {}
@@ -629,7 +667,7 @@ def _policy(calls, owner: dict[str, int], ws: int, rank: int) -> str:
 
 
 def check_zero1_step(group: LocalGroup, zero1_step, world_sizes=EXERCISE_WORLD_SIZES,
-                     steps: int = EXERCISE_STEPS) -> Verdict:
+                     steps: int = EXERCISE_STEPS, owners: dict | None = None) -> Verdict:
     """Exercise of notebook 08: ``zero1_step(params, optimizer)`` must do one step of DDP +
     torch's ``ZeroRedundancyOptimizer`` on this rank: average every gradient over the
     ranks, step the parameters this rank owns (``optimizer`` holds exactly those), and
@@ -647,6 +685,11 @@ def check_zero1_step(group: LocalGroup, zero1_step, world_sizes=EXERCISE_WORLD_S
     recorded (:data:`RECORDED`): one broadcast per parameter and step, from its owner,
     and nothing but :data:`ALLOWED`.
 
+    ``owners``, where given, maps a world size to the learner's prediction of the owners
+    (a list of ranks, one per parameter in ``model.parameters()`` order: the exercise's
+    ``owners_ws2`` and ``owners_ws5``); it is checked first, against torch's partition, and
+    a wrong one is explained without the right ranks (fifth review, 08-4).
+
     Returns:
         A :class:`~reducelab.checks.Verdict`. A wrong answer is explained: a gradient that
         is the sum (Adam nearly hides it), the rank's own unaveraged gradient, a parameter
@@ -660,6 +703,9 @@ def check_zero1_step(group: LocalGroup, zero1_step, world_sizes=EXERCISE_WORLD_S
     if not callable(zero1_step):
         return failed(f"check_zero1_step needs your function zero1_step(params, optimizer), "
                       f"got {zero1_step!r}.")
+    why_owners = _check_owners(owners or {})
+    if why_owners:
+        return failed(why_owners, mistake="wrong owners")
     X, y = load_digits_tensors()
     ref = reference_run(X, y, steps)
     initial = initial_flat()

@@ -219,7 +219,8 @@ def check_vocab_parallel_embedding(group: LocalGroup, fn, tps=(2, 3)) -> Verdict
     Runs ``fn`` on real ranks at each tp degree in ``tps`` (the group is resized, then
     restored), with the loss ``(out * upstream).sum()`` the same on every rank, and
     compares with :func:`reference`. A wrong answer gets the likely mistake named: the
-    global ids used as rows of the shard (torch's ``IndexError``), no sum over the
+    global ids used as rows of the shard (torch's ``IndexError``), ``F.embedding`` or
+    ``F.one_hot`` where the notebook's class ``F`` hides ``torch.nn.functional``, no sum over the
     ranks, the ranks' results concatenated where they must be summed, tokens of other
     ranks contributing a row instead of zeros, a range test off by one at either end,
     the ``ids`` changed in place, rows of the table sent between the ranks in forward
@@ -247,6 +248,12 @@ def check_vocab_parallel_embedding(group: LocalGroup, fn, tps=(2, 3)) -> Verdict
                         f"(0 to {VOCAB - 1}). Either a global id was used as a row of the "
                         f"shard, or the test of which ids a rank holds let through an id "
                         f"of the next rank's range.")
+                elif "type object 'F' has no attribute" in e.first_summary:
+                    verdict.message += (
+                        " In notebook 09, F is step 2's autograd Function (Megatron-LM's f), "
+                        "defined after torch.nn.functional is usually imported as F: it "
+                        "hides that module and has no other attribute than apply. Write "
+                        "torch.nn.functional in full.")
                 elif "leaf Variable" in e.first_summary:
                     verdict.message += (" weight_shard is a leaf that requires grad: do not "
                                         "write into it; compute a new tensor from it.")
