@@ -31,7 +31,8 @@ import reducelab.widgets.shards as widget_module
 from reducelab import LocalGroup, RankError
 from reducelab.checks.answers import WHY
 from reducelab.checks.sharded import ATOL, LAYOUT, initial_flat, load_digits_tensors, reference_run
-from reducelab.checks.shards import (MESH_SHAPE, RecordingLoadPlanner, check_global_grad_norm,
+from reducelab.checks.load_planner import RecordingLoadPlanner
+from reducelab.checks.shards import (MESH_SHAPE, check_global_grad_norm,
                                      exercise_run, torch_log)
 from reducelab.plots import MAX_WIDTH
 from reducelab.plots.shards import CheckpointFigure, norm_figure

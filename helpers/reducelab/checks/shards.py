@@ -1,4 +1,4 @@
-"""Rank functions, a recording load planner and the exercise check of notebook 14
+"""Rank functions and the exercise check of notebook 14
 (clipping and checkpoints across shards).
 
 Everything here runs in the kernel and on the ranks alike (it needs only ``torch``):
@@ -10,8 +10,9 @@ Everything here runs in the kernel and on the ranks alike (it needs only ``torch
   cannot import a notebook, and ``tests/test_nb14_shards.py`` holds the two equal.
 * :func:`exercise_run` and :func:`check_global_grad_norm`: the exercise, the global
   gradient norm by hand on that mesh, where ``torch.nn.utils.clip_grad_norm_`` raises.
-* :class:`RecordingLoadPlanner`: ``torch.distributed.checkpoint``'s default load
-  planner, which also records what this rank reads, from which file.
+* :class:`~reducelab.checks.load_planner.RecordingLoadPlanner` (a module of its own:
+  it needs ``torch.distributed.checkpoint``, which this module leaves to the ranks that
+  save and load, since its import costs about 0.6 s of CPU after torch).
 * :func:`checkpoint_round_trip`: the explorer's rank function: an FSDP2 model saved with
   DCP by the first ``saved_on`` ranks and loaded by the first ``loaded_on`` ranks.
 
@@ -32,13 +33,12 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from ..data import load_digits_tensors
 from ..errors import RankError
 from ..group import LocalGroup
 from . import COLLECTIVES, Verdict, failed, passed, raised_on_ranks, restoring_world_size
-from .sharded import ATOL, global_batches, local_part, make_model, reference_run
+from .sharded import global_batches, local_part, make_model, reference_run
 
 MESH_SHAPE = (2, 2)
 """``(dp, tp)`` of the exercise: rank ``r`` has ``dp = r // 2`` and ``tp = r % 2``
@@ -355,29 +355,6 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
 
 # --- checkpoints ------------------------------------------------------------------------------
 
-class RecordingLoadPlanner(DefaultLoadPlanner):
-    """``torch.distributed.checkpoint``'s default load planner, which also records what
-    this rank reads: after ``dcp.load(..., planner=planner)``, :attr:`reads` holds one
-    ``(fqn, file, chunk_offsets, offsets_in_chunk, offsets_here, lengths)`` per read, in
-    the plan's order: the state dict key, the ``.distcp`` file (``_StorageInfo.relative_path``
-    in the checkpoint's metadata), where the saved chunk starts in the whole tensor,
-    where the read starts within that chunk and within this rank's tensor, and its shape
-    (tuples of ints, one per dimension; ``()`` for a value that is not a tensor, such as
-    an optimizer's ``param_groups``, read whole).
-
-    It changes nothing of what :class:`~torch.distributed.checkpoint.DefaultLoadPlanner`
-    plans: :meth:`create_local_plan` returns the parent's plan unchanged.
-    """
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        place = lambda value: () if value is None else tuple(value)  # noqa: E731 (None: not a tensor)
-        self.reads = [(item.dest_index.fqn, self.metadata.storage_data[item.storage_index].relative_path,
-                       place(item.storage_index.offset), place(item.storage_offsets),
-                       place(item.dest_offsets), place(item.lengths)) for item in plan.items]
-        return plan
-
-
 _GROUPS: dict = {}
 """On a rank: the process groups of :func:`checkpoint_round_trip`, by ``(world_size,
 ranks)``, made once per rank process (every rank creates them in the same order, as
@@ -414,6 +391,8 @@ def checkpoint_round_trip(path: str, saved_on: int, loaded_on: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+
+    from .load_planner import RecordingLoadPlanner
     rank = dist.get_rank()
     savers, loaders = _first_ranks(saved_on), _first_ranks(loaded_on)
     out = {}
@@ -438,5 +417,4 @@ def checkpoint_round_trip(path: str, saved_on: int, loaded_on: int) -> dict:
 
 
 __all__ = ["MESH_SHAPE", "WORLD_SIZE", "UNCOVERED", "NORM_RTOL", "tp_model_after_backward", "torch_log",
-           "exercise_run", "check_global_grad_norm", "RecordingLoadPlanner",
-           "checkpoint_round_trip"]
+           "exercise_run", "check_global_grad_norm", "checkpoint_round_trip"]
