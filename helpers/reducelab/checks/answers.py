@@ -110,7 +110,7 @@ WHY = {
             "with 1/N, an integer one as a SUM then a division. On 4 ranks even that gives "
             "the same bits: 1/4 is a power of two, so each product is exact (the last "
             "evidence column). With 3 ranks 1/3 is rounded, and the two ways differ in the "
-            "last bit of many elements. Neither is the exact mean: both round the result to "
+            "last bit of many elements (the last evidence row, run on 3 ranks). Neither is the exact mean: both round the result to "
             "the tensor's dtype, so a check against one process needs a tolerance.",
         3: "DTensor.from_local without shape= assumes even shards, so each rank infers the "
             "global shape from its own shard: 3 x 2 = 6 rows on the tp ranks that hold 3 rows "
