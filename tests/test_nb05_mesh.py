@@ -1058,3 +1058,106 @@ def test_a_missing_gradient_is_filled_by_the_solution_on_that_rank_only(group):
         return [p.grad.flatten()[0].item() for p in model.parameters()]
     out = group.run(run_and_release, step, load_solution().sync_grads)
     assert all(o == [1.0, 0.75, 0.75, 0.75] for o in out), out
+
+
+# --- review 5: one study unit; the parts after the lesson -------------------------------------
+def optional_parts() -> list:
+    """For each cell, the index of the cell that starts the optional part it is in, or None
+    (the marks of tests/test_notebooks.py's study_minutes)."""
+    from test_notebooks import OPTIONAL_MARK
+    parts, part = [], None
+    for i, c in enumerate(_cells()):
+        if c["cell_type"] == "markdown":
+            if OPTIONAL_MARK.search(_src(c)):
+                part = i
+            elif re.search(r"^## ", _src(c), re.M):
+                part = None
+        parts.append(part)
+    return parts
+
+
+def _bound_and_loaded(source: str) -> tuple[set, set]:
+    """The names a code cell binds and those it loads (IPython lines left out)."""
+    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+    bound, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+    return bound, loaded
+
+
+def test_a_cell_runs_with_the_optional_parts_skipped():
+    """Review 5 (05-1) moved step 3's precision digression, step 4's timing and step 5's
+    count of new process groups to optional parts at the end: no code cell may need a name
+    that only an optional part binds, unless it is in that part itself (the myths' DDP run
+    imports DDP itself, since the timing part that imported it now comes after)."""
+    cells, parts = _cells(), optional_parts()
+    code = [(i, *_bound_and_loaded(_src(c))) for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    optional_only = set().union(*(b for i, b, _ in code if parts[i] is not None)) - set().union(
+        *(b for i, b, _ in code if parts[i] is None))
+    missing = {}
+    for i, bound, loaded in code:
+        available = bound.union(*(b for j, b, _ in code if j < i and parts[j] in (None, parts[i])))
+        need = (loaded & optional_only) - available
+        if need:
+            missing[i] = sorted(need)
+    assert missing == {}, missing
+
+
+def test_the_digressions_are_optional_parts_after_the_exercise_and_the_core_keeps_their_rules():
+    """Review 5 (05-1) timed the core at about 70 min: the precision digression (finfo),
+    the timing of one call per tensor against a bucket, and the count of new process groups
+    are optional parts after the exercise, before the summary; the core keeps each rule in
+    a sentence that points to them."""
+    cells, parts = [_src(c) for c in _cells()], optional_parts()
+    exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/05_token"))
+    summary = next(i for i, c in enumerate(cells) if c.startswith("## Summary"))
+    for start, code in (("## How far from the exact mean? (optional, after the lesson)", "torch.finfo(dtype)"),
+                        ("## What the page's loop costs (optional, after the lesson)", "group.run(sync_cost"),
+                        ("## Making the group at every step (optional, after the lesson)", "def five_steps")):
+        i = next(i for i, c in enumerate(cells) if c.startswith(start + "\n"))
+        assert exercise < i < summary and parts[i] == i, start
+        assert parts[next(j for j, c in enumerate(cells) if code in c)] == i, code
+    core = "\n".join(c for c, p in zip(cells, parts) if p is None)
+    assert "make the group once, next to the mesh, never inside the training loop" in core
+    assert "pays a fixed cost" in core and "Compare with a tolerance, never `==`" in core
+
+
+def test_the_core_advises_reducing_in_float32_with_fsdp2_s_policy():
+    """Review 5 (05-3): the notebook showed bfloat16 means rounding and gave no remedy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    assert MixedPrecisionPolicy(reduce_dtype=torch.float32).reduce_dtype is torch.float32
+    cells, parts = [_src(c) for c in _cells()], optional_parts()
+    q2 = next(i for i, c in enumerate(cells) if "reveal(answer_2" in c)
+    said = cells[q2 + 1]
+    assert parts[q2 + 1] is None and "reduce gradients in float32" in said
+    assert "`MixedPrecisionPolicy(reduce_dtype=torch.float32)` (notebook 15)" in said
+    assert "reduce in float32" in next(c for c in cells if c.startswith("## Summary"))
+
+
+def test_question_2s_reveal_runs_the_3_rank_case_it_states():
+    """Review 5 (05-2): the reveal said 3 ranks differ in the last bit, and only 4 ran. The
+    question cell now runs 3 ranks too, and its stored evidence shows the difference."""
+    cell = next(c for c in _cells() if "reveal(answer_2" in _src(c))
+    assert "group.resize(3)" in _src(cell) and _src(cell).rstrip().count("group.resize(4)") == 2
+    shown = "".join(t for o in cell["outputs"] for t in o.get("data", {}).get("text/html", []))
+    assert ("float32 on 3 ranks: inputs times 1/3, then SUM, equal to SUM/3 bit for bit False; "
+            "more than 1 element in 10 differs True") in shown
+    assert "(the last evidence row, run on 3 ranks)" in why("05", 2)
+
+
+def test_question_1_is_not_answered_by_the_rule_above_it():
+    """Review 5 (05-4): the row-major rule stood right above question 1, which it answers.
+    It now follows the reveal; above the question only the 2 x 2 run shows the layout."""
+    cells = [_src(c) for c in _cells()]
+    q1 = next(i for i, c in enumerate(cells) if c.startswith("answer_1 = None"))
+    above = "\n".join(cells[:q1 + 2])
+    for rule in ("row-major", "r // cp", "ranks `cp` apart", "a column"):
+        assert rule not in above, rule
+    assert "The layout is row-major" in next(c for c in cells[q1:] if c.startswith("## Step 2"))

@@ -140,24 +140,27 @@ def test_each_rank_sends_2_n_minus_1_over_n_times_s(group):
     assert ring_bytes_per_rank(4, 4_000_000) == 6_000_000
 
 
-def test_question_2_rank_1_sends_the_most_of_10_elements_on_4_ranks(group):
-    """Question 2 (an expert review: the even case was arithmetic): 10 elements on 4 ranks
-    split 3, 3, 2, 2; rank 1 never sends the two short chunks twice, so it sends the most,
-    16 elements = 64 bytes, and the stored reveal says so."""
+def test_question_2_every_rank_sends_72_bytes_of_12_elements_and_the_why_follows_up_uneven(group):
+    """Question 2 (review 5, 06-2: the uneven case, which rank sends most, needed tracing all 6
+    steps): 12 elements on 4 ranks, 72 bytes per rank; the uneven case (10 elements, 3, 3, 2,
+    2: rank 1 sends the most, 64 bytes) is the follow-up in the why, run in the evidence."""
     assert [c.numel() for c in torch.ones(10).tensor_split(4)] == [3, 3, 2, 2]
     group.resize(4)
+    assert group.run(ring_bytes, NB["ring_all_reduce"], 12) == [72] * 4
+    assert 72 == ring_bytes_per_rank(4, 48)
     sent = group.run(ring_bytes, NB["ring_all_reduce"], 10)
     assert sent == [60, 64, 60, 56]
-    assert sum(sent) / 4 == ring_bytes_per_rank(4, 40)
     cells = _cells()
     stored = conftest.stored_text(cells[_index_of("reveal(answer_2")])
-    assert "The real run gives (1, 64)." in stored and "[60, 64, 60, 56]" in stored
-    assert WHY["06"][2].startswith("Rank 1, 64 bytes.")
+    assert "The real run gives 72." in stored and "[72, 72, 72, 72]" in stored
+    assert "(chunks of 3, 3, 2 and 2): [60, 64, 60, 56]" in stored
+    assert WHY["06"][2].startswith("72 bytes on every rank.")
+    assert "For rank 1 those are the two short chunks, so it sends the most" in WHY["06"][2]
     question = _src(cells[_index_of("**Question 2.**")])
-    assert "**10** elements" in question and "3, 3, 2 and 2" in question
+    assert "**12** elements (48 bytes)" in question and "How many bytes does each rank send" in question
     answer = _index_of("answer_2 = None")
     above = "\n".join(_src(c) + json.dumps(c.get("outputs", [])) for c in cells[:answer])
-    for spoiler in ("(1, 64)", "64 bytes", "16 elements", "[60, 64, 60, 56]", "chunk (r + 2)"):
+    for spoiler in ("72 bytes", "[72, 72", "1.5 times", "= 72"):
         assert spoiler not in above, spoiler
 
 
@@ -467,6 +470,7 @@ MISTAKES = [
     (notebook_stub, (2,), "zeros in every piece, as before the call"),
     (star, (3,), "rank 0 (src) sent to ranks 1, 2 itself: that is the root of reduce-then-broadcast"),
     (starts_at_zero, (2,), "Rank 1 (src) called recv: src holds the data from the start"),
+    (starts_at_zero, (2,), "rank 1's x afterwards: src's own data was overwritten: zeros in every piece;"),
     (store_and_forward, (3,), "rank 1 received all 4 pieces before it sent the first: store and forward"),
     (one_piece, (2,), "rank 0 sent 1 tensor (all); expected the 4 pieces of x.tensor_split(4)"),
     (own_buffers, (2,), "received 4 times but its x still holds zeros: it received into a tensor of its own"),
@@ -821,3 +825,60 @@ def test_the_phases_are_torchs_own_collectives_and_sharded_training_calls_them_a
     assert "- ZeRO-2 sends what DDP sends." in markdown_of("08_sharded_data_parallel.ipynb")
     assert "It sends about 1.5 times DDP's bytes, because it gathers the parameters again " \
         "before backward." in markdown_of("15_fsdp2.ipynb")
+
+
+# --- review 5: one study unit -----------------------------------------------------------------
+def test_the_misconceptions_are_optional_after_the_exercise_and_the_summary_is_core():
+    """Review 5 timed the core at about 60 min: the misconceptions (with question 3) are an
+    optional part after the exercise; the summary and further reading are cells of their
+    own after it; nothing in the core runs what only that part defines."""
+    from test_notebooks import OPTIONAL_MARK
+    cells = _cells()
+    start = _index_of("## Common misconceptions (optional, after the lesson)")
+    assert OPTIONAL_MARK.search(_src(cells[start]))
+    assert _index_of("check_chain_broadcast(chain_broadcast)") < start < _index_of("answer_3 = None")
+    summary = _index_of("## Summary")
+    assert _src(cells[summary]).startswith("## Summary") and "## Further reading" not in _src(cells[summary])
+    assert _src(cells[summary + 1]).startswith("## Further reading")
+    later = "\n".join(_src(c) for c in cells[summary:] if c["cell_type"] == "code")
+    for name in ("order_matters", "blocking_ring", "mismatched_recv", "ring_sum"):
+        assert name not in later, name
+    assert "an optional part at the end runs it" in _src(cells[_index_of("So on gloo, if every rank called `send` first")])
+
+
+def test_the_ring_s_rotation_and_torch_s_piece_r_on_rank_r_are_reconciled():
+    """Review 5 (06-1): step 3 said reduce_scatter leaves piece r on rank r, just after
+    question 1 found the ring leaves another chunk there. The text says both, without
+    stating question 1's answer."""
+    phases = _src(_cells()[_index_of("## Step 3: phase 2, all-gather")])
+    assert "Which complete chunk our ring leaves on which rank depends on where each chunk starts its " \
+           "trip (question 1); torch's collective promises piece `r` on rank `r`" in phases
+    assert "(r + 1)" not in phases
+
+
+def _mismatched_recv(buffer):
+    if dist.get_rank() == 0:
+        dist.send(torch.ones(4), dst=1)
+    else:
+        dist.recv(buffer, src=0)
+        return buffer.tolist()
+
+
+def test_a_recv_that_does_not_match_its_send_is_said_and_run_on_gloo():
+    """Review 5 (06-5): a send and recv of another size or dtype. On gloo the bytes must fit
+    the receive buffer, or the receiving process aborts; the same bytes as another dtype pass
+    silently. Run here, and stored in the optional part."""
+    from reducelab import LocalGroup, RankError
+    with LocalGroup(world_size=2, timeout=3, progress=False) as short:
+        got = short.run(_mismatched_recv, torch.empty(2, dtype=torch.float64))[1]
+        assert got == torch.ones(4).view(torch.float64).tolist()
+        with pytest.raises(RankError) as err:
+            short.run(_mismatched_recv, torch.empty(3))
+    assert any("SIGABRT" in r.summary for r in err.value.reports), [r.summary for r in err.value.reports]
+    cells = _cells()
+    i = _index_of("def mismatched_recv(buffer)")
+    shown = conftest.stored_text(cells[i])
+    assert "into 2 float64: no error, the bytes read as float64: [0.007812501848093234, 0.007812501848093234]" in shown
+    assert "rank 1: died: killed by SIGABRT" in shown
+    said = _src(cells[i - 1])
+    assert "gloo checks only that the bytes fit the receive buffer" in said and "a hang" in said

@@ -276,7 +276,12 @@ def _diagnose_chain(n: int, src: int, numel: int, pieces: int, out) -> str | Non
     return None
 
 
-def _describe_x(x: torch.Tensor, data: torch.Tensor, pieces: int) -> str:
+def _describe_x(x: torch.Tensor, data: torch.Tensor, pieces: int, is_src: bool = False) -> str:
+    """What ``x`` holds against src's ``data``; on src itself, which held the data before the
+    call, zeros mean its own data was overwritten (review 5, 06-4)."""
+    if is_src:
+        return "src's own data was overwritten: " + _describe_x(x, data, pieces).replace(
+            "zeros in every piece, as before the call", "zeros in every piece")
     if not x.any():
         return "zeros in every piece, as before the call"
     parts = []
@@ -348,7 +353,7 @@ def check_chain_broadcast(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXE
                 bad = next((r for r in _chain_order(n, src) if not torch.equal(out[r][0], data)), None)
                 if bad is not None:
                     return failed(f"{at}, rank {bad}'s x afterwards: "
-                                  f"{_describe_x(out[bad][0], data, pieces)}; expected src's "
+                                  f"{_describe_x(out[bad][0], data, pieces, bad == src)}; expected src's "
                                   f"x, {data.tolist()}." + (f" {hint}" if hint else ""))
                 if hint:
                     return failed(f"{at}, every rank ends with src's x, but "
