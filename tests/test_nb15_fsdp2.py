@@ -60,6 +60,13 @@ def cell_with(text: str, kind: str | None = None) -> str:
     return hits[0]
 
 
+def skipping_the_sync() -> str:
+    """What skipping the sync costs: memory and reduce-scatters in the core, the rest in an
+    optional part after the summary (review 5: the core ran past one study unit)."""
+    return cell_with("### What skipping the sync costs") + "\n" + cell_with(
+        "## More on accumulating with FSDP2 (optional, after the lesson)")
+
+
 def markdown() -> str:
     return "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
 
@@ -382,10 +389,19 @@ def test_the_version_statement_and_the_fix_are_cited():
 def test_one_study_unit():
     prose = markdown().split("## Further reading")[0]
     assert 1500 < len(prose.split()) < 3000, len(prose.split())
-    assert "About 40 min to study" in "".join(CELLS[0]["source"])
-    # the review's 60-70 min: the GPU part is marked optional, with its time in the header
-    assert "· parts marked optional: about 5 min more, after the lesson*" in "".join(CELLS[0]["source"])
-    assert "## On GPUs with NCCL (optional, after the lesson)" in markdown()
+    assert "About 42 min to study" in "".join(CELLS[0]["source"])
+    # the review's 60-70 min: the GPU part is marked optional, with its time in the header;
+    # review 5's 55-70 min: the explorer, the gloo failures and bug, FSDP2 against DDP and
+    # accumulation's further costs are optional too, after the summary
+    assert "· parts marked optional: about 10 min more, after the lesson*" in "".join(CELLS[0]["source"])
+    marks = [m for m in markdown().split("\n") if m.endswith("(optional, after the lesson)")]
+    assert marks == ["## Explore: FSDP2 beside the ZeRO stages (optional, after the lesson)",
+                     "## More on accumulating with FSDP2 (optional, after the lesson)",
+                     "## FSDP2 against DDP, in memory and traffic (optional, after the lesson)",
+                     "## What does not work on gloo (optional, after the lesson)",
+                     "## A gloo bug that summed (optional, after the lesson)",
+                     "## On GPUs with NCCL (optional, after the lesson)"], marks
+    assert markdown().index("## Summary") < markdown().index(marks[0])
 
 
 # --- the explorer, with FSDP2 -------------------------------------------------------------------
@@ -632,7 +648,7 @@ def test_zero_grad_between_unsynced_micro_batches_is_harmless(group):
     """The text: zero_grad clears p.grad only, so between unsynced micro-batches it does nothing."""
     verdict = check_accumulate_step(group, zero_grad_between_unsynced_micro_batches)
     assert verdict, verdict.message
-    assert "does nothing" in cell_with("### What skipping the sync costs")
+    assert "does nothing" in skipping_the_sync()
 
 
 def test_what_skipping_the_sync_costs_as_the_text_says(group):
@@ -646,7 +662,7 @@ def test_what_skipping_the_sync_costs_as_the_text_says(group):
             for sent in o["sent"]:
                 assert sent.count("reduce_scatter") == reduce_scatters and sent.count("all_gather") == 12
         assert [o["seen"][0][0][2] for o in out] == [2476] * 4   # sharded at the step, padded alike
-    text = cell_with("### What skipping the sync costs")
+    text = skipping_the_sync()
     for words in ("9,640 bytes (2,410 float32)", "2,476 bytes", "6 reduce-scatters per step instead of 2",
                   "4 times per micro-batch, 12 in a step of 3", "(the cell below runs this case on 4 ranks)",
                   "`FSDPParam._unsharded_param`"):
@@ -664,7 +680,7 @@ def test_the_gpu_part_claims_no_unmeasured_order_of_additions():
 def test_what_skipping_the_sync_costs_is_one_bullet_per_point():
     """A third review: memory, reduce-scatters, all-gathers, zero_grad and the never-synced
     case were packed into two paragraphs."""
-    text = cell_with("### What skipping the sync costs")
+    text = skipping_the_sync()
     bullets = [line for line in text.splitlines() if line.startswith("- **")]
     assert [b.split("**")[1] for b in bullets] == ["Memory.", "Reduce-scatters.", "All-gathers.",
                                                    "Counts per rank.", "`zero_grad()`",
@@ -694,7 +710,7 @@ def test_a_sync_never_turned_on_stops_training_as_the_verdict_says(group):
                   "its state stayed empty (0 parameters with state after step 2)",
                   "the parameters did not change", "never averaged over the ranks"):
         assert words in verdict.message, verdict.message
-    text = cell_with("### What skipping the sync costs")
+    text = skipping_the_sync()
     # the prose says it in one line; the details are the verdict's, asserted above
     assert "training runs on without an error and learns nothing (the check's verdict" in text
 
@@ -710,7 +726,7 @@ def test_a_sync_turned_on_later_sends_the_sum_of_both_steps(group):
     both = flat_gradient(start, X[first], y[first]) + flat_gradient(start, X[second], y[second])
     assert (got - both).abs().max() < 1e-7                           # step 1 changed nothing
     assert "that step uses the sum of both steps' gradients (the cell below runs this case" in \
-        cell_with("### What skipping the sync costs")
+        skipping_the_sync()
 
 
 def test_the_notebook_shows_a_late_sync_summing_both_steps_from_a_run(group):

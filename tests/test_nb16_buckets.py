@@ -397,9 +397,11 @@ def test_stored_question_1_has_two_buckets_folded():
 
 
 def test_stored_timeline_launched_bucket_0_early_in_every_pass():
-    """"In every pass, with both settings, rank 0 launched bucket 0 before the last
-    gradient was ready"."""
-    assert "In every pass, with both settings, rank 0 launched bucket 0 before the last gradient was ready" in markdown()
+    """"In every pass, with both settings, rank 0 launched bucket 0 before backward()'s
+    last gradient (0.weight) was ready" (a fifth review, 16-2: "before its last gradient"
+    read as impossible; the code's own words stay in its printed line)."""
+    assert ("In every pass, with both settings, rank 0 launched bucket 0 before `backward()`'s last gradient "
+            "(`0.weight`) was ready") in " ".join(markdown().split())
     out = stored("group.resize(2)\nruns = []")
     found = re.findall(r"(\d+) buckets;.*?ready in (\d+) of (\d+) passes", out)
     assert [b for b, _, _ in found] == ["2", "7"]
@@ -419,7 +421,11 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
             "buckets in `backward()` in every repeat") in text
     assert "more than five times its own median at 16 tensors" in text
     assert "14 α add up to a few milliseconds" in text
-    assert "the same order of magnitude, repeat by repeat (its median between 0.5 and 5)" in text
+    # a fifth review (16-3): "the same order of magnitude, repeat by repeat" against a stored
+    # 0.72 to 10; the text now claims the median only, and says the repeats spread wider
+    assert ("At 256 tensors the median of row `fewer calls ÷ (P − B)·α` lies between 0.5 and 5; single "
+            "repeats spread wider") in text
+    assert "repeat by repeat" not in text
     assert "division of every gradient" not in text and "here a floor" not in text
     assert "larger than `(P − B)·α`" not in text
     out = stored('group.resize(2)\ntook, B = {}, {}')
@@ -633,9 +639,10 @@ def test_the_outline_follows_the_skeleton_one_purpose_per_markdown_cell():
                        "## Step 3: what bucketing saves",
                        "## Step 4: communication hooks that send fewer bytes",
                        "## Step 5: fp16's range, and why DDP divides first", "## Step 6: explore",
-                       "## Exercise: DDP's buckets for a model of your own", "## Common misconceptions",
-                       "## On GPUs with NCCL", "## Summary", "## Further reading",
-                       "## When you are done"]
+                       "## Exercise: DDP's buckets for a model of your own", "## Summary",
+                       "## Common misconceptions (optional, after the lesson)",
+                       "## fp16 hooks under `GradScaler` (optional, after the lesson)",
+                       "## On GPUs with NCCL", "## Further reading", "## When you are done"]
     for text in markdown_cells()[1:]:
         inner = [line for line in text.splitlines()[1:] if line.startswith("## ")]
         assert not inner, text[:120]
@@ -646,8 +653,12 @@ def test_the_outline_follows_the_skeleton_one_purpose_per_markdown_cell():
     assert "follows notebooks 04 and 10" in head
     # a third review estimated about 60 min: the explorer and the GPU part are optional, and the header says so
     assert head.endswith("· parts marked optional: about 10 min more, after the lesson*")
-    optional = [t.splitlines()[0] for t in markdown_cells() if "*Optional, after the lesson.*" in t]
-    assert optional == ["## Step 6: explore", "## On GPUs with NCCL"]
+    optional = [t.splitlines()[0] for t in markdown_cells() if "*Optional, after the lesson.*" in t
+                or t.splitlines()[0].endswith("(optional, after the lesson)")]
+    # review 5 timed the core at 55-70 min: the summary now follows the exercise, and the
+    # misconceptions and GradScaler's fp16 overflow follow it, optional (study_minutes: 44.9)
+    assert optional == ["## Step 6: explore", "## Common misconceptions (optional, after the lesson)",
+                        "## fp16 hooks under `GradScaler` (optional, after the lesson)", "## On GPUs with NCCL"]
 
 
 def test_the_notebook_tags_every_timing_cell_and_quotes_no_time_in_its_text():
@@ -683,7 +694,7 @@ def test_the_texts_say_what_ddp_runs_without_a_hook_and_what_the_timeline_can_sh
 
 def test_the_gpu_part_says_what_was_not_run():
     text = markdown()
-    part = text[text.index("## On GPUs with NCCL"):text.index("## Summary")]
+    part = text[text.index("## On GPUs with NCCL"):text.index("## Further reading")]
     assert "Nothing here was run" in part
     for fact in ("queued", "torch.cuda.synchronize()", "10 minutes, gloo's 30",
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "watchdog", "py-spy dump", "NCCL 2.10+",
@@ -704,3 +715,24 @@ def test_questions_1_and_2_stay_unspoiled_from_the_top():
     assert "first bucket" not in above_1 and "1 MiB" not in above_1
     above_2 = "\n".join(c for c in srcs[:second] if not c.startswith(("def", "print")))
     assert "subnormal" not in above_2 and "2⁻²⁴" not in above_2 and "price" not in above_2
+
+
+def test_the_timeline_panels_share_one_x_axis_and_say_whose_pass(monkeypatch):
+    """A fifth review (16-1): each panel's x axis ran to its own end × 1.5, so "backward()
+    returns" sat at the same place in both panels by construction; and the panels did not say
+    they show rank 0's median pass while the text speaks of the slowest rank. Now both panels
+    share one x axis (the later run's end × 1.5) and each title names rank 0's median pass."""
+    import reducelab.plots.buckets as buckets
+    figures = []
+    monkeypatch.setattr(buckets, "png", lambda fig: figures.append(fig) or b"")
+
+    def run(end, title):
+        return {"title": title, "ready": [(1.0, "1.weight"), (2.0, "0.weight")], "end_ms": end,
+                "buckets": [(2.0, end - 1.0, 0, ["1.weight", "0.weight"], 8)]}
+    buckets.timeline_figure([run(4.0, "default"), run(10.0, "bucket_cap_mb=0.25")])
+    left, right = figures[0].axes[:2]
+    assert left.get_xlim() == right.get_xlim() == (0.0, 15.0)
+    assert [left.get_title(), right.get_title()] == ["default: rank 0, median pass",
+                                                     "bucket_cap_mb=0.25: rank 0, median pass"]
+    returns = [[t.get_position()[0] for t in ax.texts if "backward() returns" in t.get_text()] for ax in (left, right)]
+    assert returns == [[4.0], [10.0]]                     # where each run's backward() returned, on one scale

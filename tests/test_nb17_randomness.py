@@ -155,10 +155,14 @@ def test_a_dataloaders_own_shuffle_and_accelerates_set_seed_are_cited():
     assert "if self.generator is None:" in body and "torch.empty((), dtype=torch.int64).random_()" in body
     text = markdown()
     assert "else:\n            generator = self.generator" in body            # generator= is used as given
-    assert ("with the DataLoader's `generator=` or, without one, a generator seeded from the rank's global one "
-            "(`RandomSampler.__iter__` in `torch/utils/data/sampler.py`)") in text
-    assert ("`device_specific=True`, which adds the process index (`set_seed` in `src/accelerate/utils/random.py`, "
-            "huggingface/accelerate; not installed here)") in text
+    # review 5 (the core past one study unit): the sources moved to Further reading
+    reading = text.split("## Further reading")[1]
+    assert ("each rank shuffles the whole dataset, with the DataLoader's `generator=` or, without one, a "
+            "generator seeded from the rank's global one") in text
+    assert "`RandomSampler.__iter__` in `torch/utils/data/sampler.py`" in reading
+    assert "and so does accelerate's `set_seed(seed)` unless `device_specific=True`" in text
+    assert ("`set_seed` in huggingface/accelerate `src/accelerate/utils/random.py` (`device_specific=True` adds "
+            "the process index)") in reading
 
 
 # --- step 3: one stream, two purposes -----------------------------------------------------------------
@@ -309,6 +313,7 @@ def test_solution_passes_and_the_world_size_is_restored(group):
     verdict = check_dropout_seeds(group, conftest.load_solution("17_dropout_seeds").dropout_seeds)
     assert verdict, verdict.message
     assert "(2, 2), (4, 1), (1, 4)" in verdict.message and group.world_size == 2
+    assert "stand-in meshes (64, 8) and (8, 64)" in verdict.message
 
 
 def test_the_notebook_stub_fails_without_the_solution(group):
@@ -369,6 +374,11 @@ def ignores_base(base, mesh):
     return _seeds(100 + _rank(mesh), d, 50 + d)
 
 
+def offsets_of_ten(base, mesh):             # apart on 4 ranks; from dp = 11 on, rank 11 = 10 + dp 1
+    d = mesh.get_local_rank("dp")
+    return _seeds(base + _rank(mesh), base + 10 + d, base + 20 + d)
+
+
 def a_pair_as_before(base, mesh):           # the exercise's old (replicated, sharded) pair
     return base + mesh.get_local_rank("dp"), base + 100 + _rank(mesh)
 
@@ -391,6 +401,10 @@ def a_pair_as_before(base, mesh):           # the exercise's old (replicated, sh
                                       "(dp 0, tp 0)'s attention_probs seed"),
     (random_seeds, "Derive the seeds from base_seed and the mesh only"),
     (ignores_base, "the seeds must change with base_seed"),
+    # a fifth review (17-3): the 4-rank meshes missed collisions that need dp >= 11
+    (offsets_of_ten, "Your seeds hold on the 4 ranks' meshes, but not on a larger one (run in this process with "
+                     "a stand-in mesh, 512 coordinates). On a (64, 8) mesh, rank (dp 1, tp 3) gets the same seed "
+                     "11 for attention_output and for attention_probs"),
     (a_pair_as_before, 'return a dict with the keys "attention_probs", "attention_output", "mlp_output"'),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
@@ -460,10 +474,17 @@ def test_header_and_cited_questions():
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · world size 4 · "
                      r"CPU only \(gloo\) · follows notebooks 05, 09 and 13 · parts marked optional: "
                      r"about 10 min more, after the lesson\*", head)
-    # the two optional parts (a third review: about 60 min for the whole): the DTensor aside and step 5
-    optional = [s for s in ("".join(c["source"]) for c in CELLS) if "*Optional, after the lesson.*" in s]
-    assert len(optional) == 2 and optional[1].startswith("## Step 5: explore")
-    assert optional[0].startswith("*Optional, after the lesson.* torch has its own answer for DTensors")
+    # the optional parts (a third review: about 60 min for the whole; review 5: the core alone
+    # 55-70 min), all after the summary: RNGStreams, unseeded ranks and DataLoader workers, the
+    # DTensor aside and the explorer
+    texts = ["".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown"]
+    optional = [t.splitlines()[0] for t in texts if t.splitlines()[0].endswith("(optional, after the lesson)")]
+    assert optional == ["## Two streams for `F.dropout` (optional, after the lesson)",
+                        "## Unseeded ranks and DataLoader workers (optional, after the lesson)",
+                        "## DTensor's own random numbers (optional, after the lesson)",
+                        "## Explore: masks on a mesh (optional, after the lesson)"], optional
+    first = next(i for i, t in enumerate(texts) if t.startswith(optional[0]))
+    assert [i for i, t in enumerate(texts) if t.startswith("## Summary")] == [first - 1]
     assert "## What you will learn" in head and "## Prerequisites" in head
     text = markdown()
     for cited in ("huggingface/transformers#31412, 2024-06-14", "huggingface/transformers#37932, 2025-05-02",
@@ -644,11 +665,16 @@ def test_reset_parameters_after_sharding_repeats_one_shard_on_a_cpu_mesh(group):
     warning = "DTensor random operators may not have complete support on cpu device mesh"
     for same_as_rank_0, caught in group.run(meta_then_reset_parameters):
         assert same_as_rank_0 == [True] * 4 and caught == [warning]
-    text = " ".join(source_with("Under FSDP2, seed every rank the same", kind="markdown").split())
-    assert ("On GPU meshes `reset_parameters()` can do that: DTensor's random-number tracker gives each shard "
-            "its own part of one stream (step 4)") in text
-    assert ("On a CPU mesh, like this notebook's, it cannot: with one seed, every rank fills its rows with "
-            f'the same values, and torch only warns "{warning}". There, load a checkpoint:') in text
+    # review 5 (17-4): the remedies, once one paragraph, are bullets
+    text = source_with("Under FSDP2, give every rank the same initial weights", kind="markdown")
+    bullets = [line for line in text.splitlines() if line.startswith("- ")]
+    assert [b.split()[1] for b in bullets] == ["Seed", "On", "Load"], bullets
+    assert ("On GPU meshes, build the model on the meta device, shard it with `fully_shard`, then call "
+            "`reset_parameters()`: DTensor's random-number tracker gives each shard its own part of one stream"
+            ) in bullets[1]
+    assert ("On a CPU mesh, like this one, that fails silently: with one seed, every rank fills its rows with "
+            f'the same values, and torch only warns "{warning}".') in bullets[1]
+    assert "broadcast_from_rank0=True" in bullets[2]
     step_4 = " ".join(source_with("`OffsetBasedRNGTracker`", kind="markdown").split())
     assert "On this CPU mesh, that `reset_parameters()` repeats one shard's values on every rank" in step_4
     assert "Production code builds it on the meta device" not in " ".join(markdown().split())

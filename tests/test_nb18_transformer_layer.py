@@ -767,3 +767,21 @@ def test_a_cell_runs_with_the_optional_parts_skipped():
     assert missing == {}, missing
     fsdp = next(i for i, _, _ in code if "def fsdp_over_dp" in "".join(CELLS[i]["source"]))
     assert part(fsdp) == 30
+
+
+def test_the_goals_the_core_teaches_and_the_sp_memory_of_a_real_layer():
+    """A fifth review: parallelize_module was a learning goal while step 2, which teaches it,
+    is optional (18-2): the goal list now says so. And the toy layer's memory column was the
+    only evidence for sequence parallelism's saving (18-3): the text gives Korthikanti et al.'s
+    per-layer count, sbh(34 + 5as/h) without parallelism, the 10sbh of LayerNorms and dropouts
+    that tensor parallelism alone leaves whole, and sequence parallelism's division of it."""
+    header = cells()[0][0]
+    goals = header.split("## What you will learn")[1].split("## Prerequisites")[0]
+    lines = [line for line in goals.splitlines() if "parallelize_module" in line]
+    assert lines and all(line.startswith("- Optional, after the lesson (step 2):") for line in lines), lines
+    step_1 = next(s for s, _ in cells() if s.startswith("Each way, each block costs"))
+    for words in ("Korthikanti et al. (2022, section 4)", "`sbh(34 + 5as/h)` without parallelism",
+                  "except `10sbh`, kept by the LayerNorms and dropouts: `sbh(10 + 24/t + 5as/(ht))`",
+                  "Sequence parallelism divides that part too, for `sbh(34 + 5as/h)/t`"):
+        assert words in step_1, words
+    assert "arXiv:2205.05198" in "\n".join(s for s, c in cells() if c["cell_type"] == "markdown")

@@ -30,6 +30,10 @@ from ..errors import RankError
 
 MESHES = ((2, 2), (4, 1), (1, 4))
 """The ``(dp, tp)`` mesh shapes the exercise's check runs, all at world size 4."""
+STAND_IN_MESHES = ((64, 8), (8, 64))
+"""Larger ``(dp, tp)`` shapes the check then runs in this process, on stand-in meshes, one
+call per coordinate: seeds such as ``base + rank``, ``base + 10 + dp`` and ``base + 20 + dp``
+are apart on 4 ranks and collide from dp = 11 on (a fifth review, 17-3)."""
 BASE_SEEDS = (0, 1234)
 """The base seeds the check passes."""
 MASK_UNITS = 64
@@ -128,6 +132,21 @@ def _another_process(fn, dp: int, tp: int, rows: list) -> str | None:
     return None
 
 
+def _stand_in_rows(fn, dp: int, tp: int) -> list | None:
+    """What :func:`seeds_on_mesh` returns on every rank of a ``(dp, tp)`` mesh, computed in
+    this process with a stand-in mesh per coordinate; ``None`` if ``fn`` cannot run on one."""
+    rows = []
+    for d, t in itertools.product(range(dp), range(tp)):
+        mesh = _StandInMesh({"dp": dp, "tp": tp}, {"dp": d, "tp": t}, ("dp", "tp"))
+        try:
+            seeds = {base: fn(base, mesh) for base in BASE_SEEDS}
+            again = {base: fn(base, mesh) for base in BASE_SEEDS}
+        except Exception:
+            return None
+        rows.append({"dp_rank": d, "tp_rank": t, "seeds": seeds, "again": again})
+    return rows
+
+
 def _is_seed(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
 
@@ -153,9 +172,11 @@ def _unwanted_pair(seeds: dict) -> tuple | None:
         if da == db:
             return 0 if DRAWS[da] == "whole" else 1     # a draw repeated across dp, or a shard repeated
         return 2 if ca == cb else 3                     # two draws on one rank, or across ranks
-    pairs = [(a, b) for a, b in itertools.combinations(sorted(seeds), 2)
-             if seeds[a] == seeds[b] and not (a[0] == b[0] and DRAWS[a[0]] == "whole"
-                                             and a[1][0] == b[1][0])]
+    by_seed: dict = {}
+    for key in sorted(seeds):                           # only entries with one seed can pair
+        by_seed.setdefault(seeds[key], []).append(key)
+    pairs = [(a, b) for keys in by_seed.values() for a, b in itertools.combinations(keys, 2)
+             if not (a[0] == b[0] and DRAWS[a[0]] == "whole" and a[1][0] == b[1][0])]
     return min(pairs, key=lambda ab: (kind(*ab), ab), default=None)
 
 
@@ -247,8 +268,10 @@ def check_dropout_seeds(group, fn) -> Verdict:
       process, give the same seeds; another ``base_seed`` gives other seeds).
 
     Runs ``fn`` on real ranks at world size 4 on the meshes :data:`MESHES` (the group is
-    resized, then restored), with base seeds :data:`BASE_SEEDS`, and says what the first
-    mistake would do to the masks.
+    resized, then restored), then in this process on stand-in meshes of the shapes
+    :data:`STAND_IN_MESHES` (a coordinate at a time; skipped if ``fn`` needs more of a mesh
+    than :class:`_StandInMesh` offers), with base seeds :data:`BASE_SEEDS`, and says what the
+    first mistake would do to the masks.
 
     Returns:
         A :class:`~reducelab.checks.Verdict`.
@@ -265,8 +288,16 @@ def check_dropout_seeds(group, fn) -> Verdict:
             problem = _judge(dp, tp, rows) or _another_process(fn, dp, tp, rows)
             if problem:
                 return failed(problem)
+    for dp, tp in STAND_IN_MESHES:
+        rows = _stand_in_rows(fn, dp, tp)
+        problem = rows and _judge(dp, tp, rows)
+        if problem:
+            return failed(f"Your seeds hold on the 4 ranks' meshes, but not on a larger one "
+                          f"(run in this process with a stand-in mesh, {dp * tp} coordinates). "
+                          f"{problem}")
     meshes = ", ".join(f"({dp}, {tp})" for dp, tp in MESHES)
-    return passed(f"On the (dp, tp) meshes {meshes}, with base seeds "
+    larger = " and ".join(f"({dp}, {tp})" for dp, tp in STAND_IN_MESHES)
+    return passed(f"On the (dp, tp) meshes {meshes}, and on stand-in meshes {larger}, with base seeds "
                   f"{' and '.join(map(str, BASE_SEEDS))}: attention_output and mlp_output each "
                   f"have one seed per tp group, different across dp, so the tp ranks' copies stay "
                   f"equal and every sample gets masks of its own; attention_probs has a seed on "

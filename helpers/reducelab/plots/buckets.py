@@ -17,8 +17,14 @@ from ..checks.cost import size_label
 from . import HATCHES, MARKERS, MIN_FONT, PALETTE, RANK_COLOURS, kept_figure, new_figure, png
 
 
-def _timeline(ax, run: dict, names_axis: bool = True) -> None:
-    """Draw one run's timeline on ``ax`` (see :func:`timeline_figure` for ``run``)."""
+def _right_ms(run: dict) -> float:
+    """The last time on ``run``'s timeline: ``backward()``'s return or a bucket's end, in ms."""
+    return max([run["end_ms"]] + [b[1] for b in run["buckets"]])
+
+
+def _timeline(ax, run: dict, names_axis: bool = True, right: float | None = None) -> None:
+    """Draw one run's timeline on ``ax`` (see :func:`timeline_figure` for ``run``); the x axis
+    runs to 1.5 times ``right`` ms (by default, this run's own last time)."""
     from matplotlib.patches import Rectangle
     order = [name for _, name in run["ready"]]
     row = {name: i for i, name in enumerate(order)}
@@ -42,8 +48,7 @@ def _timeline(ax, run: dict, names_axis: bool = True) -> None:
     ax.axvline(run["end_ms"], color=PALETTE["black"], ls="--", lw=1.2)
     ax.text(run["end_ms"], -0.5, " backward() returns", fontsize=MIN_FONT,
             ha="left", va="top")
-    right = max([run["end_ms"]] + [b[1] for b in run["buckets"]])
-    ax.set_xlim(0, right * 1.5)
+    ax.set_xlim(0, (right if right is not None else _right_ms(run)) * 1.5)
     ax.set_xlabel("ms since backward() started")
     ax.grid(alpha=0.3, axis="x")
     if names_axis:
@@ -52,9 +57,11 @@ def _timeline(ax, run: dict, names_axis: bool = True) -> None:
     ax.set_ylim(len(order) - 0.4, -0.6)
 
 
-def timeline_figure(runs: list[dict], title: str = "") -> bytes:
+def timeline_figure(runs: list[dict], title: str = "", label: str = "rank 0, median pass") -> bytes:
     """When each gradient was ready during ``backward()`` and when each DDP bucket's
-    all_reduce ran, one panel per run (at most 2 side by side).
+    all_reduce ran, one panel per run (at most 2 side by side), on one shared x axis, so
+    that where ``backward()`` returns compares across panels (a fifth review, 16-1: each
+    panel's own axis put it at the same place by construction).
 
     Args:
         runs: dicts with keys ``title`` (str), ``ready`` (list of ``(ms, name)``: when
@@ -64,6 +71,8 @@ def timeline_figure(runs: list[dict], title: str = "") -> bytes:
             parameters' names; further items are ignored) and ``end_ms`` (when
             ``backward()`` returned).
         title: the figure title.
+        label: what each panel shows, after its run's title (notebook 16 passes rank 0's
+            median pass, while its text judges by the slowest rank).
 
     Returns:
         PNG bytes: one row per parameter, in the order the gradients became ready; a
@@ -72,10 +81,11 @@ def timeline_figure(runs: list[dict], title: str = "") -> bytes:
         its completion, labelled.
     """
     fig = new_figure(9.6, 4.4)
-    axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
+    axes = fig.subplots(1, len(runs), sharey=True, sharex=True, squeeze=False)[0]
+    right = max(_right_ms(run) for run in runs)
     for k, (ax, run) in enumerate(zip(axes, runs)):
-        _timeline(ax, run, names_axis=k == 0)
-        ax.set_title(run["title"])
+        _timeline(ax, run, names_axis=k == 0, right=right)
+        ax.set_title(f"{run['title']}: {label}" if label else run["title"])
     if title:
         fig.suptitle(title)
     return png(fig)
