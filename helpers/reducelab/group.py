@@ -261,6 +261,7 @@ class LocalGroup:
         """
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
+        processes.import_read_modules()  # what import_while_reading left, not on the clock
         deadline = time.monotonic() + self._timeout
         with self._gate.exclusive("run()", deadline, self._shutdown):
             if self._state == "idle":
@@ -269,7 +270,6 @@ class LocalGroup:
                     print(reports.idle_deaths(dead, self._world_size), file=sys.stderr)
                     self._shutdown()
             processes.release_requests()  # a first run ends the setup cell's hold
-            processes.import_read_modules()  # what import_while_reading left, if any
             if self._state == "idle" and self._runs_since_start == 0 and \
                     self._forked_in_hold and processes.released_later():
                 # Ranks that have run nothing, forked before the server was asked for

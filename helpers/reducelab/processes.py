@@ -500,14 +500,17 @@ def import_read_modules() -> None:
     import importlib
     if not _reading:
         return
-    while _reading:
-        name = _reading.pop(0)
+    while True:
+        try:
+            name = _reading.pop(0)  # atomic: an explorer's thread may call this too
+        except IndexError:
+            break
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the cell that imports it says why
             continue
     if _held:
-        return  # the end of the setup cell asks for them, with the rest
+        return  # release_requests asks for them with the rest, when the hold ends
     from .forkserver_imports import LATER, WITH_TORCH
     wanted = kernel_later()
     ask_for_later(wanted)
