@@ -589,6 +589,21 @@ def test_more_ranks_than_cores_is_said_and_a_stopped_real_run_passes_a_right_mod
     assert verdict and "take turns" not in verdict.message
 
 
+def test_a_race_far_from_the_model_s_seconds_is_remarked(group):
+    """A fifth review (10-4): the race printed medians 13 times the model's predictions
+    without a word. Where a real median differs from its prediction by 3 times or more,
+    the message says by how much, and why a fit of other runs can be that far off; the
+    verdict still comes from the learner's function alone."""
+    solution = load_solution("10_recursive_doubling").recursive_doubling_seconds
+    ns = notebook("ring_all_reduce", "recursive_doubling_all_reduce")
+    far = {n: (alpha / 1000, beta / 1000) for n, (alpha, beta) in RING_FITS.items()}
+    verdict = check_recursive_doubling(group, solution, far, ns["ring_all_reduce"],
+                                       ns["recursive_doubling_all_reduce"], sizes=(4 * 2 ** 10,), repeats=2)
+    assert verdict, verdict.message
+    assert re.search(r"differ from the model's predictions by up to \d+ times", verdict.message)
+    assert "not for the model's seconds" in verdict.message
+
+
 def mistakes():
     def stub(S, n, alpha, beta):
         return 0.0
@@ -603,7 +618,8 @@ def mistakes():
         "that is the ring's cost", "counts n - 1 = 15 rounds", "counts n/2 = 8 rounds",
         "the bytes of one round only", "takes the ring's bytes", "recursive halving",
         "natural logarithm", "counts every round twice", "counts elements, not bytes",
-        "only the α term", "only the bandwidth term", "counts one round"])]
+        "only the α term", "only the bandwidth term", "counts one round:",
+        "counts one round too many", "counts 2S bytes a round"])]
     return [(stub, "at least α"), (returns_text, "returned '1 ms' (a str)"),
             (raises, "raised ZeroDivisionError: oops")] + named
 
