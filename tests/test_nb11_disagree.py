@@ -1029,8 +1029,8 @@ def test_another_right_answer_passes_too(short):
 
 
 @pytest.mark.parametrize("rule, words", [
-    ("every rank", "not only when every rank's is"),
-    ("rank 0", "not only when every rank's is, or rank 0's"),
+    ("every rank", "skipping only when every rank's gradient is not finite"),
+    ("rank 0", "skipping only when every rank's gradient is not finite, or rank 0's"),
     ("zero", "no step was skipped"),
     ("sum", "is the gradient of every step taken averaged"),
     ("local step", "different weights"),
