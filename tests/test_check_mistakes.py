@@ -671,6 +671,27 @@ def skip_never(bad, steps=6):             # no rule at all: every step averaged 
     return steps, model.weight.detach().clone()
 
 
+def skip_alone_after_the_all_reduce(bad, steps=6):   # a fifth review (11-1): the ranks do not agree
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taken = 0
+    for step in range(steps):
+        x, y = step_batch(rank, step, bad)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        own_ok = all(g.isfinite().all() for g in grads)   # decided on this rank's own gradient
+        for g in grads:
+            dist.all_reduce(g, op=dist.ReduceOp.AVG)
+        if not own_ok:
+            continue
+        opt.step()
+        taken += 1
+    return taken, model.weight.detach().clone()
+
+
 def skip_raises(bad, steps=6):
     raise RuntimeError("learner bug")
 
@@ -681,11 +702,14 @@ def skip_raises(bad, steps=6):
     (skip_counts_every_step, ["the weights match the reference, so every rank skipped the right step",
                               "every rank says it took 6 steps, not 5",
                               "count a step only when the optimizer really steps"]),
-    (skip_never, ["no rank skipped a step, so a gradient that is not finite was averaged in"]),
+    (skip_never, ["every rank counts all 6 steps", "a gradient that is not finite was averaged in"]),
+    (skip_alone_after_the_all_reduce, ["some rank took a step with a gradient that is not finite",
+                                       "If a rank skipped alone after the all_reduce"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_skip_together_names_each_mistake(group, fn, words):
     verdict = check_skip_together(group, fn)
     assert_names(verdict, *words)
+    assert "The ranks agree" not in verdict.message and "no rank skipped" not in verdict.message
     if fn is skip_never:                     # no rule was used: none is blamed
         assert "on the wrong rule" not in verdict.message
 

@@ -6,6 +6,7 @@ stub, the solution and each usual mistake; and the figures."""
 from __future__ import annotations
 
 import ast
+import html
 import json
 import math
 import os
@@ -140,6 +141,10 @@ def test_slots_sized_like_the_own_tensor_abort_rank_0(group, tmp_path, world_siz
            f"expected size. Is there a distributed collective mismatch in your code?" in said
     if world_size == 3:
         why = WHY["12"][1]
+        assert why.startswith("[0]: rank 0 was killed by SIGABRT")          # question 1's answer
+        question = source("**Question 1.**").split("**Question 1.**")[1]     # a fifth review (12-5)
+        assert "Which ranks die? Answer a list of ranks" in question and "rank 0" not in question
+        assert "The real run gives [0]." in html.unescape(stored_text("def all_gather_own_size(log_dir):"))
         assert "half of its own 4 bytes, 2, and rank 2 sent half of its 12 bytes, 6" in why
         assert "6 vs 2" in stored_text("def all_gather_own_size(log_dir):")
 
@@ -208,16 +213,11 @@ def test_bytes_received_at_300000_numbers(group):
     for (_, pickled, n) in out:
         assert 0 < pickled["tensor"] - 4 * n < 600            # the raw bytes, and a pickle around them
         assert 9 * n < pickled["list"] < 9.01 * n              # 9 bytes per float, and pickle's framing
-    text = stored_text("held = [numel for _, _, numel in out]")
-    assert "bytes in the all_gathers' outputs, on each rank       MB" in text
-    for line in ("the numbers themselves, unpadded                    2.40",
-                 "pad, all_gather, trim (tensor)                      3.60",
-                 "all_gather_object (tensor)                          3.60",
-                 "all_gather_object (list of floats)                  8.10"):
-        assert line in text
+    # a fifth review (12-4): the optional cost part no longer prints a table of bytes
+    assert not any("numbers held, by rank" in "".join(c["source"]) for c in CELLS)
     prose = markdown()
-    assert "Both ways pad to the longest rank: 3.6 MB on each rank for 2.4 MB of numbers;" in prose
-    assert "9 bytes per float (an opcode and 8 bytes of float64), so 2.25 times the bytes" in prose
+    assert "3.6 MB" not in prose
+    assert "pickle writes 9 bytes per float (an opcode and 8 bytes of float64), against 4 in a float32 tensor" in prose
 
 
 def stored_timings() -> dict[str, dict[int, tuple[float, float, float]]]:
@@ -289,7 +289,6 @@ def test_only_the_timings_and_the_claims_drawn_from_them_are_ignored_by_nbval():
     tagged = ["".join(c["source"]) for c in CELLS
               if "nbval-ignore-output" in c.get("metadata", {}).get("tags", [])]
     assert len(tagged) == 2 and "def gather_costs(" in tagged[0] and "def per_round(way, n):" in tagged[1]
-    assert "nbval-ignore-output" not in str(cell_with("print(f\"numbers held, by rank"))
 
 
 # --- step 3: DistributedSampler ----------------------------------------------------------------
@@ -795,3 +794,19 @@ def test_the_introduction_is_two_bullets_and_the_citations_sit_in_further_readin
     intro = "".join(CELLS[0]["source"]).split("## What you will learn")[0]
     assert intro.count("\n- ") == 2 and "(the issues are in Further reading)" in intro
     assert "pytorch/pytorch#23299" not in intro and "huggingface/accelerate#226" not in intro
+
+
+def test_the_text_says_what_accelerate_and_torchmetrics_do_with_the_repeats():
+    """A fifth review (12-3): what the libraries a learner uses do with the sampler's
+    repeats, with the source file of each claim: accelerate's gather_for_metrics cuts the
+    last gathered batch to the data set's remainder (src/accelerate/accelerator.py);
+    torchmetrics syncs the states as they are and offers a sampler without padding
+    (torchmetrics/utilities/distributed.py, EvaluationDistributedSampler: "it doesn't add
+    extra samples"). Both read on GitHub, 29 Nov 2026."""
+    text = source("With a real `DataLoader`")
+    assert "`Accelerator.gather_for_metrics` drops the samples its prepared loader added to the last batch" in text
+    assert "`gradient_state.remainder` in `src/accelerate/accelerator.py`" in text
+    assert "torchmetrics' `Metric` syncs each rank's state as it is, repeats included" in text
+    assert "`EvaluationDistributedSampler`" in text and "`torchmetrics/utilities/distributed.py`" in text
+    summary = source("## Summary")
+    assert "accelerate's `gather_for_metrics` drops its loader's added samples; torchmetrics' sync does not." in summary

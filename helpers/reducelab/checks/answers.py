@@ -251,15 +251,18 @@ WHY = {
             "the fingerprints agree and the numbers come back silently wrong, as on plain "
             "gloo. Only a check of your own catches this one: all_gather the op, or the "
             "result.",
-        3: "At the end, DDP's join hook broadcasts the final model from the highest-numbered "
+        3: "False. At the end, DDP's join hook broadcasts the final model from the highest-numbered "
             "rank of those that ran out of inputs last, here rank 1 "
-            "(DistributedDataParallel._sync_final_model and _find_common_rank), so ranks 2 "
-            "and 3 receive the update of the third step they never took. Optimizer state "
-            "(momentum, Adam's moments) is not broadcast: with such optimizers a joined "
-            "rank's state falls behind.",
+            "(DistributedDataParallel._sync_final_model and _find_common_rank), so every rank "
+            "holds the parameters of the third step, even ranks 2 and 3, which never took it. "
+            "The optimizer is not part of the model, and nothing broadcasts its state: rank 3's "
+            "Adam stepped twice, so its exp_avg averages two gradients, rank 0's three. The next "
+            "epoch starts from equal weights but unequal moments, so the ranks' updates, and "
+            "then their models, drift apart without an error. After an uneven epoch under Join, "
+            "broadcast the optimizer state from one rank, or even the data out.",
     },
     "12": {
-        1: "Rank 0 was killed by SIGABRT: no Python exception, nothing to catch. gloo's "
+        1: "[0]: rank 0 was killed by SIGABRT, with no Python exception to catch. gloo's "
             "all_gather (gloo/allgather.cc) passes each rank's piece around a ring in two "
             "halves, and rank 0 receives first from rank 2. It had room for half of its own 4 "
             "bytes, 2, and rank 2 sent half of its 12 bytes, 6: the receiving side's check "

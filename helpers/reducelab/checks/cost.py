@@ -259,6 +259,13 @@ def _mistakes(S: float, n: int, alpha: float, beta: float) -> list[tuple[float, 
         (alpha + beta * S,
          "it counts one round: one exchange pairs ranks two by two, so each rank has heard "
          "from one other rank only."),
+        ((rounds + 1) * (alpha + beta * S),
+         f"it counts one round too many. The loop runs while distance < n: for n = {n} the "
+         f"distances are 1, 2, ... up to n/2, and the loop stops when the distance reaches n."),
+        (rounds * (alpha + 2 * beta * S),
+         "it counts 2S bytes a round, what a rank sends and what it receives. β is seconds "
+         "per byte a rank sends: the receive runs at the same time, on the other direction "
+         "of the link."),
     ]
 
 
@@ -439,6 +446,16 @@ def check_recursive_doubling(group: LocalGroup, fn, ring_fits: dict, ring, recur
         lines.append(f"S = {size_label(S)}: {'; '.join(cells)}. "
                      f"{min(predicted, key=predicted.get).capitalize()} predicted faster; "
                      f"real run: {outcome}.")
+    off = max(max(float(np.median(real[name, S])) / p, p / float(np.median(real[name, S])))
+              for S in sizes for name, p in (("ring", ring_seconds(S, world_size, alpha, beta)),
+                                             ("recursive doubling",
+                                              _predict(fn, S, world_size, alpha, beta))))
+    if off >= 3:
+        lines.append(
+            f"The real medians differ from the model's predictions by up to {off:.0f} times: "
+            f"α and β were fitted to other runs of the ring (its α per call divided by its "
+            f"messages), and a loaded machine, or more ranks than cores, changes both. Read "
+            f"the race for which algorithm is faster, not for the model's seconds.")
     body = "\n".join(head + [
         f"Real run on {world_size} ranks (median of {repeats} calls of the slowest rank, after "
         f"a warm-up, with their range):", *lines,

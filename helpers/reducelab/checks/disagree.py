@@ -269,18 +269,24 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
             if len(set(taken)) > 1:
                 return failed(f"{context}, the ranks took different numbers of steps: "
                               f"{taken}. They must skip the same steps.")
+            # The weights alone cannot say whether the ranks agreed: a rank that skips a
+            # step alone after the all_reduce lets the others step with the averaged inf,
+            # which the next all_reduce spreads to it (a fifth review, 11-1).
+            alone = ("If a rank skipped alone after the all_reduce, the others stepped with "
+                     "the averaged inf, and the next all_reduce spread it to every rank.")
             if not all(finite) and taken[0] == STEPS:
-                return failed(f"{context}, the weights hold inf or nan on "
-                              f"{_ranks(r for r, ok in enumerate(finite) if not ok)}: no rank "
-                              f"skipped a step, so a gradient that is not finite was averaged "
-                              f"in and stepped.")
+                return failed(f"{context}, every rank counts all {STEPS} steps and the weights "
+                              f"hold inf or nan on "
+                              f"{_ranks(r for r, ok in enumerate(finite) if not ok)}: a gradient "
+                              f"that is not finite was averaged in and stepped. {alone} A step "
+                              f"must be skipped on every rank, or on none.")
             if not all(finite):
                 return failed(f"{context}, the weights hold inf or nan on "
-                              f"{_ranks(r for r, ok in enumerate(finite) if not ok)}: a step "
-                              f"was taken with a gradient that is not finite. The ranks "
-                              f"agree, but on the wrong rule: a step must be skipped when "
-                              f"any rank's gradient is not finite, not only when every "
-                              f"rank's is, or rank 0's.")
+                              f"{_ranks(r for r, ok in enumerate(finite) if not ok)}: some rank "
+                              f"took a step with a gradient that is not finite. {alone} Or the "
+                              f"ranks agreed on the wrong rule: skipping only when every "
+                              f"rank's gradient is not finite, or rank 0's. A step must be "
+                              f"skipped on every rank when any rank's gradient is not finite.")
             if any(not torch.allclose(w, weights[0], atol=ATOL) for w in weights):
                 return failed(f"{context}, the ranks end with different weights: is every "
                               f"step they take still averaged over all ranks?")
