@@ -554,35 +554,21 @@ def test_stored_timeline_small_buckets_were_no_faster_on_these_cores():
     assert "the overlap step 2 looked for and, on 2 shared cores, did not find" in " ".join(markdown().split())
 
 
-def test_stored_timeline_shows_the_gap_the_text_points_at_and_judges_by_the_end():
+def test_stored_timeline_text_judges_by_the_end_and_claims_no_gap():
     """Step 2 once said "what to look for is overlap: markers of later rows inside a box's
-    time span" and then that there was none, while the stored default panel has bucket 1's
-    markers inside bucket 0's box (a fourth review, 16-1). It now judges by when backward()
-    returned (test_stored_timeline_small_buckets_were_no_faster_on_these_cores) and points at
-    the gap after 6.weight. Re-derived from the stored figure's pixels (the text quotes no
-    time): in the default panel, from the last blue marker (bucket 0's last gradient) to the
-    first orange one (bucket 1's first) is longer than from x = 0 to that blue marker."""
-    import base64, io
-    from matplotlib.colors import to_rgb
-    from PIL import Image
-    from reducelab.plots import RANK_COLOURS
+    time span" and then that there was none (a fourth review, 16-1); it now judges by when
+    backward() returned (test_stored_timeline_small_buckets_were_no_faster_on_these_cores).
+    It also pointed at a pause after 6.weight in the stored default panel, longer than all of
+    backward() before it. That was one pass of one run: after the fifth review's shared x
+    axis, two re-executions on an idle machine (29 Nov, 15:35) showed no such pause (from x = 0
+    to bucket 0's last marker 13 and 21 pixels, to bucket 1's first 4 and 7 more), so the text
+    no longer claims it."""
     text = " ".join(markdown().split())
     assert "What to look for is **overlap**" not in text
     assert ("Markers of later rows inside a box's time span do not show overlap" in text
-            and "the next gradient after 6.weight, 4.bias, came only after a pause longer than the whole of "
-                "`backward()` up to 6.weight" in text
             and "did `backward()` **end sooner** with the small buckets?" in text)
-    cell = next(c for c in cells() if "".join(c["source"]).startswith("group.resize(2)\nruns = []"))
+    assert "came only after a pause" not in text
     assert "2 ranks on 2 cores" in stored("group.resize(2)\nruns = []")
-    png = next(o["data"]["image/png"] for o in cell["outputs"] if "image/png" in o.get("data", {}))
-    image = np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB")).astype(int)
-    left = image[:, : image.shape[1] // 2]                        # the default panel
-    solid = lambda colour: np.nonzero((np.abs(left - np.array(to_rgb(colour)) * 255).max(axis=2) <= 12))[1]
-    blue, orange = solid(RANK_COLOURS[0]), solid(RANK_COLOURS[1])  # markers only: the boxes are translucent
-    spine = int(np.argmax((left.max(axis=2) < 40).sum(axis=0)))    # the y axis, x = 0
-    radius = 4                                                     # a 6 pt marker at 100 dpi, in pixels
-    last_blue, first_orange = blue.max() - radius - spine, orange.min() + radius - spine
-    assert 0 < last_blue < first_orange - last_blue, (spine, last_blue, first_orange)
 
 
 def test_the_fp16_misconception_is_run_and_the_small_elements_pay(group):
