@@ -35,7 +35,8 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
   repeats left out of the sum but not the count.
 - 13 check_evaluate_together: test_nb13_ddp_model "usual" (its own share, a mean of
   means, each rank's own BatchNorm statistics, training mode, left in eval mode, a step
-  while evaluating, not a number), and rank 0 alone through the wrapper, which hangs.
+  while evaluating, not a number, gradients enabled: a graph built), and rank 0 alone
+  through the wrapper, which hangs.
 - 14 check_global_grad_norm: test_nb14_shards "usual". Here: an all_gather of the local
   pieces (fix), and one sum per parameter, which passes; the copies never summed.
 - 15 check_accumulate_step: test_nb15_fsdp2 "usual".

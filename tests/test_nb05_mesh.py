@@ -1076,20 +1076,7 @@ def optional_parts() -> list:
     return parts
 
 
-def _bound_and_loaded(source: str) -> tuple[set, set]:
-    """The names a code cell binds and those it loads (IPython lines left out)."""
-    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
-    bound, loaded = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, ast.Name):
-            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
-    return bound, loaded
+from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (one definition, shared)
 
 
 def test_a_cell_runs_with_the_optional_parts_skipped():

@@ -1002,19 +1002,7 @@ def test_moe_experts_without_tokens_are_unused_only_when_skipped():
 
 
 # --- review 5: the core is one study unit, the late parts optional ------------------------------------
-def _bound_and_loaded(code: str) -> tuple[set, set]:
-    import ast
-    bound, loaded = set(), set()
-    for node in ast.walk(ast.parse(code)):
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, ast.alias):
-            bound.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, ast.Name):
-            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
-    return bound, loaded
+from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (one definition, shared)
 
 
 def test_a_cell_runs_with_the_optional_parts_skipped():

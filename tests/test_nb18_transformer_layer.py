@@ -727,21 +727,7 @@ def test_fsdp2_on_the_dp_dimension_of_a_tp_model_averages_over_dp_only(group):
     assert 'fully_shard(model, mesh=mesh["dp"])' in source_with("def fsdp_over_dp")
 
 
-def _bound_and_loaded(source: str) -> tuple[set, set]:
-    """The names a code cell binds (imports, assignments, defs, classes, arguments) and those it loads;
-    IPython lines (% and !) are left out."""
-    tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
-    bound, loaded = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, ast.Name):
-            (bound if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
-    return bound, loaded
+from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (one definition, shared)
 
 
 def test_a_cell_runs_with_the_optional_parts_skipped():

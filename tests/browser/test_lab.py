@@ -88,7 +88,7 @@ PLANS = {
     "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
     "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 2"), interim=True),
     "11_when_ranks_disagree.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
-    "12_uneven_gathers_and_exact_metrics.ipynb": Plan(("answer_1 = None", "answer_1 = True")),
+    "12_uneven_gathers_and_exact_metrics.ipynb": Plan(("answer_1 = None", "answer_1 = [1]")),
     "13_what_ddp_expects_of_a_model.ipynb": Plan(("answer_1 = None", "answer_1 = (True, False, False)")),
     "14_clipping_and_checkpoints_across_shards.ipynb": Plan(("answer_1 = None", "answer_1 = 1")),
     "15_fsdp2.ipynb": Plan(("answer_1 = None", "answer_1 = 2")),
