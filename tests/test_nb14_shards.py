@@ -907,3 +907,22 @@ def test_a_pending_norm_stays_pending_through_stack_and_is_completed_before_the_
     assert rule in "".join(CELLS[q2]["source"]).split("**Question 2.**")[0]
     assert "Nothing in that file calls `torch.distributed`" not in markdown()
     group.resize(4)
+
+
+def test_the_setup_cell_s_gradient_is_reference_run_s_first_without_adam():
+    """Issue 23: 14's setup cell ran ``reference_run(X, y, 1)`` for its first gradient, and
+    Adam's first step imports torch._dynamo (about 1 s): the cell took 2.1 times a bare
+    ``import torch``. ``first_gradient`` is the same tensor, bit for bit, without it."""
+    import subprocess
+    import sys
+    code = "".join(CELLS[2]["source"])
+    assert "one_process = first_gradient(X, y)" in code and "reference_run(X, y, 1)" not in code
+    out = subprocess.run([sys.executable, "-c", (
+        "import sys, torch\n"
+        "from reducelab.checks.sharded import first_gradient, reference_run\n"
+        "from reducelab.data import load_digits_tensors\n"
+        "X, y = load_digits_tensors()\n"
+        "g = first_gradient(X, y)\n"
+        "print('torch._dynamo' in sys.modules, torch.equal(g, reference_run(X, y, 1)['grads'][0]))")],
+        capture_output=True, text=True, timeout=240)
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]

@@ -147,6 +147,24 @@ def one_thread():
         torch.set_num_threads(before)
 
 
+def first_gradient(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One process's gradient on the whole global batch 1, from :func:`initial_flat`: the
+    gradient :func:`reference_run`'s first step uses, without its optimizer. Adam's first
+    step imports ``torch._dynamo`` (``torch/optim/optimizer.py``; about 1 s of CPU on torch
+    2.13), and notebook 14's setup cell, which needs only this gradient, took about 2.1
+    times a bare ``import torch`` with it (issue 23).
+
+    Args:
+        X, y: the digits, float32 ``(1797, 64)`` and int64 ``(1797,)``.
+
+    Returns:
+        float32, shape ``(NUMEL,)``, equal to ``reference_run(X, y, 1)["grads"][0]``.
+    """
+    with one_thread():
+        idx = global_batches(1)[0]
+        return flat_gradient(initial_flat(), X[idx], y[idx])
+
+
 def reference_run(X: torch.Tensor, y: torch.Tensor, steps: int = 1,
                   lr: float = LR) -> dict[str, list[torch.Tensor]]:
     """One process trains on the whole global batch: ``steps`` Adam steps on the flat
@@ -774,6 +792,6 @@ def check_zero1_step(group: LocalGroup, zero1_step, world_sizes=EXERCISE_WORLD_S
 
 __all__ = ["GLOBAL_BATCH", "LR", "ATOL", "LAYOUT", "NUMEL", "make_model", "initial_flat",
            "as_parameters", "flat_gradient", "global_batches", "local_part", "one_thread",
-           "reference_run",
+           "first_gradient", "reference_run",
            "placed", "placed_dtensors", "ring_bytes", "counting_collectives", "storage_bytes",
            "zero_train", "exercise_run", "check_zero1_step"]
