@@ -830,8 +830,6 @@ def test_questions_2_and_3_are_asked_before_they_are_explained():
         assert mechanism not in "\n".join(cells[:q3]), mechanism
 
 
-
-
 def _stored(cell):
     return "".join("".join(o.get("text", "")) for o in cell["outputs"])
 
@@ -952,37 +950,9 @@ def test_myth_vs_reality_is_marked_optional_and_counted_in_the_header():
 
 def optional_parts() -> list:
     """For each cell, the index of the cell that starts the optional part it is in, or None
-    (the marks of tests/test_notebooks.py's study_minutes)."""
-    from test_notebooks import OPTIONAL_MARK
-    parts, part = [], None
-    for i, c in enumerate(notebook_cells()):
-        if json.loads(NOTEBOOK.read_text())["cells"][i]["cell_type"] == "markdown":
-            if OPTIONAL_MARK.search(c):
-                part = i
-            elif re.search(r"^## ", c, re.M):
-                part = None
-        parts.append(part)
-    return parts
-
-
-from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (one definition, shared)
-
-
-def test_a_cell_runs_with_the_optional_parts_skipped():
-    """Review 5 moved digressions into optional parts: no code cell may need a name that only
-    an optional part binds, unless it is in that part itself."""
-    cells, parts = json.loads(NOTEBOOK.read_text())["cells"], optional_parts()
-    code = [(i, *_bound_and_loaded("".join(c["source"]))) for i, c in enumerate(cells)
-            if c["cell_type"] == "code"]
-    optional_only = set().union(*(b for i, b, _ in code if parts[i] is not None)) - set().union(
-        *(b for i, b, _ in code if parts[i] is None))
-    missing = {}
-    for i, bound, loaded in code:
-        available = bound.union(*(b for j, b, _ in code if j < i and parts[j] in (None, parts[i])))
-        need = (loaded & optional_only) - available
-        if need:
-            missing[i] = sorted(need)
-    assert missing == {}, missing
+    (test_notebooks.parts, as study_minutes reads the marks)."""
+    from test_notebooks import parts
+    return parts(NOTEBOOK)
 
 
 def test_dividing_first_underflows_in_float16_and_reducing_in_float32_does_not(group):

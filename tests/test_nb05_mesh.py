@@ -1063,38 +1063,9 @@ def test_a_missing_gradient_is_filled_by_the_solution_on_that_rank_only(group):
 # --- review 5: one study unit; the parts after the lesson -------------------------------------
 def optional_parts() -> list:
     """For each cell, the index of the cell that starts the optional part it is in, or None
-    (the marks of tests/test_notebooks.py's study_minutes)."""
-    from test_notebooks import OPTIONAL_MARK
-    parts, part = [], None
-    for i, c in enumerate(_cells()):
-        if c["cell_type"] == "markdown":
-            if OPTIONAL_MARK.search(_src(c)):
-                part = i
-            elif re.search(r"^## ", _src(c), re.M):
-                part = None
-        parts.append(part)
-    return parts
-
-
-from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (one definition, shared)
-
-
-def test_a_cell_runs_with_the_optional_parts_skipped():
-    """Review 5 (05-1) moved step 3's precision digression, step 4's timing and step 5's
-    count of new process groups to optional parts at the end: no code cell may need a name
-    that only an optional part binds, unless it is in that part itself (the myths' DDP run
-    imports DDP itself, since the timing part that imported it now comes after)."""
-    cells, parts = _cells(), optional_parts()
-    code = [(i, *_bound_and_loaded(_src(c))) for i, c in enumerate(cells) if c["cell_type"] == "code"]
-    optional_only = set().union(*(b for i, b, _ in code if parts[i] is not None)) - set().union(
-        *(b for i, b, _ in code if parts[i] is None))
-    missing = {}
-    for i, bound, loaded in code:
-        available = bound.union(*(b for j, b, _ in code if j < i and parts[j] in (None, parts[i])))
-        need = (loaded & optional_only) - available
-        if need:
-            missing[i] = sorted(need)
-    assert missing == {}, missing
+    (test_notebooks.parts, as study_minutes reads the marks)."""
+    from test_notebooks import parts
+    return parts(NOTEBOOK)
 
 
 def test_the_digressions_are_optional_parts_after_the_exercise_and_the_core_keeps_their_rules():

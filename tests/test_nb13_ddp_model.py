@@ -1002,33 +1002,5 @@ def test_moe_experts_without_tokens_are_unused_only_when_skipped():
 
 
 # --- review 5: the core is one study unit, the late parts optional ------------------------------------
-from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (one definition, shared)
 
 
-def test_a_cell_runs_with_the_optional_parts_skipped():
-    """Review 5 moved late parts after the summary and marked them optional (as 18 did after
-    its review's 18-1): a learner who stops at the first optional mark, or skips one
-    optional part, runs every other cell without a NameError. No core code cell needs a
-    name that only an optional part binds, and no optional part needs another's."""
-    import builtins
-
-    from test_notebooks import OPTIONAL_MARK
-    part, code = "core", []
-    for c in CELLS:
-        text = "".join(c["source"])
-        if c["cell_type"] == "markdown":
-            if OPTIONAL_MARK.search(text):
-                part = text.splitlines()[0]
-            elif re.search(r"^## ", text, re.M):
-                part = "core"
-        elif not text.lstrip().startswith("# group.close()"):
-            code.append((part, *_bound_and_loaded(text)))
-    assert sum(p != "core" for p, _, _ in code) >= 3 and code[0][0] == "core"
-    missing = {}
-    for i, (part, bound, loaded) in enumerate(code):
-        available = bound.union(*(b for p, b, _ in code[:i] if p in ("core", part)))
-        elsewhere = set().union(*(b for p, b, _ in code if p not in ("core", part)))
-        need = (loaded & elsewhere) - available - set(dir(builtins))
-        if need:
-            missing[i] = (part, sorted(need))
-    assert missing == {}, missing
