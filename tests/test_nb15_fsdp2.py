@@ -389,7 +389,7 @@ def test_the_version_statement_and_the_fix_are_cited():
 def test_one_study_unit():
     prose = markdown().split("## Further reading")[0]
     assert 1500 < len(prose.split()) < 3000, len(prose.split())
-    assert "About 42 min to study" in "".join(CELLS[0]["source"])
+    assert "About 44 min to study" in "".join(CELLS[0]["source"])
     # the review's 60-70 min: the GPU part is marked optional, with its time in the header;
     # review 5's 55-70 min: the explorer, the gloo failures and bug, FSDP2 against DDP and
     # accumulation's further costs are optional too, after the summary

@@ -654,7 +654,7 @@ def test_late_parts_are_marked_optional_and_counted_in_the_header():
     """A review (12:20) timed 18 at 65 to 75 min against 45: step 2, the FSDP2 part and the
     explorer are marked optional."""
     text = markdown()
-    assert "· parts marked optional: about 20 min more, after the lesson*" in cells()[0][0]
+    assert "· parts marked optional: about 10 min more, after the lesson*" in cells()[0][0]
     for mark in ("## Step 2: torch's own, `parallelize_module` (optional, after the lesson)\n",
                  "*Optional, after the lesson.*\n\n**In practice**",
                  "## Step 4: explore a block, stage by stage (optional, after the lesson)\n"):

@@ -444,20 +444,21 @@ def test_a_cell_runs_with_the_optional_parts_skipped(path):
 def test_the_core_is_one_study_unit_and_the_header_is_not_below_its_length(path):
     """Review 5 timed every core at 55 to 70 minutes against headers of 35 to 45: the
     headers were guesses. The core (what is not marked optional) fits 45 minutes by
-    ``study_minutes``, the header's study time is at most 3 minutes under that floor, and
-    the optional minutes it adds are too."""
+    ``study_minutes``, and the header's study time is not under that floor; the optional
+    minutes it adds are not under theirs nor more than 5 over (review 6 found three headers
+    under the floor, as the old 3 minutes' grace allowed, and 18's optional 20 against 8.5)."""
     header = source(load(path)["cells"][0])
     study = int(HEADER.search(header).group(1))
     minutes = study_minutes(path)
     assert minutes["core"] <= 45, (
         f"{path.name}: the core reads as about {minutes['core']:.0f} min (study_minutes); "
         "cut repetition or mark late parts optional")
-    assert study >= round(minutes["core"]) - 3, (
+    assert study >= round(minutes["core"]), (
         f"{path.name}: the header says {study} min; the core reads as about "
         f"{minutes['core']:.0f} min")
     counted = OPTIONAL.search(header.strip())
     if minutes["optional"]:
-        assert int(counted.group(1)) >= round(minutes["optional"]) - 3, (
+        assert round(minutes["optional"]) <= int(counted.group(1)) <= max(5, round(minutes["optional"]) + 5), (
             f"{path.name}: the header adds {counted.group(1)} min of optional parts; they "
             f"read as about {minutes['optional']:.0f} min")
 
