@@ -379,6 +379,17 @@ def offsets_of_ten(base, mesh):             # apart on 4 ranks; from dp = 11 on,
     return _seeds(base + _rank(mesh), base + 10 + d, base + 20 + d)
 
 
+def offsets_of_ten_by_global_rank(base, mesh):   # the same, from dist.get_rank() (a sixth review, 17-1)
+    import torch.distributed as dist
+    d = mesh.get_local_rank("dp")
+    return _seeds(base + dist.get_rank(), base + 10 + d, base + 20 + d)
+
+
+def needs_more_of_a_mesh(base, mesh):       # right on 4 ranks; the stand-in has no get_group
+    d, n = mesh.get_local_rank("dp"), mesh["dp"].size()
+    return _seeds(base + 2 * n + _rank(mesh) + 0 * mesh.get_group("tp").size(), base + d, base + n + d)
+
+
 def a_pair_as_before(base, mesh):           # the exercise's old (replicated, sharded) pair
     return base + mesh.get_local_rank("dp"), base + 100 + _rank(mesh)
 
@@ -405,6 +416,14 @@ def a_pair_as_before(base, mesh):           # the exercise's old (replicated, sh
     (offsets_of_ten, "Your seeds hold on the 4 ranks' meshes, but not on a larger one (run in this process with "
                      "a stand-in mesh, 512 coordinates). On a (64, 8) mesh, rank (dp 1, tp 3) gets the same seed "
                      "11 for attention_output and for attention_probs"),
+    # a sixth review (17-1): dist.get_rank() raised in the kernel, and the larger meshes went unchecked
+    (offsets_of_ten_by_global_rank, "Your seeds hold on the 4 ranks' meshes, but not on a larger one (run in "
+                                    "this process with a stand-in mesh, 512 coordinates). On a (64, 8) mesh, "
+                                    "rank (dp 1, tp 3) gets the same seed 11 for attention_output and for "
+                                    "attention_probs"),
+    (needs_more_of_a_mesh, "but the check could not run your function on its larger stand-in meshes (64, 8) "
+                           "and (8, 64), where seeds that are apart on 4 ranks can collide: it raised "
+                           "AttributeError"),
     (a_pair_as_before, 'return a dict with the keys "attention_probs", "attention_output", "mlp_output"'),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
