@@ -565,7 +565,9 @@ def test_the_learner_decides_which_ranks_share_each_seed():
     Now the task names the draws and the aim, not who shares what; the check names each
     mistake by what it does to the masks (test_each_usual_mistake_gets_its_explanation)."""
     task = " ".join(source_with("## Exercise: dropout seeds", kind="markdown").split())
-    assert "Which ranks share a seed, for each draw, is yours to decide." in task
+    assert "Which ranks share a seed, for each draw, is yours to work out from one aim:" in task
+    # review 6 (17-5): "yours to decide" and then "the dp ranks must differ" read as a contradiction
+    assert "yours to decide" not in task and "must differ" not in task
     for rule in ("replicated_seed", "sharded_seed", "the same on every rank of a tp group, and different",
                  "different on every rank of the mesh", "1. **"):
         assert rule not in task, rule
@@ -688,9 +690,14 @@ def test_reset_parameters_after_sharding_repeats_one_shard_on_a_cpu_mesh(group):
     text = source_with("Under FSDP2, give every rank the same initial weights", kind="markdown")
     bullets = [line for line in text.splitlines() if line.startswith("- ")]
     assert [b.split()[1] for b in bullets] == ["Seed", "On", "Load"], bullets
-    assert ("On GPU meshes, build the model on the meta device, shard it with `fully_shard`, then call "
-            "`reset_parameters()`: DTensor's random-number tracker gives each shard its own part of one stream"
-            ) in bullets[1]
+    # review 6 (17-3): the recipe lacked to_empty; it now follows meta_then_reset_parameters' order
+    assert ("On GPU meshes, build the model on the meta device, shard it with `fully_shard`, allocate the "
+            "shards with `model.to_empty(device=\"cuda\")`, then call `reset_parameters()`: DTensor's "
+            "random-number tracker gives each shard its own part of one stream") in bullets[1]
+    import inspect
+    ran = inspect.getsource(meta_then_reset_parameters)
+    assert ran.index('torch.device("meta")') < ran.index("fully_shard(model") < ran.index("model.to_empty(") \
+        < ran.index("model.reset_parameters()")
     assert ("On a CPU mesh, like this one, that fails silently: with one seed, every rank fills its rows with "
             f'the same values, and torch only warns "{warning}".') in bullets[1]
     assert "broadcast_from_rank0=True" in bullets[2]
