@@ -41,10 +41,13 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
   pieces (fix), and one sum per parameter, which passes; the copies never summed.
 - 15 check_accumulate_step: test_nb15_fsdp2 "usual".
 - 16 check_ddp_buckets: test_nb16_buckets "usual" (every entry of checks.buckets.MISTAKES).
-- 17 check_dropout_seeds (moved from 13 with its exercise): test_nb17_randomness "usual".
+- 17 check_dropout_seeds (moved from 13 with its exercise): test_nb17_randomness "usual"
+  (with seeds from dist.get_rank() on the larger stand-in meshes, and a function the
+  stand-in mesh cannot run, which fails and says so).
 - 18 check_sync_gradients: test_nb18_transformer_layer "usual" (gradients unchanged,
   averaged over tp too, sequence-parallel ones not summed, summed over dp, everything over
-  all 4 ranks, sharded ones added over tp, dp forgotten, an error), and a hang on a group
+  all 4 ranks, sharded ones added over tp, dp forgotten, a flat buffer copied back with the
+  tp sum forgotten: no copy-back hint, an error), and a hang on a group
   of a short timeout.
 
 (Notebooks 13 and 16 also name torch's own ``_check_sync_bufs_pre_fwd`` and

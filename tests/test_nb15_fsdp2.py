@@ -128,6 +128,11 @@ def test_fsdp2_parameters_and_gradients_are_shard0_dtensors(group, reference):
     assert [r[3] for r in rows.values()] == [(8, 64), (8,), (3, 32), (3,)]
     rank3 = {name: local for name, _, _, _, local, _, _ in out[3][0]}
     assert rank3["2.weight"] == (1, 32) and rank3["2.bias"] == (1,)   # question 4
+    # review 6 (15-2): question 1 says which rows it counts, those p.to_local() holds, padding not
+    # counted: rank 3 stores 3 rows padded (test_question_1s_facts_are_torchs) and holds 1
+    assert ("does **rank 3** hold (`p.to_local().shape[0]`, padding not counted)?"
+            in cell_with("**Question 1.**", kind="markdown"))
+    assert "tuple(p.to_local().shape)" in cell_with("def what_rank_holds", kind="code")
     for _, full_grad in out:
         assert (full_grad - reference["grads"][0]).abs().max() < ATOL
 
@@ -799,8 +804,10 @@ def test_questions_1_and_2_stay_unspoiled():
     before_2 = _markdown_before("answer_2 = None")
     # the third review: question 2 hung on an unstated default; the docstring's rule is now
     # stated above it, so the question is a deduction, but not the reason the root keeps them
-    assert ('`None`, is in `fully_shard`\'s docstring words "`True` for non-root modules and '
-            '`False` for root modules"') in before_2
+    # review 6 (15-5): "is in fully_shard's docstring words" read garbled, after a sentence on prefetch
+    assert ('`reshard_after_forward=True` frees them after forward (the reshards above). Its default, `None`, '
+            'means, in `fully_shard`\'s docstring, "`True` for non-root modules and `False` for root modules"'
+            ) in " ".join(before_2.split())
     assert "backward starts" not in before_2 and "forward ran last" not in before_2
     assert "backward needs" not in before_2
     assert "torch.chunk(param, n, dim=0)" in markdown()[len(before_1):]   # said once answered
@@ -954,3 +961,14 @@ def test_reduce_dtypes_default_none_reduces_in_param_dtype(group):
             "alone reduce-scatters in bfloat16 (and accumulates unsynced gradients in it).") in step_3
     summary = markdown().split("## Summary")[1].split("## Further reading")[0]
     assert "The default, `reduce_dtype=None`, reduces in `param_dtype`: ask for float32 explicitly." in summary
+
+
+def test_the_cp_sync_names_torchtitans_flattened_fsdp_mesh():
+    """Review 6 (15-4): the core said to average over cp by hand, and not that torchtitan runs
+    fully_shard over dp and cp flattened into one mesh dimension, dp_shard_cp (built in
+    torchtitan/distributed/parallel_dims.py; pytorch/torchtitan#1132 in further reading), where
+    FSDP2's reduce-scatter averages over both."""
+    text = " ".join(markdown().split())
+    assert ("torchtitan instead runs `fully_shard` over dp and cp flattened, `dp_shard_cp` "
+            "(`torchtitan/distributed/parallel_dims.py`), leaving no manual sync.") in text
+    assert "pytorch/torchtitan#1132" in text

@@ -379,6 +379,17 @@ def offsets_of_ten(base, mesh):             # apart on 4 ranks; from dp = 11 on,
     return _seeds(base + _rank(mesh), base + 10 + d, base + 20 + d)
 
 
+def offsets_of_ten_by_global_rank(base, mesh):   # the same, from dist.get_rank() (a sixth review, 17-1)
+    import torch.distributed as dist
+    d = mesh.get_local_rank("dp")
+    return _seeds(base + dist.get_rank(), base + 10 + d, base + 20 + d)
+
+
+def needs_more_of_a_mesh(base, mesh):       # right on 4 ranks; the stand-in has no get_group
+    d, n = mesh.get_local_rank("dp"), mesh["dp"].size()
+    return _seeds(base + 2 * n + _rank(mesh) + 0 * mesh.get_group("tp").size(), base + d, base + n + d)
+
+
 def a_pair_as_before(base, mesh):           # the exercise's old (replicated, sharded) pair
     return base + mesh.get_local_rank("dp"), base + 100 + _rank(mesh)
 
@@ -405,6 +416,14 @@ def a_pair_as_before(base, mesh):           # the exercise's old (replicated, sh
     (offsets_of_ten, "Your seeds hold on the 4 ranks' meshes, but not on a larger one (run in this process with "
                      "a stand-in mesh, 512 coordinates). On a (64, 8) mesh, rank (dp 1, tp 3) gets the same seed "
                      "11 for attention_output and for attention_probs"),
+    # a sixth review (17-1): dist.get_rank() raised in the kernel, and the larger meshes went unchecked
+    (offsets_of_ten_by_global_rank, "Your seeds hold on the 4 ranks' meshes, but not on a larger one (run in "
+                                    "this process with a stand-in mesh, 512 coordinates). On a (64, 8) mesh, "
+                                    "rank (dp 1, tp 3) gets the same seed 11 for attention_output and for "
+                                    "attention_probs"),
+    (needs_more_of_a_mesh, "but the check could not run your function on its larger stand-in meshes (64, 8) "
+                           "and (8, 64), where seeds that are apart on 4 ranks can collide: it raised "
+                           "AttributeError"),
     (a_pair_as_before, 'return a dict with the keys "attention_probs", "attention_output", "mlp_output"'),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, mistake, explanation):
@@ -546,7 +565,9 @@ def test_the_learner_decides_which_ranks_share_each_seed():
     Now the task names the draws and the aim, not who shares what; the check names each
     mistake by what it does to the masks (test_each_usual_mistake_gets_its_explanation)."""
     task = " ".join(source_with("## Exercise: dropout seeds", kind="markdown").split())
-    assert "Which ranks share a seed, for each draw, is yours to decide." in task
+    assert "Which ranks share a seed, for each draw, is yours to work out from one aim:" in task
+    # review 6 (17-5): "yours to decide" and then "the dp ranks must differ" read as a contradiction
+    assert "yours to decide" not in task and "must differ" not in task
     for rule in ("replicated_seed", "sharded_seed", "the same on every rank of a tp group, and different",
                  "different on every rank of the mesh", "1. **"):
         assert rule not in task, rule
@@ -669,9 +690,14 @@ def test_reset_parameters_after_sharding_repeats_one_shard_on_a_cpu_mesh(group):
     text = source_with("Under FSDP2, give every rank the same initial weights", kind="markdown")
     bullets = [line for line in text.splitlines() if line.startswith("- ")]
     assert [b.split()[1] for b in bullets] == ["Seed", "On", "Load"], bullets
-    assert ("On GPU meshes, build the model on the meta device, shard it with `fully_shard`, then call "
-            "`reset_parameters()`: DTensor's random-number tracker gives each shard its own part of one stream"
-            ) in bullets[1]
+    # review 6 (17-3): the recipe lacked to_empty; it now follows meta_then_reset_parameters' order
+    assert ("On GPU meshes, build the model on the meta device, shard it with `fully_shard`, allocate the "
+            "shards with `model.to_empty(device=\"cuda\")`, then call `reset_parameters()`: DTensor's "
+            "random-number tracker gives each shard its own part of one stream") in bullets[1]
+    import inspect
+    ran = inspect.getsource(meta_then_reset_parameters)
+    assert ran.index('torch.device("meta")') < ran.index("fully_shard(model") < ran.index("model.to_empty(") \
+        < ran.index("model.reset_parameters()")
     assert ("On a CPU mesh, like this one, that fails silently: with one seed, every rank fills its rows with "
             f'the same values, and torch only warns "{warning}".') in bullets[1]
     assert "broadcast_from_rank0=True" in bullets[2]

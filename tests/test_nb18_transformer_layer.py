@@ -547,6 +547,14 @@ def sp_buffer_never_copied_back(grads, mesh):      # the dp mean in place, the t
         dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
 
 
+def dp_buffer_copied_back_tp_forgotten(grads, mesh):   # copied back; only the tp sum is missing
+    every = list(grads.values())
+    flat = torch.cat([g.flatten() for g in every])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+    for g, mean in zip(every, flat.split([g.numel() for g in every])):
+        g.copy_(mean.view_as(g))
+
+
 def raises(grads, mesh):
     dist.all_reduce(grads["nothing"], group=mesh["dp"].get_group())
 
@@ -555,8 +563,10 @@ def test_the_copy_back_hint_comes_only_where_a_buffer_was_reduced(group):
     """A fifth review (18-4): a flat buffer reduced but never copied back left grads as they
     were, and the verdict did not say why. The hint names torch.cat's copy only where a rank
     ran a collective on a tensor outside grads, not where the gradients were reduced in
-    place or not at all."""
-    for fn in (unchanged, sp_not_summed, replaced_by_a_new_dict):
+    place or not at all, nor (a sixth review, 18-1) where the one buffer was copied back and
+    the tp sum forgotten."""
+    for fn in (unchanged, sp_not_summed, replaced_by_a_new_dict,
+               dp_buffer_copied_back_tp_forgotten):    # a sixth review (18-1): it was copied back
         verdict = check_sync_gradients(group, fn)
         assert not verdict and "torch.cat" not in verdict.message, (fn.__name__, verdict.message)
     assert "notebook 18's" not in check_sync_gradients(group, sp_not_summed).message
@@ -581,6 +591,7 @@ def test_the_copy_back_hint_comes_only_where_a_buffer_was_reduced(group):
     (sp_buffer_never_copied_back, "must be added up as well (question 1). This rank ran a "
                                   "collective on a tensor that is none of grads' tensors: "
                                   "torch.cat makes a copy"),
+    (dp_buffer_copied_back_tp_forgotten, "the dp average of this rank's own gradient"),
     (raises, "your function raised on the ranks"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, fn, words):
@@ -771,3 +782,24 @@ def test_the_goals_the_core_teaches_and_the_sp_memory_of_a_real_layer():
                   "Sequence parallelism divides that part too, for `sbh(34 + 5as/h)/t`"):
         assert words in step_1, words
     assert "arXiv:2205.05198" in "\n".join(s for s, c in cells() if c["cell_type"] == "markdown")
+
+
+def test_the_core_says_why_cp_is_averaged_and_points_to_torchs_own():
+    """A sixth review: the core said why sequence-parallel gradients are summed over tp and
+    dp's averaged, but not why cp's, whose ranks also hold the same parameters and see
+    other tokens, are averaged (18-3); and only the optional parts named fully_shard over
+    mesh["dp"] and SequenceParallel (18-4). The summary, in the core, now points to both,
+    and each is run in its optional part."""
+    cells_ = [s for s, _ in cells()]
+    core = cells_[:next(i for i, s in enumerate(cells_) if s.startswith("*Optional, after the lesson.*"))]
+    rule = next(s for s in core if s.startswith("This is notebook 05's rule seen from the other side"))
+    assert ("`cp` ranks, too, hold the same parameters and see different tokens, yet they are averaged: each "
+            "computes the loss of its own tokens, as a `dp` rank does of its batch, and the training loss is "
+            "the mean of those losses.") in " ".join(rule.split())
+    summary = " ".join(next(s for s in cells_ if s.startswith("## Summary")).split())
+    assert "`parallelize_module`, with `SequenceParallel` for the LayerNorms, does all of this" in summary
+    assert ('In practice `fully_shard(model, mesh=mesh["dp"])` does it (the optional part after step 3).'
+            in summary)
+    assert 'fully_shard(model, mesh=mesh["dp"])' in source_with("def fsdp_over_dp")
+    assert "SequenceParallel()" in "\n".join(cells_[cells_.index(next(s for s in cells_ if s.startswith(
+        "## Step 2: torch's own"))):])

@@ -21,6 +21,7 @@ arXiv:1909.08053, appendix B.2; ``model_parallel_cuda_manual_seed`` in
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -77,13 +78,18 @@ class _StandInMesh:
     """A ``(dp, tp)`` device mesh's coordinates without a process group, for calling the
     learner's function once more in the kernel, another Python process than the ranks: the
     common ``DeviceMesh`` queries (``get_local_rank``, ``get_coordinate``, ``size``,
-    ``shape``, ``ndim``, ``mesh_dim_names``, ``mesh["dp"]``). Anything else raises
-    ``AttributeError``, and the check then leaves this comparison out."""
+    ``shape``, ``ndim``, ``mesh_dim_names``, ``mesh["dp"]``, ``get_rank``, the global rank,
+    as ``dist.get_rank()`` under :func:`_stand_in_dist`). Anything else raises
+    ``AttributeError``, and the check then says that it left this comparison out."""
 
-    def __init__(self, sizes: dict, coords: dict, names: tuple):
+    def __init__(self, sizes: dict, coords: dict, names: tuple, rank: int | None = None):
         self._sizes, self._coords, self.mesh_dim_names = sizes, coords, names
         self.shape = tuple(sizes[n] for n in names)
         self.ndim = len(names)
+        self._rank = rank
+
+    def get_rank(self):
+        return self._rank
 
     def _name(self, dim):
         return self.mesh_dim_names[dim] if isinstance(dim, int) else dim
@@ -105,7 +111,28 @@ class _StandInMesh:
     def __getitem__(self, name):
         names = (name,) if isinstance(name, str) else tuple(name)
         return _StandInMesh({n: self._sizes[n] for n in names},
-                            {n: self._coords[n] for n in names}, names)
+                            {n: self._coords[n] for n in names}, names, self._rank)
+
+
+@contextlib.contextmanager
+def _stand_in_dist(rank: int, world_size: int):
+    """While the learner's function runs in this process on a stand-in mesh, make
+    ``dist.get_rank()`` and ``dist.get_world_size()`` answer for the coordinate it stands
+    in for (the global rank of ``init_device_mesh``'s row-major layout), as they would on
+    that rank; the kernel has no process group of its own (a sixth review, 17-1: seeds
+    from ``dist.get_rank()`` raised here, and the larger meshes went unchecked)."""
+    import torch.distributed as dist
+    saved = dist.get_rank, dist.get_world_size
+    dist.get_rank = lambda group=None: rank
+    dist.get_world_size = lambda group=None: world_size
+    try:
+        yield
+    finally:
+        dist.get_rank, dist.get_world_size = saved
+
+
+def _stand_in_mesh(dp: int, tp: int, d: int, t: int) -> _StandInMesh:
+    return _StandInMesh({"dp": dp, "tp": tp}, {"dp": d, "tp": t}, ("dp", "tp"), d * tp + t)
 
 
 def _another_process(fn, dp: int, tp: int, rows: list) -> str | None:
@@ -113,11 +140,11 @@ def _another_process(fn, dp: int, tp: int, rows: list) -> str | None:
     coordinates; a message if it gives other seeds than that rank did, ``None`` if it gives
     the same or cannot run here."""
     for row in rows:
-        mesh = _StandInMesh({"dp": dp, "tp": tp},
-                            {"dp": row["dp_rank"], "tp": row["tp_rank"]}, ("dp", "tp"))
+        mesh = _stand_in_mesh(dp, tp, row["dp_rank"], row["tp_rank"])
         for base, seeds in row["seeds"].items():
             try:
-                here = fn(base, mesh)
+                with _stand_in_dist(mesh.get_rank(), dp * tp):
+                    here = fn(base, mesh)
             except Exception:
                 return None
             if here != seeds:
@@ -132,17 +159,19 @@ def _another_process(fn, dp: int, tp: int, rows: list) -> str | None:
     return None
 
 
-def _stand_in_rows(fn, dp: int, tp: int) -> list | None:
+def _stand_in_rows(fn, dp: int, tp: int) -> list | Exception:
     """What :func:`seeds_on_mesh` returns on every rank of a ``(dp, tp)`` mesh, computed in
-    this process with a stand-in mesh per coordinate; ``None`` if ``fn`` cannot run on one."""
+    this process with a stand-in mesh per coordinate (and :func:`_stand_in_dist`); the
+    exception instead if ``fn`` cannot run on one."""
     rows = []
     for d, t in itertools.product(range(dp), range(tp)):
-        mesh = _StandInMesh({"dp": dp, "tp": tp}, {"dp": d, "tp": t}, ("dp", "tp"))
+        mesh = _stand_in_mesh(dp, tp, d, t)
         try:
-            seeds = {base: fn(base, mesh) for base in BASE_SEEDS}
-            again = {base: fn(base, mesh) for base in BASE_SEEDS}
-        except Exception:
-            return None
+            with _stand_in_dist(mesh.get_rank(), dp * tp):
+                seeds = {base: fn(base, mesh) for base in BASE_SEEDS}
+                again = {base: fn(base, mesh) for base in BASE_SEEDS}
+        except Exception as err:
+            return err
         rows.append({"dp_rank": d, "tp_rank": t, "seeds": seeds, "again": again})
     return rows
 
@@ -269,8 +298,8 @@ def check_dropout_seeds(group, fn) -> Verdict:
 
     Runs ``fn`` on real ranks at world size 4 on the meshes :data:`MESHES` (the group is
     resized, then restored), then in this process on stand-in meshes of the shapes
-    :data:`STAND_IN_MESHES` (a coordinate at a time; skipped if ``fn`` needs more of a mesh
-    than :class:`_StandInMesh` offers), with base seeds :data:`BASE_SEEDS`, and says what the
+    :data:`STAND_IN_MESHES` (a coordinate at a time; a failed verdict that says so if ``fn``
+    needs more of a mesh than :class:`_StandInMesh` offers), with base seeds :data:`BASE_SEEDS`, and says what the
     first mistake would do to the masks.
 
     Returns:
@@ -288,15 +317,26 @@ def check_dropout_seeds(group, fn) -> Verdict:
             problem = _judge(dp, tp, rows) or _another_process(fn, dp, tp, rows)
             if problem:
                 return failed(problem)
+    skipped = None
     for dp, tp in STAND_IN_MESHES:
         rows = _stand_in_rows(fn, dp, tp)
-        problem = rows and _judge(dp, tp, rows)
+        if isinstance(rows, Exception):
+            skipped = rows
+            break
+        problem = _judge(dp, tp, rows)
         if problem:
             return failed(f"Your seeds hold on the 4 ranks' meshes, but not on a larger one "
                           f"(run in this process with a stand-in mesh, {dp * tp} coordinates). "
                           f"{problem}")
     meshes = ", ".join(f"({dp}, {tp})" for dp, tp in MESHES)
     larger = " and ".join(f"({dp}, {tp})" for dp, tp in STAND_IN_MESHES)
+    if skipped is not None:
+        return failed(f"Your seeds hold on the (dp, tp) meshes {meshes}, but the check could not "
+                      f"run your function on its larger stand-in meshes {larger}, where seeds that "
+                      f"are apart on 4 ranks can collide: it raised "
+                      f"{type(skipped).__name__}: {skipped}. The stand-in mesh answers "
+                      f"get_local_rank, get_coordinate, size, get_rank and mesh[\"dp\"], and "
+                      f"dist.get_rank() and dist.get_world_size(); use those.")
     return passed(f"On the (dp, tp) meshes {meshes}, and on stand-in meshes {larger}, with base seeds "
                   f"{' and '.join(map(str, BASE_SEEDS))}: attention_output and mlp_output each "
                   f"have one seed per tp group, different across dp, so the tp ranks' copies stay "

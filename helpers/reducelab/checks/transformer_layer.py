@@ -159,11 +159,15 @@ gradients it combines in one flat buffer, as Megatron-LM coalesces them
 
 def _judge(rows: list, right: dict) -> Verdict | None:
     every = {(d, t): layer_grads(d, t) for d in range(DP) for t in range(TP)}
-    for (d, t), grads, _, off in rows:
+    for (d, t), grads, made, off in rows:
         where = f"rank (dp {d}, tp {t})"
         copy_back = (" This rank ran a collective on a tensor that is none of grads' tensors: "
                      "torch.cat makes a copy: copy the reduced buffer back into the grads."
                      if off else "")
+        # the dp mean with the tp sum missing: a buffer was lost only if the dp mean came from
+        # collectives on grads' own tensors; with every collective on a copy, the copy came
+        # back, and only the tp sum is missing (a sixth review, 18-1)
+        lost_buffer = copy_back if made > off else ""
         missing = [n for n in SP_NAMES + SHARDED_NAMES if n not in grads]
         if missing:
             return failed(f"{where}: grads lost {', '.join(missing)}. Change the tensors in grads "
@@ -203,7 +207,7 @@ def _judge(rows: list, right: dict) -> Verdict | None:
                               f"own gradient. Under sequence parallelism a rank used {name} on its "
                               f"own tokens only, so its gradient is a partial sum over those "
                               f"tokens: the tp ranks' partial sums must be added up as well "
-                              f"(question 1).{copy_back}", "SP gradients not summed over tp")
+                              f"(question 1).{lost_buffer}", "SP gradients not summed over tp")
             if kind == "sequence-parallel" and seen == "tp averaged":
                 return failed(f"{where}: the gradient of {name} is half the right one: the tp "
                               f"ranks' partial sums were averaged. Each holds the sum over its "
