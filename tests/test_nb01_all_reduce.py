@@ -228,7 +228,38 @@ def test_the_same_tensor_reduced_twice_gives_world_size_times_the_sum(group):
     out = "".join("".join(o.get("text", "")) for o in cells[i]["outputs"])
     assert out.count("after one all_reduce 10, after two 40") == 4, out
     after = "".join(cells[i + 1]["source"])
-    assert after.startswith("10, then 40") and "running metric" in after and "DDP" in after
+    assert after.startswith("10, then 40") and "The summary says where" in after
+    # review 6 (01-2): the point is the summary's own line, with its two causes and the fix
+    summary = next(c for c in notebook_cells() if "## Summary" in c).split("## Summary")[1]
+    line = next(l for l in summary.splitlines() if "all-reduced twice" in l)
+    assert "metric reduced in place" in line and "DDP already averaged" in line
+    assert "into a clone" in line
+
+
+def signed_sum(n):
+    x = torch.full((n,), (dist.get_rank() // 2 + 1) * (1.0 if dist.get_rank() % 2 == 0 else -1.0))
+    dist.all_reduce(x)
+    return x
+
+
+def test_the_explorer_try_line_says_what_to_notice(group):
+    """Review 6 (01-4): "Try:" says what to notice. The signed pairs cancel on 4 ranks and
+    leave +3 on 5; with the explorer's default 6 elements on 4 ranks, neither MIN's nor
+    MAX's row of random ints is any one rank's input, so the line's question has a point."""
+    try_line = next(l for c in notebook_cells() for l in c.splitlines() if l.startswith("Try, and notice:"))
+    assert "the pairs +k and -k sum to 0; the fifth rank's +3 is left" in try_line
+    assert "does the result match any one rank's input?" in try_line
+    group.resize(4)
+    assert all((x == 0).all() for x in group.run(signed_sum, 6))
+    group.resize(5)
+    try:
+        assert all((x == 3).all() for x in group.run(signed_sum, 6))
+    finally:
+        group.resize(4)
+    xs = torch.stack([torch.randint(0, 8, (6,), generator=torch.Generator().manual_seed(r)).float()
+                      for r in range(4)])
+    for row in (xs.min(0).values, xs.max(0).values):
+        assert not any((xs[r] == row).all() for r in range(4))
 
 
 def test_the_table_sets_each_sum_against_its_ceiling():
@@ -400,6 +431,16 @@ def squared_after_in_place(n):                          # E[x²] - mean², x alr
     return mean, (squares / dist.get_world_size() - mean ** 2).clamp(min=0).sqrt()
 
 
+def mean_absolute_deviation(n):                       # |x - mean| averaged, not squared
+    x = local_values(dist.get_rank(), n)
+    total = x.clone()
+    dist.all_reduce(total)
+    mean = total / dist.get_world_size()
+    distance = (x - mean).abs()
+    dist.all_reduce(distance)
+    return mean, distance / dist.get_world_size()
+
+
 def local_std(n):
     x = local_values(dist.get_rank(), n)
     total = x.clone()
@@ -479,6 +520,7 @@ def test_right_answers_pass(group, name):
     (distances_of_the_sum, "the distances of the SUM from the mean"),
     (root_mean_square, "the mean itself was never taken off"),
     (squared_after_in_place, "after all_reduce had overwritten it with the sum"),
+    (mean_absolute_deviation, "That is the mean absolute deviation"),
     (local_std, "the spread of this rank's own elements"),
     (gathered_single, "called dist.all_gather_single"),
     (one_tensor, "expected a pair of tensors (mean, std)"),

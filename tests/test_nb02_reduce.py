@@ -835,6 +835,18 @@ def test_what_decides_the_layout_is_stated_in_full(group):
     assert "through the final gather, `dst`" in summary
 
 
+def test_the_summary_says_why_reduce_to_rank_0_then_use_everywhere_fails():
+    """Review 6 (02-3): the summary carries the consequence of NCCL's contract: a value
+    reduced to rank 0 for logging, then used by every rank, differs by backend."""
+    summary = next(c for c in notebook_cells() if c.startswith("## Summary"))
+    line = next(l for l in summary.splitlines() if "ReduceLROnPlateau" in l)
+    for words in ("reduced to rank 0 for logging", "partial sums on gloo",
+                  "by NCCL's contract, their input on NCCL (optional part)", "Use `all_reduce`"):
+        assert words in line, words
+    nccl = next(c for c in notebook_cells() if c.startswith("## What NCCL does with `x` (optional"))
+    assert "NCCL does not write a non-`dst` rank's `x`" in nccl
+
+
 def test_the_myths_state_each_claim_in_full():
     """An expert review: the myth table quoted the popular answer in fragments. Each claim
     is now a sentence of its own, and the section names the learner question by title
@@ -843,8 +855,15 @@ def test_the_myths_state_each_claim_in_full():
     assert ('"Why does `torch.distributed.reduce` affect tensors other than the destination?" '
             "(2025-01-30)") in myth
     rows = [line for line in myth.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 6
-    for row in rows:
+    assert len(rows) == 3
+    # review 6 (02-1): no core row cites a run after the summary; the three examples' rows
+    # head the optional part that runs them
+    assert "after the summary)" not in "\n".join(rows) and "Example" not in "\n".join(rows)
+    optional = "\n".join(notebook_cells()).split("## The popular answer's examples, run")[1]
+    examples = [line for line in optional.split("**Example 1")[0].splitlines()
+                if line.startswith("| Example")]
+    assert len(examples) == 3
+    for row in rows + examples:
         claim, reality = [part.strip() for part in row.strip("|").split(" | ")]
         assert claim[0].isupper() or claim[0] == "`", claim
         assert claim.endswith(".") and reality.endswith("."), row

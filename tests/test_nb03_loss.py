@@ -969,7 +969,8 @@ def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
         "## Myth vs reality (optional, after the lesson)"]
     assert summary < marks[0] and marks[-1] < reading
     assert "Token-level losses, which need the global number of tokens, are an optional part" in text[0]
-    assert "token" not in text[summary].lower()
+    # review 6 (03-1): the summary names the token rule, as the optional part's
+    assert all(l.endswith("(optional part).") for l in text[summary].splitlines() if "token" in l.lower())
     code = [(i, *_bound_and_loaded(t)) for i, (t, c) in enumerate(cells) if c["cell_type"] == "code"]
     optional = lambda i: marks[0] <= i < reading
     only_there = set().union(*(b for i, b, _ in code if optional(i))) - set().union(*(b for i, b, _ in code if not optional(i)))
@@ -1003,3 +1004,27 @@ def test_question_1_asks_for_the_recipe_not_the_arithmetic():
     assert "all_reduce(loss) / world_size" not in asked and "2.0 / 4 = 0.5" in asked
     assert any(src.startswith("def mean_of_means") for src, c in cells
                if c["cell_type"] == "code")
+
+
+def test_the_summary_carries_the_token_rule_of_the_optional_part():
+    """Review 6 (03-1): the summary says that a language model's loss counts real tokens,
+    marked as the optional part's, whose text gives the same rule."""
+    cells = [text for text, _ in notebook_cells()]
+    summary = next(c for c in cells if c.startswith("## Summary"))
+    line = next(l for l in summary.splitlines() if "tokens" in l)
+    assert "counts real tokens, not samples" in line and line.endswith("(optional part).")
+    part = next(c for c in cells if c.startswith("## Token-level losses: count tokens, not samples (optional"))
+    rule = next(c for c in cells if "divide by the number of real tokens of the whole step" in c)
+    assert cells.index(rule) > cells.index(part) > cells.index(summary)
+
+
+def test_step_3_says_why_every_rank_starts_alike():
+    """Review 6 (03-2): "every rank starts from the same weights (the answer does not seed
+    its model)" read as a contradiction: the text says we seed alike where the answer does
+    not, and the loop's code does so before it builds the model."""
+    cells = [text for text, _ in notebook_cells()]
+    i = next(i for i, c in enumerate(cells) if c.startswith("def example_1_loop"))
+    assert "The answer leaves its model unseeded; we seed it alike on every rank (`manual_seed(0)`)" in cells[i - 1]
+    assert "the answer does not seed its model)" not in cells[i - 1]
+    code = cells[i]
+    assert code.index("torch.manual_seed(0)") < code.index("nn.Linear(10, 2)")

@@ -788,10 +788,14 @@ def test_step_3_describes_ddp_s_own_path_and_pins_its_sources():
     assert "(or in its default comm hook)" not in text
     assert "1 / div_factor_)" not in text  # a paraphrase must not pass for the source
     step3 = next(c for c in cells if c.startswith("## Step 3"))
-    for name in ("Reducer::run_allreduce_hook()", "_AllReduceBySumCommHook",
-                 "at::native::wrapped_scalar_tensor(1. / div_factor_)",
-                 "25 MiB by default", "no communication hook registered"):
+    for name in ("25 MiB by default", "no communication hook registered",
+                 "Divides while copying into the bucket view to save one scan"):
         assert name in step3, name
+    # review 6 (04-5): the C++ names are in Further reading, not in the core's step 3
+    reading = next(c for c in cells if c.startswith("## Further reading"))
+    for name in ("Reducer::run_allreduce_hook()", "_AllReduceBySumCommHook",
+                 "at::native::wrapped_scalar_tensor(1. / div_factor_)"):
+        assert name in reading and name not in step3, name
     assert "1 MiB" in next(c for c in cells if c.startswith("More on buckets:"))
     links = re.findall(r"https://github\.com/pytorch/pytorch/blob/[^/\s)]+/", text)
     assert links and set(links) == {"https://github.com/pytorch/pytorch/blob/v2.13.0/"}
@@ -906,9 +910,11 @@ def test_step_3_keeps_the_division_and_the_three_reducer_functions_and_moves_the
     it, are in an optional part after the lesson (review 5: the core ran past 45 min)."""
     cells = notebook_cells()
     step3 = next(c for c in cells if c.startswith("## Step 3"))
+    assert "divided by `world_size` as it is copied" in step3
+    reading = next(c for c in cells if c.startswith("## Further reading"))
     for name in ("Reducer::set_divide_factor()", "Reducer::mark_variable_ready_dense()",
-                 "Reducer::run_allreduce_hook()", "divided by `world_size` as it is copied"):
-        assert name in step3, name
+                 "Reducer::run_allreduce_hook()"):                # review 6 (04-5)
+        assert name in reading and name not in step3, name
     later = next(i for i, c in enumerate(cells) if c.startswith("More on buckets:"))
     assert optional_parts()[later] is not None
     for name in ("batched_grad_copy", "compute_bucket_size_limits", "first iteration",
@@ -1006,3 +1012,14 @@ def test_the_gap_panel_says_where_an_exact_zero_is_drawn(drawn):
     assert "exact 0 drawn at 1e-9" in gap.get_title(loc="left")
     ys = gap.get_lines()[0].get_ydata()
     assert ys[0] == ys[1] == GAP_FLOOR == 1e-9  # the two exact zeros
+
+
+def test_the_summary_says_when_ddp_follows_one_process_step_for_step():
+    """Review 6 (04-4): "step for step" holds up to rounding and only without
+    batch-dependent layers; the summary says so and points to BatchNorm's notebook."""
+    summary = next(c for c in notebook_cells() if c.startswith("## Summary"))
+    line = next(l for l in summary.splitlines() if "step for step" in l)
+    assert line.endswith("step for step, up to rounding, for a model without batch-dependent "
+                         "layers (BatchNorm: notebook 13).")
+    nb13 = NOTEBOOK.parent / "13_what_ddp_expects_of_a_model.ipynb"
+    assert "BatchNorm" in nb13.read_text()

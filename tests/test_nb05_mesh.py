@@ -1119,3 +1119,21 @@ def test_question_1_is_not_answered_by_the_rule_above_it():
     for rule in ("row-major", "r // cp", "ranks `cp` apart", "a column"):
         assert rule not in above, rule
     assert "The layout is row-major" in next(c for c in cells[q1:] if c.startswith("## Step 2"))
+
+
+def test_summary_lines_that_rest_on_optional_runs_say_so_and_step_4_is_shorter():
+    """Review 6 (05-5): summary lines rested on runs in optional parts without saying so;
+    each now ends its claim with a pointer to the optional part. (05-1): the overlap and
+    fixed-cost paragraph of step 4 moved into the optional part that measures it."""
+    cells, parts = [_src(c) for c in _cells()], optional_parts()
+    summary = next(c for c in cells if c.startswith("## Summary")).splitlines()
+    for words in ("when DDP or FSDP averages over `dp`: optional part)",
+                  "8 bits of precision: optional part)",
+                  "as DDP does (optional part).",
+                  "next to the mesh (an optional part counts the groups)."):
+        assert sum(words in line for line in summary) == 1, words
+    moved = next(i for i, c in enumerate(cells) if 'Does the "other computation" hide the reductions?' in c)
+    assert cells[moved].startswith("## What the page's loop costs (optional, after the lesson)")
+    assert parts[moved] == moved
+    step4 = next(c for c in cells if "**Every rank must make the same calls.**" in c)
+    assert "other computation" not in step4

@@ -73,6 +73,10 @@ def _likely_mistakes(world_size: int, n: int, rank: int) -> dict[str, tuple[str,
             "That comes from the distances of the SUM from the mean: all_reduce works in "
             "place, so after it x holds the sum over ranks, not this rank's own values. "
             "Keep them (reduce a clone).", (total - mean).abs()),
+        "mean absolute deviation": (
+            "That is the mean absolute deviation, the mean over ranks of |x - mean|: a "
+            "spread, but not the standard deviation. Square the distances before you "
+            "average them, and take the square root last.", (xs - mean).abs().mean(0)),
         "local": (
             "That is the spread of this rank's own elements (torch.std over the tensor), "
             "not the spread of element i across the ranks: each element needs the values "
