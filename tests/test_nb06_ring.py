@@ -883,10 +883,9 @@ def test_the_misconceptions_are_optional_after_the_exercise_and_the_summary_is_c
 def test_the_ring_s_rotation_and_torch_s_piece_r_on_rank_r_are_reconciled():
     """Review 5 (06-1): step 3 said reduce_scatter leaves piece r on rank r, just after
     question 1 found the ring leaves another chunk there. The text says both, without
-    stating question 1's answer."""
+    stating question 1's answer. Review 6 (06-2) cut the sentence to a clause (time)."""
     phases = _src(_cells()[_index_of("## Step 3: phase 2, all-gather")])
-    assert "Which complete chunk our ring leaves on which rank depends on where each chunk starts its " \
-           "trip (question 1); torch's collective promises piece `r` on rank `r`" in phases
+    assert "which leaves piece `r` on rank `r` (our ring leaves another: question 1)" in phases
     assert "(r + 1)" not in phases
 
 
