@@ -813,9 +813,9 @@ def test_the_review_6_wording_holds():
     cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
              if c["cell_type"] == "markdown"]
     step4 = next(s for s in cells if "## Step 4: what a launch listens on" in s)
-    assert "With `--standalone`, as here, the agent hosts a second one, the rendezvous's, where " \
+    assert "With `--standalone` the agent hosts a second one, the rendezvous's, where " \
            "the agents meet." in step4
-    assert "a second one" not in step4.replace("With `--standalone`, as here, the agent hosts a second one", "")
+    assert "a second one" not in step4.replace("With `--standalone` the agent hosts a second one", "")
     explore = next(s for s in cells if "## Explore: nodes on one laptop" in s)
     quote = re.search(r'docstring says it "([^"]+)"', explore).group(1)
     assert " ".join(_inspect.getdoc(dist.new_group).split()).count(quote) == 1
