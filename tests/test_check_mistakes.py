@@ -593,6 +593,13 @@ def zero1_all_reduces_the_parameters(params, optimizer):   # right numbers, no b
         dist.all_reduce(p.data)
 
 
+def zero1_averages_the_parameters(params, optimizer):     # review 6 (08-3): all_reduce AVG, no broadcast
+    _zero1_average(params)
+    optimizer.step()
+    for p in params:
+        dist.all_reduce(p.data, op=dist.ReduceOp.AVG)
+
+
 def zero1_gathers_every_gradient(params, optimizer):       # right numbers, gradients travel whole
     n = dist.get_world_size()
     for p in params:
@@ -626,6 +633,9 @@ def zero1_gathers_every_gradient(params, optimizer):       # right numbers, grad
     (zero1_all_reduces_the_parameters, ["the gradients and the parameters are right, but at "
                                         "world_size=2 rank 0 never called dist.broadcast",
                                         "_sync_params sends each parameter once"]),
+    (zero1_averages_the_parameters, ["Rank 0 owns 0.weight, yet after your call it is not one process's value",
+                                     "no broadcast of 0.weight was recorded",
+                                     "mixes its new values with the other ranks' values from before the step"]),
     (zero1_gathers_every_gradient, ["the gradients and the parameters are right, but at "
                                     "world_size=2 rank 0 called dist.all_gather",
                                     "n-1 copies of it"]),

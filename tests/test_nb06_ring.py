@@ -626,12 +626,50 @@ def verdict_passes(fn):
     return bool(check_chain_broadcast(fn, world_sizes=(3,)))
 
 
+def chain_finish_time(n: int, pieces: int, pipelined: bool) -> int:
+    """Piece-times until the last of n ranks on a chain holds all pieces: a link carries one
+    piece per piece-time; a rank forwards a piece once it has it (pipelined), or only once it
+    has them all (store and forward); with pipelining every link may carry at once."""
+    have = [[0] * pieces] + [[None] * pieces for _ in range(n - 1)]   # time each piece arrived
+    for r in range(1, n):
+        free = 0                                                      # the link r-1 -> r
+        ready_all = max(have[r - 1])
+        for j in range(pieces):
+            start = max(free, have[r - 1][j] if pipelined else ready_all)
+            have[r][j] = free = start + 1
+    return max(have[-1])
+
+
+def test_the_pieces_buy_time_not_bytes():
+    """Review 6 (06-1, HIGH): the text said what the chain saves (bytes) but not what the
+    pieces buy (time). The exercise and the summary now say: each rank still sends S; the whole
+    tensor forwarded once it has all arrived takes (N - 1)·P piece-times, pieces passed on as they
+    arrive P + N - 2, where every link can carry one while its neighbours carry theirs (the
+    condition the timing tests below show the solution's irecv meets and blocking recv-then-send
+    does not). The model is re-derived here."""
+    for n in range(2, 9):
+        for p in range(1, 9):
+            assert chain_finish_time(n, p, pipelined=False) == (n - 1) * p
+            assert chain_finish_time(n, p, pipelined=True) == p + n - 2
+    exercise = _src(_cells()[_index_of("## Exercise: a broadcast that spreads its bytes")])
+    summary = _src(_cells()[_index_of("## Summary")])
+    for text in (exercise, summary):
+        assert "The pieces buy time, not bytes" in text or "Its pieces buy time, not bytes" in text
+        assert "`(N - 1) · P`" in text and "`P + N - 2`" in text
+        assert "can carry" in text and "while its neighbours carry theirs" in text   # the condition
+    assert "in pieces that each rank passes on as they arrive, it costs no rank more than" not in summary
+
+
 def test_the_text_claims_only_the_overlap_the_tests_time():
     """No cell or message promises piece-times or links working at once without the
-    irecv the solution uses; the reveal says when src waits, and why."""
+    condition that the solution's irecv meets (review 6 asked for the piece-times: they come
+    with it); the reveal says when src waits, and why."""
     cells = _cells()
     text = "\n".join(_src(c) for c in cells)
-    assert "piece-time" not in text and "the links work at the same time" not in text
+    for sentence in re.split(r"(?<=\.)\s", text):
+        if "piece-time" in sentence:
+            assert "while its neighbours carry theirs" in sentence, sentence
+    assert "the links work at the same time" not in text
     reveal_cell = _src(cells[_index_of("The exercise asked two questions")])
     for claim in ("src's `send` of piece 1 waits too", "neighbouring links take turns",
                   "with `irecv` before it forwards piece `j`"):
@@ -676,7 +714,7 @@ def mirrored_ring(numel):
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_a_ring_the_other_way_round_gives_the_same_sums(group, world_size):
-    """Cell 9: the direction does not matter (gloo's reduce, notebook 02, sends to r - 1)."""
+    """The direction does not matter (gloo's own rings, cell 18, send to r - 1)."""
     group.resize(world_size)
     out = group.run(mirrored_ring, 10)
     want = torch.stack([seeded_input(r, 10) for r in range(world_size)]).sum(0)
@@ -740,9 +778,11 @@ def test_the_exercise_cells_as_committed():
     assert (EXERCISE_NUMEL, EXERCISE_PIECES) == (12, 4)
 
 
-def test_the_text_says_the_ring_direction_is_a_choice():
-    text = _src(_cells()[_index_of("In reduce-scatter step `s`")])
-    assert "direction does not matter" in text and "notebook 02" in text
+def test_the_ring_direction_aside_is_cut_and_gloos_direction_stays_named():
+    """Review 6 (06-2) cut cell 9's aside on the direction (time); cell 18 still says gloo's
+    ring sends to rank `r - 1`, which the mirrored ring above shows gives the same sums."""
+    assert "direction does not matter" not in _src(_cells()[_index_of("In reduce-scatter step `s`")])
+    assert "it sends to rank `r - 1`" in _src(_cells()[_index_of("The sums agree to within float32")])
 
 
 def test_question_3_asks_which_elements_keep_a_1_and_nothing_above_it_says():
@@ -803,21 +843,15 @@ def test_the_phases_are_torchs_own_collectives_and_sharded_training_calls_them_a
     cells = _cells()
     phases = _src(cells[_index_of("## Step 3: phase 2, all-gather")])
     assert "Each phase is also a collective of torch's own: phase 1 is `dist.reduce_scatter_single`, " \
-           "which leaves each rank one complete piece (piece `r` on rank `r`), and phase 2 is " \
+           "which leaves piece `r` on rank `r` (our ring leaves another: question 1), and phase 2 is " \
            "`dist.all_gather_single` (torch 2.13's names; older releases call them " \
            "`dist.reduce_scatter_tensor` and `dist.all_gather_into_tensor`)." in phases
-    apart = _index_of("Sharded training calls the two phases apart")
-    assert apart > _index_of("reveal(answer_2")
-    text = _src(cells[apart])
-    assert "ZeRO-2 (notebook 08) reduce-scatters the gradient, updates its piece of the parameters " \
-           "and all-gathers them, which on a ring sends DDP's 2 (N - 1) / N × S per rank" in text
-    assert "FSDP2 (notebook 15) gathers the parameters once more, before backward, for about 1.5 " \
-           "times those bytes." in text
+    # review 6 (06-2) cut the bytes of ZeRO-2 and FSDP2 from the core (time): 08 and 15 teach them
+    assert "Sharded training calls the two phases apart" not in "\n".join(_src(c) for c in cells)
     summary = _src(cells[_index_of("## Summary")])
     assert "- torch has each phase as a collective, `dist.reduce_scatter_single` and " \
-           "`dist.all_gather_single`. ZeRO-2 and FSDP2 (notebooks 08 and 15) call them apart: on a " \
-           "ring ZeRO-2 sends DDP's bytes per rank and keeps only its piece; FSDP2 gathers once " \
-           "more, about 1.5 times those bytes." in summary
+           "`dist.all_gather_single`; sharded training calls them apart (ZeRO and FSDP2: notebooks " \
+           "08 and 15)." in summary
     # what notebooks 08 and 15 measure and say (their own tests re-derive it from runs)
     def markdown_of(name):
         nb = json.loads((ROOT / "notebooks" / name).read_text())
@@ -849,10 +883,9 @@ def test_the_misconceptions_are_optional_after_the_exercise_and_the_summary_is_c
 def test_the_ring_s_rotation_and_torch_s_piece_r_on_rank_r_are_reconciled():
     """Review 5 (06-1): step 3 said reduce_scatter leaves piece r on rank r, just after
     question 1 found the ring leaves another chunk there. The text says both, without
-    stating question 1's answer."""
+    stating question 1's answer. Review 6 (06-2) cut the sentence to a clause (time)."""
     phases = _src(_cells()[_index_of("## Step 3: phase 2, all-gather")])
-    assert "Which complete chunk our ring leaves on which rank depends on where each chunk starts its " \
-           "trip (question 1); torch's collective promises piece `r` on rank `r`" in phases
+    assert "which leaves piece `r` on rank `r` (our ring leaves another: question 1)" in phases
     assert "(r + 1)" not in phases
 
 

@@ -703,8 +703,9 @@ def test_the_store_is_taught_once_where_step_4_shows_it_and_referred_to_after():
                       "connects to it as a client"):
         assert said_once in step_4, said_once
         assert markdown().count(said_once) == 1, said_once
-    # the internals (the two stores of --standalone, the launcher script) are an optional
-    # part after the summary: step 4's core is two sentences (fifth review, 07-2)
+    # the internals (the two stores' source, the launcher script) are an optional part after
+    # the summary: step 4's core stays short (fifth review, 07-2); review 6 (07-2) asked step 4
+    # to name the second store in one clause
     inside = next(t for t in texts if t.startswith("## Inside a `--standalone` launch (optional, after the lesson)"))
     assert "the agent hosts two" in inside and markdown().count("the agent hosts two") == 1
     assert "_create_tcp_store_server" in inside                 # its source, beside it
@@ -750,7 +751,7 @@ def test_question_1_asks_about_gloo_and_the_store_apart_with_a_clue_not_the_answ
     that only gloo reads GLOO_SOCKET_IFNAME; it does not say where the store binds."""
     cells = [("".join(c["source"]), c["cell_type"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
     q1 = next(s for s, _ in cells if s.startswith("**Question 1.**"))
-    for clue in ("gloo, on each rank, and the `torchrun` agent's store", "only gloo reads that variable",
+    for clue in ("gloo, on each rank, and the `torchrun` agent's two stores", "only gloo reads that variable",
                  "Think about each of the two"):
         assert clue in q1, clue
     assert not re.search(r"every interface|all interfaces|wildcard|`::`|0\.0\.0\.0", q1)
@@ -794,3 +795,33 @@ def test_the_trusted_network_is_taught_in_the_core():
     core = markdown().split("## Summary")[0]
     assert "has no authentication" in core and "trusted network only" in core
     assert core.index("**Question 1.**") < core.index("has no authentication")
+
+
+# --- review 6: the two stores, the new_group rule, a LocalGroup's init_process_group -----------
+def test_the_review_6_wording_holds():
+    """07-2: step 4 names the two stores of a --standalone launch (the ranks' at MASTER_ADDR:
+    MASTER_PORT, the rendezvous's where the agents meet), not one "agent's store"; with a static
+    rendezvous they are one (static_tcp_rendezvous.py hands its own store to the ranks), which is
+    why the text says "With `--standalone`".
+    07-4: new_group's rule is in the markdown, quoted from its docstring. 07-5: step 3 says why
+    main()'s init_process_group may replace the group's (LocalGroup wraps it) and what a second
+    call does in a script, in torch's words."""
+    import inspect as _inspect
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+    assert "bootstrap_store_info = RendezvousStoreInfo(self.master_addr, self.master_port)" in \
+        _inspect.getsource(static_tcp_rendezvous)
+    cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
+             if c["cell_type"] == "markdown"]
+    step4 = next(s for s in cells if "## Step 4: what a launch listens on" in s)
+    assert "With `--standalone` the agent hosts a second one, the rendezvous's, where " \
+           "the agents meet." in step4
+    assert "a second one" not in step4.replace("With `--standalone` the agent hosts a second one", "")
+    explore = next(s for s in cells if "## Explore: nodes on one laptop" in s)
+    quote = re.search(r'docstring says it "([^"]+)"', explore).group(1)
+    assert " ".join(_inspect.getdoc(dist.new_group).split()).count(quote) == 1
+    assert "Every rank must create every group, in the same order, even the groups it is not in" in explore
+    assert "same order in all processes" in _inspect.getdoc(dist.new_group)
+    step3 = next(s for s in cells if "## Step 3: the same `main()`" in s)
+    assert "`LocalGroup` wraps `dist.init_process_group` on its ranks to allow that" in step3
+    said = re.search(r"a second call raises `ValueError: ([^`]+)`", step3).group(1)
+    assert f'raise ValueError("{said}")' in _inspect.getsource(dist.distributed_c10d.init_process_group)

@@ -969,3 +969,23 @@ def test_the_review_5_wording_holds():
     assert "No stage shards the activations" in memory and "activation checkpointing" in memory
     assert "Rajbhandari et al. 2020, section 3.2" in memory
     assert "equal **bit for bit**, here, on gloo?" in cell_with("**Question 2.**")
+
+
+def test_the_review_6_zero3_bytes_say_whose_stage():
+    """Sixth review (08-1): our ZeRO-3 row sends DDP's bytes, which a learner would take for the
+    paper's stage 3. The table's row says ours gathers once, and the core's bytes paragraph gives
+    the paper's stage 3, which gathers for forward and again for backward, at 1.5 times DDP's
+    bytes (Rajbhandari et al. 2020, section 7.2.2), re-derived here from the stored printout."""
+    table = cell_with("## Step 2: ZeRO stages 1, 2 and 3, by hand")
+    row = next(line for line in table.splitlines() if line.startswith("| ZeRO-3"))
+    assert "ours: gathers once" in row and "the paper's gathers twice" in row
+    memory = cell_with("**Memory.** The measured bars sit on the formulas")
+    assert "Our ZeRO-3 gathers once per step, at DDP's bytes." in memory
+    assert "for forward and again for backward" in memory
+    assert "`3(n-1)/n · S`, 1.5 times DDP's bytes (section 7.2.2)" in memory
+    printed = next("".join(o.get("text", "")) for c in CELLS if c["cell_type"] == "code"
+                   for o in c.get("outputs", []) if "S = 9,648 bytes" in "".join(o.get("text", "")))
+    rows = dict(re.findall(r"^  (\S+)\s.*?([\d,]+) bytes = ", printed, re.M))
+    ddp, ours = (int(rows[k].replace(",", "")) for k in ("DDP", "ZeRO-3"))
+    assert ours == ddp                                                # ours gathers once
+    assert 3 * 0.75 * 9648 == 1.5 * ddp                              # the paper's: three passes of (n-1)/n·S

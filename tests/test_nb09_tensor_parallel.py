@@ -682,13 +682,42 @@ def test_the_gqa_sentence_comes_after_question_2_and_names_its_source():
     SelfAttention.get_query_key_value_tensors all-gathers the fused QKV output and keeps the
     slice of the key/value head a rank's query heads share. The sentence sits after question
     2's reveal (it names an all_gather, which would prime a count of collectives), cites that
-    code and claims nothing else."""
+    code and claims nothing else. Review 6 (09-3) moved it from step 3 to Further reading:
+    no core minute for it."""
     all_cells = cells()
     reveal_2 = next(k for k, (src, _) in enumerate(all_cells) if "reveal(answer_2" in src)
-    gqa = [k for k, (src, _) in enumerate(all_cells) if "grouped-query attention" in src]
+    gqa = [k for k, (src, _) in enumerate(all_cells) if "grouped-query attention" in src.lower()]
     assert len(gqa) == 1 and gqa[0] > reveal_2, (gqa, reveal_2)
+    assert all_cells[gqa[0]][0].startswith("## Further reading")
     text = " ".join(all_cells[gqa[0]][0].split())
     for fact in ("a multiple or a divisor of `tp`", "all-gathers", "several ranks hold the same one",
                  "`SelfAttention.get_query_key_value_tensors` in `megatron/core/transformer/attention.py`",
                  "`TransformerConfig`", "August 2026"):
         assert fact in text, fact
+
+
+def test_f_says_every_tp_rank_must_be_fed_the_same_batch(group):
+    """Review 6 (09-2): f's forward is the identity because every tp rank reads the same x; the
+    text says so where f is taught, and that a loader sharded by global rank trains wrong with
+    no error. Run: tp_mlp with each rank fed its own x raises nothing, and its output differs
+    from one process's on any one of those inputs."""
+    f_cell = next(src for src, _ in cells() if "- **f** starts the column-parallel layer" in src)
+    assert ("so every `tp` rank must be fed the same batch: a data loader sharded by global rank "
+            "instead of by `dp` rank feeds them different tokens, and the model trains wrong "
+            "without an error") in f_cell
+    group.resize(4)
+    out = group.run(_tp_mlp_on_its_own_batch)
+    for rank, (y, wants) in enumerate(out):
+        assert torch.isfinite(y).all()                                       # no error, no NaN
+        assert all(not torch.allclose(y, w, atol=1e-3) for w in wants), rank   # matches no input's
+        assert torch.equal(y, out[0][0])          # g's sum: every rank holds the same wrong output
+
+
+
+def _tp_mlp_on_its_own_batch():
+    """Every rank's shards, but each rank fed its own input (seed 100 + rank), through f and g."""
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    p = NB["shard_mlp"](rank, tp)
+    y = NB["tp_forward"](NB["make_input"](100 + rank), p).detach()
+    wants = [NB["unsharded"](100 + r)[0] for r in range(tp)]     # one process on each rank's input
+    return y, wants

@@ -612,6 +612,12 @@ def _diagnose_params(rec: dict, want_flat: torch.Tensor, before_flat: torch.Tens
     if name in sent and sent[name] != o:
         return f"{head} " + _partition_mistake("broadcast from", name, sent[name], owner, sent, ws)
     if rank == o:
+        if name not in sent and not torch.equal(got[name], before[name]):
+            return (f"{head} Rank {rank} owns {name}, yet after your call it is not one "
+                    f"process's value, and no broadcast of {name} was recorded. The owner's "
+                    f"{name} should hold just what its own optimizer step gave; a collective "
+                    f"that reduces the parameters, an all_reduce for one, mixes its new values "
+                    f"with the other ranks' values from before the step.")
         if torch.equal(got[name], before[name]):
             return (f"{head} Rank {rank} owns {name}, yet {name} still holds its value from "
                     f"before the step: this rank's optimizer never stepped it.")
