@@ -851,6 +851,10 @@ def test_step_3_says_in_plain_words_what_each_call_leaves_on_a_rank():
     box = "".join(CELLS[i]["source"])
     assert "def tp_model_after_backward" in "".join(CELLS[i + 1]["source"])
     assert "In plain words, what each leaves on a rank:" in box
+    assert "three calls (notebook 18 uses the first, 15 the last)" in box     # distribute_module is new here
+    eighteen = (ROOT / "notebooks" / "18_transformer_layer.ipynb").read_text()
+    assert "parallelize_module" in eighteen and "RowwiseParallel" in eighteen
+    assert "distribute_module" not in eighteen and "fully_shard" in (ROOT / "notebooks" / "15_fsdp2.ipynb").read_text()
     assert "its weight a DTensor `Shard(1)` over `tp`" in box and "its bias `Replicate()`" in box
     assert "`distribute_module(model[2], mesh[\"tp\"])`" in box
     assert "each parameter becomes a DTensor `Replicate()` over `tp`" in box
