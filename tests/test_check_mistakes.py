@@ -37,7 +37,7 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
   means, each rank's own BatchNorm statistics, training mode, left in eval mode, a step
   while evaluating, not a number, gradients enabled: a graph built), and rank 0 alone
   through the wrapper, which hangs.
-- 14 check_global_grad_norm: test_nb14_shards "usual". Here: an all_gather of the local
+- 14 check_global_grad_norm: test_nb14_shards "usual". Here: the copies added over tp, an all_gather of the local
   pieces (fix), and one sum per parameter, which passes; the copies never summed.
 - 15 check_accumulate_step: test_nb15_fsdp2 "usual".
 - 16 check_ddp_buckets: test_nb16_buckets "usual" (every entry of checks.buckets.MISTAKES).
@@ -779,7 +779,23 @@ def norm_copies_left_local(model, mesh):       # the copies over tp never summed
     return (split + copied).sqrt().item()
 
 
+def norm_copies_added_over_tp(model, mesh):    # review 6 (14-3): the copies added over tp, not dp
+    split, copied = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        squares = p.grad.to_local().pow(2).sum()
+        if p.grad.device_mesh.ndim == 2 and p.grad.placements[1].is_shard():
+            split += squares
+        else:
+            copied += squares
+    dist.all_reduce(split)
+    dist.all_reduce(copied, group=mesh.get_group("tp"))
+    return (split + copied).sqrt().item()
+
+
 @pytest.mark.parametrize("fn, words", [
+    (norm_copies_added_over_tp, ["Your function returns different norms on the ranks",
+                                 "The copies (0.bias, 2.weight, 2.bias) were added over tp",
+                                 "each row counted twice"]),
     (norm_copies_left_local, ["Your function returns different norms on the ranks",
                               "Every rank must clip with the same factor"]),
     (norm_from_gathered_pieces, ["The value is right, but your function called dist.all_gather with a tensor of",

@@ -1103,3 +1103,36 @@ def test_the_exercise_crossover_is_where_the_two_models_meet():
                             ring_seconds(S, n, alpha, beta), rel_tol=1e-12)
         assert _recursive_doubling_seconds(0.9 * S, n, alpha, beta) < ring_seconds(0.9 * S, n, alpha, beta)
         assert _recursive_doubling_seconds(1.1 * S, n, alpha, beta) > ring_seconds(1.1 * S, n, alpha, beta)
+
+
+def test_medians_are_read_against_the_fit_and_the_sum_is_fixed_in_float32():
+    """Review 6: 10-1, the stored timings of step 1 and step 2 are noisy on shared cores (a
+    median far from its neighbours, or from a later run of the same size): right after
+    each, a sentence says to read a median with its range and against step 3's fitted line,
+    quoting no number. 10-4, step 6 says the fix in the core: reduce in float32, as FSDP2's
+    MixedPrecisionPolicy(reduce_dtype=torch.float32) does (its docstring: the dtype "for
+    gradient reduction")."""
+    import inspect
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    texts = ["".join(c["source"]) for c in cells]
+    timing = next(i for i, t in enumerate(texts) if t.startswith("def time_collective("))
+    after_1 = texts[timing + 1]
+    assert cells[timing + 1]["cell_type"] == "markdown"
+    assert after_1.startswith("On shared cores, read a median with its range, later against step 3's "
+                              "fitted line: another run can land far off.")
+    sweep = next(i for i, t in enumerate(texts) if t.startswith("SIZES = [4 * 16**k"))
+    assert cells[sweep + 1]["cell_type"] == "markdown"
+    assert texts[sweep + 1] == ("A median off its row's trend is load on shared cores: read it against "
+                                "step 3's fitted line.")
+    for said in (after_1.split("###")[0], texts[sweep + 1]):
+        assert not re.search(r"\d", said.replace("step 3", ""))               # no number quoted
+    step_3 = next(i for i, t in enumerate(texts) if t.startswith("## Step 3"))
+    assert step_3 == sweep + 2 and "def fit_alpha_beta(" in "".join(texts[step_3:])
+    summary = texts.index(next(t for t in texts if t.startswith("## Summary")))
+    core = "\n".join(texts[:summary])
+    fix = "The fix: reduce in float32, as FSDP2's `MixedPrecisionPolicy(reduce_dtype=torch.float32)` does."
+    assert fix in core and core.index(fix) > core.index("**Question 3.**")
+    doc = " ".join(MixedPrecisionPolicy.__doc__.split())
+    assert "reduce_dtype (Optional[torch.dtype]): This specifies the dtype for gradient reduction" in doc
+    assert "reduce_dtype" in inspect.signature(MixedPrecisionPolicy).parameters

@@ -308,7 +308,10 @@ def test_the_text_says_what_the_printed_13_and_8_are_and_a_run_with_powers_of_te
     assert "every rank holds 8" in text and "1 + 3 + 4, the sum without rank 1's own 2" in text
     # a third review (11-2): the text says what to look at and why, for each case and the next cell's
     assert "Look at how each mistake shows itself, because that is all a cluster's log will give you" in text
-    assert "Each rank combines what reaches it with its own op, so rank 1 took a MAX of its 2 and a larger partial sum" in text
+    # review 6 (11-4): the op mismatch unpacked: rank 1's MAX met a partial sum above its 2
+    assert ("The ranks pass partial results along, and each combines what reaches it with its own op: the "
+            "partial sum that reached rank 1 already held more than 2, so rank 1's MAX kept it and dropped "
+            "its own 2.") in text
     assert ("the rank that dies writes the cause to its own standard error, from C++, with no Python exception "
             "(`terminate called after throwing …`); the ranks that survive raise an error about a lost connection, "
             "which names neither the cause nor the rank") in text
@@ -1279,6 +1282,30 @@ def test_question_2_stays_unspoiled():
     assert "shape, dtype and device" not in above and "**fingerprints**" in above
     from reducelab.checks.answers import WHY
     assert "not the ReduceOp" in WHY["11"][2]
+
+
+def test_step_3_has_a_second_reading_rule_and_the_default_figure_shows_it(explorer):
+    """Review 6 (11-1): the lowest "entered" number fails on the explorer's default run,
+    where every rank entered #3 but rank 2's #3 is a 1-number all_reduce and the others' a
+    4-number one. Step 3 gives the second rule, in torchfrtrace's words (its source says
+    them: flight_recorder/components/types.py), and step 5 says the default figure shows it;
+    the default run's records agree."""
+    step_3 = next(t for t in markdown_cells() if t.startswith("## Step 3: the flight recorder"))
+    assert '**The rank with the lowest "entered" number is behind**' in step_3
+    assert '**The same "entered" number but a different collective or size is a mismatch**' in step_3
+    said = '*"Expected input sizes: ... does not match found input sizes"*'
+    assert said in step_3
+    import torch.distributed.flight_recorder.components.types as fr_types
+    source = inspect.getsource(fr_types)
+    assert "Expected input sizes: '{self.input_sizes}' does not match found input sizes" in source
+    assert "Expected collective type:" in source and "does not match found collective type" in source
+    step_5 = next(t for t in markdown_cells() if "Try, and say what you expect" in t)
+    assert "every rank entered #3, with different sizes, step 3's second rule" in step_5
+    run = _set(explorer, "uneven batches", 2, "OFF").run
+    third = [run.records[r].entries[2] for r in range(4)]
+    assert len({e["seq"] for e in third}) == 1                          # the same "entered" number
+    assert {e["name"] for e in third} == {"all_reduce"}
+    assert third[2]["sizes"] != third[0]["sizes"] == third[1]["sizes"] == third[3]["sizes"]
 
 
 def test_the_explorer_s_try_list_asks_and_leaves_the_results_to_the_figure():

@@ -144,6 +144,10 @@ def test_slots_sized_like_the_own_tensor_abort_rank_0(group, tmp_path, world_siz
         assert why.startswith("[0]: rank 0 was killed by SIGABRT")          # question 1's answer
         question = source("**Question 1.**").split("**Question 1.**")[1]     # a fifth review (12-5)
         assert "Which ranks die? Answer a list of ranks" in question and "rank 0" not in question
+        # review 6 (12-1): the ring's direction, which the received bytes above re-derive (rank 0
+        # gets half of the last rank's piece), makes the answer one, not two defensible ones
+        assert ("gloo's `all_gather` is a ring (notebook 06): each rank receives from rank "
+                "`(rank - 1) % world_size`.") in question
         assert "The real run gives [0]." in html.unescape(stored_text("def all_gather_own_size(log_dir):"))
         assert "half of its own 4 bytes, 2, and rank 2 sent half of its 12 bytes, 6" in why
         assert "6 vs 2" in stored_text("def all_gather_own_size(log_dir):")
@@ -810,3 +814,19 @@ def test_the_text_says_what_accelerate_and_torchmetrics_do_with_the_repeats():
     assert "`EvaluationDistributedSampler`" in text and "`torchmetrics/utilities/distributed.py`" in text
     summary = source("## Summary")
     assert "accelerate's `gather_for_metrics` drops its loader's added samples; torchmetrics' sync does not." in summary
+
+
+def test_the_exercise_says_no_fixed_list_finds_the_repeats_and_the_core_points_to_03():
+    """Review 6: 12-2, the exercise said "their numbers do not find them", wrong (gathering
+    every rank's sample numbers finds them, as the folded note after the check says); 12-4,
+    a per-batch loss.item() average was met only in an optional part: the summary points
+    to notebook 03, which teaches the mean of means."""
+    text = markdown()
+    assert "their numbers do not find them" not in text
+    assert ("The shuffle changes which samples repeat each epoch, so no fixed list works: work out "
+            "where the repeats sit.") in text
+    summary = text.split("## Summary")[1].split("## Myth vs reality")[0]
+    assert ("A mean of per-batch `loss.item()` is a mean of means: off when batches differ in size "
+            "(notebook 03).") in summary
+    three = (ROOT / "notebooks" / "03_loss_aggregation.ipynb").read_text()
+    assert "the mean of means does not" in three and "with unequal local batches" in three

@@ -931,12 +931,13 @@ def _broadcasts_per_call():
     return out
 
 
-def test_step_4_states_when_the_rebuild_runs_before_question_4():
-    """A fifth review (13-1): question 4 was a guess, since the fact that decides it (the
-    bucket rebuild runs in the forward, and only with gradients enabled) came only after
-    the reveal. Step 4 now states the rule above the question, in words; the run here holds
-    it: the rebuild's two broadcasts come in the first forward with gradients after the first
-    backward, not in the backward, and a torch.no_grad() forward puts them off."""
+def test_the_rebuild_rule_is_in_question_4s_reveal_not_above_it():
+    """A fifth review (13-1) had the rule that decides question 4 (the bucket rebuild runs in
+    the forward, and only with gradients enabled) stated above the question; a sixth
+    (13-1) found that sentence, right above it, answers it. It is gone from above the
+    question; the reveal (WHY["13"][4]) says it. The run here holds it: the rebuild's two
+    broadcasts come in the first forward with gradients after the first backward, not in
+    the backward, and a torch.no_grad() forward puts them off."""
     import inspect
     from torch.nn.parallel import DistributedDataParallel as DDP
     with LocalGroup(world_size=2, timeout=30) as two:
@@ -945,13 +946,27 @@ def test_step_4_states_when_the_rebuild_runs_before_question_4():
                    "forward with gradients": ["gloo:broadcast", "gloo:broadcast"]}
     assert "if torch.is_grad_enabled() and self.reducer._rebuild_buckets():" in inspect.getsource(DDP._pre_forward)
     q4 = next(i for i, c in enumerate(CELLS) if "**Question 4.**" in "".join(c["source"]))
-    rule = ("DDP rebuilds its buckets at the start of the second forward, and only with gradients enabled: "
-            "a forward under `torch.no_grad()` leaves the rebuild to the next forward that has them.")
-    assert any(rule in "".join(c["source"]) for c in CELLS[:q4] if c["cell_type"] == "markdown")
-    # the rule, not the answer: nothing above the reveal says what question 4's forward does
     for c in CELLS[:q4 + 1]:
         text = "".join(c["source"]) + (stored_text(c) if c["cell_type"] == "code" else "")
+        assert "rebuilds its buckets" not in text and "leaves the rebuild" not in text
         assert "It hangs, buffers or not" not in text and "a collective only rank 0 runs" not in text
+    assert "with gradients enabled it rebuilds the gradient buckets" in WHY["13"][4]
+    assert "Under torch.no_grad() that forward rebuilds nothing" in WHY["13"][4]
+
+
+def test_step_4_s_wording_and_the_hang_s_line():
+    """A sixth review (13-5): "First, the three cases" promised a second part that moved to
+    an optional part; the text now says an optional part measures the cost. "train line 16"
+    is a line of the cell that defines train, which starts at def local_batch."""
+    text = "\n".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "markdown")
+    assert "First, the three cases" not in text
+    assert ('(an optional part at the end measures it). Here, the three cases of step 3 with each '
+            'option, three steps each:') in text
+    assert "## What the two options cost: collectives and CPU time (optional, after the lesson)" in text
+    assert ('"train line 16" is line 16 of the cell that defines `train`, which starts at '
+            '`def local_batch`: `loss.backward()`.') in text
+    cell = source_with("def train(")
+    assert cell.startswith("def local_batch") and "loss.backward()" in cell.splitlines()[15]
 
 
 def test_question_4_is_not_answered_above_it():

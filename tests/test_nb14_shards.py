@@ -832,9 +832,42 @@ def test_the_tp_result_leads_and_the_internals_sit_in_further_reading():
             "to the copy's square once") in core
 
 
-def test_the_header_says_to_study_it_after_15():
-    header = "".join(CELLS[0]["source"]).splitlines()[2]
-    assert "follows notebooks 05, 09 and 15: study it after 15" in header
+def test_the_header_says_to_study_it_after_18():
+    """Review 6 (14-1): step 3 uses parallelize_module and RowwiseParallel, which notebook 18
+    teaches: the header and the prerequisites say so."""
+    header = "".join(CELLS[0]["source"])
+    assert "follows notebooks 05, 09, 15 and 18: study it after 18" in header.splitlines()[2]
+    prerequisites = header.split("## Prerequisites")[1]
+    assert "18 (`parallelize_module` and `RowwiseParallel`, which step 3 uses)" in prerequisites
+
+
+def test_step_3_says_in_plain_words_what_each_call_leaves_on_a_rank():
+    """Review 6 (14-1): before step 3's code, what parallelize_module with RowwiseParallel,
+    distribute_module and fully_shard leave on each rank, as the installed torch does it
+    (torch/distributed/tensor/parallel/style.py: RowwiseParallel's weight Shard(1), bias
+    Replicate(); distribute_module with no partition_fn replicates every parameter), and
+    the placements step 3's code prints agree."""
+    i = next(i for i, c in enumerate(CELLS) if "".join(c["source"]).startswith("## Step 3"))
+    box = "".join(CELLS[i]["source"])
+    assert "def tp_model_after_backward" in "".join(CELLS[i + 1]["source"])
+    assert "In plain words, what each leaves on a rank:" in box
+    assert "three calls (notebook 18 uses the first, 15 the last)" in box     # distribute_module is new here
+    eighteen = (ROOT / "notebooks" / "18_transformer_layer.ipynb").read_text()
+    assert "parallelize_module" in eighteen and "RowwiseParallel" in eighteen
+    assert "distribute_module" not in eighteen and "fully_shard" in (ROOT / "notebooks" / "15_fsdp2.ipynb").read_text()
+    assert "its weight a DTensor `Shard(1)` over `tp`" in box and "its bias `Replicate()`" in box
+    assert "`distribute_module(model[2], mesh[\"tp\"])`" in box
+    assert "each parameter becomes a DTensor `Replicate()` over `tp`" in box
+    printed = "".join("".join(o.get("text", "")) for o in CELLS[i + 1]["outputs"])
+    assert "0.weight  (Shard(dim=0), Shard(dim=1))" in printed
+    assert "0.bias    (Shard(dim=0), Replicate())" in printed
+    assert "2.weight  (Shard(dim=0), Replicate())" in printed
+    import inspect
+    from torch.distributed.tensor import distribute_module
+    from torch.distributed.tensor.parallel import RowwiseParallel
+    partition = inspect.getsource(RowwiseParallel._partition_linear_fn)
+    assert "[Shard(1)]" in partition and "[Replicate()]" in partition
+    assert "if partition_fn is None:" in inspect.getsource(distribute_module)
 
 
 # --- review 5: the core is one study unit, the late parts optional ------------------------------------

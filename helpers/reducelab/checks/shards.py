@@ -193,7 +193,9 @@ def exercise_run(global_grad_norm, X: torch.Tensor, y: torch.Tensor) -> dict:
         rank's shard), ``"every rank"`` (summed over all ranks), ``"dp only"`` and ``"tp
         only"`` (summed over one mesh dimension), ``"dp mesh added over every rank"``
         (``model[2]``'s copies counted once per tp rank), ``"Replicate() added over every
-        rank"`` (``0.bias``'s likewise), and ``"right"`` (each element once).
+        rank"`` (``0.bias``'s likewise), ``"copies added over tp"`` (the pieces over every
+        rank, the copies over ``tp``, where they are the same rows), and ``"right"`` (each
+        element once).
     """
     model, mesh = tp_model_after_backward(X, y, MESH_SHAPE[1], "left alone")
     kinds = {"split over tp": torch.zeros((), dtype=torch.float64),        # 0.weight
@@ -206,6 +208,7 @@ def exercise_run(global_grad_norm, X: torch.Tensor, y: torch.Tensor) -> dict:
     local = sum(kinds.values())
     over_all = {kind: _sum_over(value) for kind, value in kinds.items()}
     over_dp = {kind: _sum_over(value, mesh.get_group("dp")) for kind, value in kinds.items()}
+    over_tp = {kind: _sum_over(value, mesh.get_group("tp")) for kind, value in kinds.items()}
     ways = {"local": local.item(), "every rank": _sum_over(local),
             "dp only": _sum_over(local, mesh.get_group("dp")),
             "tp only": _sum_over(local, mesh.get_group("tp")),
@@ -213,7 +216,9 @@ def exercise_run(global_grad_norm, X: torch.Tensor, y: torch.Tensor) -> dict:
             "dp mesh added over every rank": over_all["split over tp"] + over_dp["replicated over tp"]
             + over_all["on the dp mesh"],
             "Replicate() added over every rank": over_all["split over tp"] + over_all["replicated over tp"]
-            + over_dp["on the dp mesh"]}
+            + over_dp["on the dp mesh"],
+            "copies added over tp": over_all["split over tp"] + over_tp["replicated over tp"]
+            + over_tp["on the dp mesh"]}
     counts: dict = {}
     with _counting_gathers(counts, few=len(list(model.parameters()))):
         value = global_grad_norm(model, mesh)
@@ -333,6 +338,10 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
         ("Replicate() added over every rank", "0.bias is Replicate() over tp: both tp ranks of a dp "
                                               "index hold the same rows, counted twice here. Only a "
                                               "Shard placement on the tp dimension makes pieces."),
+        ("copies added over tp", "The copies (0.bias, 2.weight, 2.bias) were added over tp, where both "
+                                 "tp ranks of a dp index hold the same rows: each row counted twice, "
+                                 "and the other dp index's rows never added. Over which ranks do the "
+                                 "copies hold different rows?"),
     ]
     for way, why in diagnoses:
         if each_rank_gave(way):
