@@ -358,6 +358,24 @@ def test_optional_parts_are_marked_where_they_start_and_counted_in_the_header_al
         assert 5 <= int(counted.group(1)) <= 25
 
 
+def cell_parts(path) -> list:
+    """Per cell: ``"core"``, ``"reading"`` (from "## Further reading" to the next ``## ``
+    heading) or, in an optional part, the index of the cell whose ``OPTIONAL_MARK`` starts
+    it (a part runs to the next ``## `` heading)."""
+    out, part = [], "core"
+    for i, cell in enumerate(load(path)["cells"]):
+        text = source(cell)
+        if cell["cell_type"] == "markdown":
+            if OPTIONAL_MARK.search(text):
+                part = i
+            elif text.startswith("## Further reading"):
+                part = "reading"
+            elif re.search(r"^## ", text, re.M):
+                part = "core"
+        out.append(part)
+    return out
+
+
 def study_minutes(path) -> dict[str, float]:
     """A floor for a learner's study time, in minutes, of the core and of the optional
     parts: markdown at 100 words a minute, code at 30 non-blank lines a minute, 3 minutes
@@ -369,19 +387,13 @@ def study_minutes(path) -> dict[str, float]:
     06 and 08 at about 45, 55, 55, 50, 60 and 65 minutes; this model gave 48, 52, 51, 55,
     55 and 54, so it is a floor, not a generous estimate."""
     cells = load(path)["cells"]
-    part, totals = "core", {"core": [0, 0, 0, 0], "optional": [0, 0, 0, 0], "reading": [0] * 4}
-    for cell in cells[1:]:
+    totals = {"core": [0, 0, 0, 0], "optional": [0, 0, 0, 0], "reading": [0] * 4}
+    for cell, part in list(zip(cells, cell_parts(path)))[1:]:
+        counts = totals[part if part in ("core", "reading") else "optional"]
         text = source(cell)
         if cell["cell_type"] == "markdown":
-            if OPTIONAL_MARK.search(text):
-                part = "optional"
-            elif text.startswith("## Further reading"):
-                part = "reading"
-            elif re.search(r"^## ", text, re.M):
-                part = "core"
-            totals[part][0] += len(text.split())
+            counts[0] += len(text.split())
         else:
-            counts = totals[part]
             counts[1] += sum(1 for line in text.splitlines() if line.strip())
             counts[2] += len(re.findall(r"^answer_\d+ = None", text, re.M))
             counts[3] += len(re.findall(r"^# %load ", text, re.M))
@@ -410,16 +422,7 @@ def bound_and_loaded(code: str) -> tuple[set, set]:
 def parts(path) -> list:
     """Per cell, the index of the cell that starts its optional part (as ``study_minutes``
     reads them), or ``None`` for the core and Further reading."""
-    out, start = [], None
-    for i, cell in enumerate(load(path)["cells"]):
-        text = source(cell)
-        if cell["cell_type"] == "markdown":
-            if OPTIONAL_MARK.search(text):
-                start = i
-            elif re.search(r"^## ", text, re.M):
-                start = None
-        out.append(start)
-    return out
+    return [part if isinstance(part, int) else None for part in cell_parts(path)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)

@@ -386,12 +386,19 @@ def release_requests() -> None:
         callback = _held.pop()  # one caller wins: list.pop is atomic
     except IndexError:
         return
-    from .forkserver_imports import LATER, WITH_TORCH
     try:
         from IPython import get_ipython
         get_ipython().events.unregister("post_run_cell", callback)
     except Exception:  # noqa: BLE001 - no shell, or already gone: nothing fires it again
         pass
+    _ask_for_kernel_later()
+
+
+def _ask_for_kernel_later() -> None:
+    """Ask the server for what the kernel's imports call for (:func:`kernel_later`); if
+    that names DDP's dynamo, DTensor, FSDP or DCP, a group forked in the hold is started
+    again before its first run (:func:`released_later`)."""
+    from .forkserver_imports import LATER, WITH_TORCH
     wanted = kernel_later()
     ask_for_later(wanted)
     pid, later = _server()  # an eager server imported all of LATER before it served ranks
@@ -509,14 +516,8 @@ def import_read_modules() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the cell that imports it says why
             continue
-    if _held:
-        return  # release_requests asks for them with the rest, when the hold ends
-    from .forkserver_imports import LATER, WITH_TORCH
-    wanted = kernel_later()
-    ask_for_later(wanted)
-    pid, later = _server()
-    if pid and later and any(m in LATER and m not in WITH_TORCH for m in wanted):
-        _released_later[:] = [pid]
+    if not _held:  # else release_requests asks for them with the rest, when the hold ends
+        _ask_for_kernel_later()
 
 
 def _before_group(ctx) -> None:
