@@ -376,16 +376,41 @@ def cell_parts(path) -> list:
     return out
 
 
+def output_words(cell) -> int:
+    """The words a learner reads in a code cell's stored outputs: printed text, HTML
+    (tags left out) and plain results, and an error's last line. Figures and widgets
+    count nothing, nor does a question's verdict (its reveal is read in the question's
+    own minutes)."""
+    count = 0
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        if out["output_type"] == "stream":
+            count += len("".join(out["text"]).split())
+        elif out["output_type"] == "error":
+            count += len(f"{out['ename']}: {out['evalue']}".split())
+        elif "text/html" in data:
+            page = "".join(data["text/html"])
+            if "reducelab-verdict" not in page:
+                count += len(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
+        elif "text/plain" in data and not data.keys() & {
+                "image/png", "application/vnd.jupyter.widget-view+json"}:
+            count += len("".join(data["text/plain"]).split())
+    return count
+
+
 def study_minutes(path) -> dict[str, float]:
     """A floor for a learner's study time, in minutes, of the core and of the optional
-    parts: markdown at 100 words a minute, code at 30 non-blank lines a minute, 3 minutes
-    a question (predict, run, read the reveal) and 10 an exercise (``# %load`` def cell).
-    A part is optional from a cell marked ``OPTIONAL_MARK`` to the next ``## `` heading;
-    "## Further reading", a list of sources to open later, counts in neither.
+    parts: markdown and the words of the stored outputs (:func:`output_words`) at 100
+    words a minute, code at 30 non-blank lines a minute, 3 minutes a question (predict,
+    run, read the reveal) and 10 an exercise (``# %load`` def cell). A part is optional
+    from a cell marked ``OPTIONAL_MARK`` to the next ``## `` heading; "## Further
+    reading", a list of sources to open later, counts in neither.
 
     Calibrated on review 5 (29 Nov 2026): four reviewers timed the cores of 01, 02, 03, 04,
-    06 and 08 at about 45, 55, 55, 50, 60 and 65 minutes; this model gave 48, 52, 51, 55,
-    55 and 54, so it is a floor, not a generous estimate."""
+    06 and 08 at about 45, 55, 55, 50, 60 and 65 minutes; the model without output words
+    gave 48, 52, 51, 55, 55 and 54. Review 6 (29 Nov 2026) still timed cores the model put
+    at 42 to 45 minutes at 50 to 65: their outputs (tables, torch's messages) held 140 to
+    900 words the model did not count, so it counts them now."""
     cells = load(path)["cells"]
     totals = {"core": [0, 0, 0, 0], "optional": [0, 0, 0, 0], "reading": [0] * 4}
     for cell, part in list(zip(cells, cell_parts(path)))[1:]:
@@ -394,6 +419,7 @@ def study_minutes(path) -> dict[str, float]:
         if cell["cell_type"] == "markdown":
             counts[0] += len(text.split())
         else:
+            counts[0] += output_words(cell)
             counts[1] += sum(1 for line in text.splitlines() if line.strip())
             counts[2] += len(re.findall(r"^answer_\d+ = None", text, re.M))
             counts[3] += len(re.findall(r"^# %load ", text, re.M))
@@ -441,6 +467,22 @@ def test_a_cell_runs_with_the_optional_parts_skipped(path):
         if need:
             missing[i] = sorted(need)
     assert missing == {}, f"{path.name}: cells that need names only an optional part binds: {missing}"
+
+
+def test_output_words_counts_what_a_learner_reads_and_not_figures_widgets_or_reveals():
+    cell = {"cell_type": "code", "outputs": [
+        {"output_type": "stream", "name": "stdout", "text": ["rank 0 has 3.0\n", "rank 1 too\n"]},
+        {"output_type": "display_data", "data": {"text/html": "<b>all</b> &amp; <i>four</i>",
+                                                "text/plain": "<IPython.core.display.HTML>"}},
+        {"output_type": "display_data", "data": {
+            "text/html": '<div class="reducelab-verdict">the real run gives 3.0</div>'}},
+        {"output_type": "display_data", "data": {"image/png": "iVBO", "text/plain": "<Figure>"}},
+        {"output_type": "display_data", "data": {
+            "application/vnd.jupyter.widget-view+json": {}, "text/plain": "VBox(children=(...))"}},
+        {"output_type": "execute_result", "data": {"text/plain": "tensor([1., 2.])"}},
+        {"output_type": "error", "ename": "RuntimeError", "evalue": "Timed out",
+         "traceback": ["many", "frames"]}]}
+    assert output_words(cell) == 7 + 3 + 2 + 3
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
