@@ -469,6 +469,38 @@ def test_a_cell_runs_with_the_optional_parts_skipped(path):
     assert missing == {}, f"{path.name}: cells that need names only an optional part binds: {missing}"
 
 
+def said_twice(reveal: str) -> str | None:
+    """The answer of a reveal ("The real run gives A. WHY") whose WHY opens with A again,
+    as in "gives 3.0. 3. mean_of_means ...", or None."""
+    match = re.search(r"The real run gives (.{1,80}?)\. (\S+)", html.unescape(reveal))
+    if not match:
+        return None
+    answer, first = (t.strip("'\"`.,:;") for t in match.groups())
+    try:
+        same = float(answer) == float(first)
+    except ValueError:
+        same = answer.lower() == first.lower()
+    return answer if same else None
+
+
+def test_said_twice_finds_a_reveal_that_opens_with_its_answer():
+    assert said_twice("The real run gives 3.0. 3. mean_of_means counts") == "3.0"
+    assert said_twice("The real run gives [0]. [0]: rank 0 was killed") == "[0]"
+    assert said_twice("The real run gives &#x27;4&#x27;. 4, as many") == "4"
+    assert said_twice("The real run gives 3.0. mean_of_means counts each rank") is None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_no_reveal_says_its_answer_twice(path):
+    """Review 6 read "The real run gives 3.0. 3. mean_of_means ..." in six notebooks: the
+    verdict names the answer, so its explanation (``WHY``) starts with the reason."""
+    twice = [(i, said_twice("".join(out["data"]["text/html"])))
+             for i, cell in enumerate(load(path)["cells"]) for out in cell.get("outputs", [])
+             if "reducelab-verdict" in "".join(out.get("data", {}).get("text/html", ""))]
+    twice = [(i, answer) for i, answer in twice if answer]
+    assert not twice, f"{path.name}: (cell, answer) of reveals that say their answer twice: {twice}"
+
+
 def test_output_words_counts_what_a_learner_reads_and_not_figures_widgets_or_reveals():
     cell = {"cell_type": "code", "outputs": [
         {"output_type": "stream", "name": "stdout", "text": ["rank 0 has 3.0\n", "rank 1 too\n"]},
