@@ -344,9 +344,12 @@ WHY = {
             "fills a buffer of 12 rows, 3 from each rank in rank order. FSDP2 takes its first "
             "10 rows as the parameter, so the padding can only lie at the end: ranks 0, 1 and "
             "2 hold rows 0 to 8, and rank 3 holds row 9, the 1 row left, then 2 rows of "
-            "padding. That is how torch.chunk cuts. With 3, 3, 2, 2, padding would sit after "
-            "rows 7 and 9, and the first 10 rows of the buffer would not be the parameter.",
-        2: "One. With fully_shard on the root only, every parameter is in the root's one "
+            "padding. With 3, 3, 2, 2, padding would sit after rows 7 and 9, and the first 10 "
+            "rows of the buffer would not be the parameter. Shard(0) cuts rows as "
+            "torch.chunk(param, n, dim=0) does: c = ceil(rows / n) rows per rank while rows "
+            "last, so the last ranks may hold fewer, or none (_init_sharded_param in "
+            "torch/distributed/fsdp/_fully_shard/_fsdp_param.py).",
+        2: "With fully_shard on the root only, every parameter is in the root's one "
             "group, and for the root the default None means False: it keeps the gathered "
             "parameters after forward, because backward starts with them. So one all_gather "
             "before forward serves backward too, and one reduce_scatter averages every "
