@@ -316,43 +316,40 @@ WHY = {
             "on the model, the step and torch.no_grad(); model.module never runs a collective.",
     },
     "14": {
-        1: "Recipe 2. The squared 2-norm is a sum over elements, ‖g‖² = Σ g_i², and the two "
-            "ranks hold different elements, so ‖g‖² = n₀² + n₁²: norms of disjoint pieces add "
-            "as squares. Each rank all-reduces its n², and every rank takes the square root of "
-            "the sum. A sum of norms is too large, a maximum too small. Recipe 4 assumes that "
-            "each rank holds exactly half of the squares: close here, where the shares are "
-            "similar, but not the norm, and further off when a rank holds fewer rows, or none.",
-        2: "In torch 2.13 every rank holds the whole norm. The norm of a Shard(0) DTensor is "
-            "a scalar DTensor with the placement _NormPartial(2): each rank holds the norm of "
+        1: "The squared 2-norm is a sum over elements, ‖g‖² = Σ g_i², and the two ranks hold "
+            "different elements, so ‖g‖² = n₀² + n₁²: norms of disjoint pieces add as squares. "
+            "So each rank all-reduces its n² with SUM, and every rank takes the square root of "
+            "the sum: recipe 2. A sum of norms is too large, a maximum too small. An average "
+            "of the squares, as DDP averages gradients, is ‖g‖² / 2: its square root is √2 "
+            "times too small. A norm's squares are added, never averaged.",
+        2: "The norm of a Shard(0) DTensor is a scalar DTensor with the placement _NormPartial(2): each rank holds the norm of "
             "its own rows, and the value is their reduction, (Σ local²)^½, not yet computed "
             "(the class _NormPartial, in torch/distributed/tensor/_ops/_math_ops.py). The "
             "norm of those norms needs their values, so DTensor first carries out the pending "
             "reduction: local², an all_reduce, √, step 1's collective. CommDebugMode counted "
-            "it: one all_reduce in the whole call. total_norm comes out Replicate(), the same "
-            "on every rank, and so does the clip factor. The returned norm was not always "
+            "it: one all_reduce in the whole call. total_norm comes out Replicate(): in torch "
+            "2.13 every rank holds the whole norm, and the same clip factor. The returned norm was not always "
             "Replicate: pytorch/pytorch#126457 (May 2024) prints one with the placement "
             "_NormPartial, whose local value was 482.09 where full_tensor() gave 1052.59. A "
             "rank that read that local value saw the norm of its own shard, as #170862 and "
             "torchtitan#766 report. total_norm.full_tensor() is the whole norm in every "
             "version.",
-        3: "Two: ranks 0 and 1, the two tp ranks of dp index 0. FSDP2 gave dp index 0 the "
-            "rows 0 to 4 of 2.weight, and Replicate() over tp means that both tp ranks hold "
-            "those rows, whole: copies, where 0.weight's tp ranks hold different columns. The "
-            "two copies are equal, since both tp ranks computed the same gradient from the "
-            "same samples.",
-        4: "Rank 0's 8 rows: its shard of each DTensor. torch.save pickles a DTensor as its "
-            "local tensor, its placements and its mesh, and no rank sends rank 0 its rows. "
-            "Loaded elsewhere, it is a DTensor of global shape (32, 64) holding (8, 64), "
-            "whose process group does not exist there.",
+        3: "torch.save pickles a DTensor as its local tensor, its placements and its mesh, and "
+            "no rank sends rank 0 its rows: the file holds rank 0's shard of each DTensor, 8 "
+            "of 0.weight's rows. Loaded elsewhere, it is a DTensor of global shape (32, 64) "
+            "holding (8, 64), whose process group does not exist there.",
     },
     "15": {
         1: "Every rank stores ceil(10 / 4) = 3 rows, padding included, so the all_gather "
             "fills a buffer of 12 rows, 3 from each rank in rank order. FSDP2 takes its first "
             "10 rows as the parameter, so the padding can only lie at the end: ranks 0, 1 and "
             "2 hold rows 0 to 8, and rank 3 holds row 9, the 1 row left, then 2 rows of "
-            "padding. That is how torch.chunk cuts. With 3, 3, 2, 2, padding would sit after "
-            "rows 7 and 9, and the first 10 rows of the buffer would not be the parameter.",
-        2: "One. With fully_shard on the root only, every parameter is in the root's one "
+            "padding. With 3, 3, 2, 2, padding would sit after rows 7 and 9, and the first 10 "
+            "rows of the buffer would not be the parameter. Shard(0) cuts rows as "
+            "torch.chunk(param, n, dim=0) does: c = ceil(rows / n) rows per rank while rows "
+            "last, so the last ranks may hold fewer, or none (_init_sharded_param in "
+            "torch/distributed/fsdp/_fully_shard/_fsdp_param.py).",
+        2: "With fully_shard on the root only, every parameter is in the root's one "
             "group, and for the root the default None means False: it keeps the gathered "
             "parameters after forward, because backward starts with them. So one all_gather "
             "before forward serves backward too, and one reduce_scatter averages every "
