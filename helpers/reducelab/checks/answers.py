@@ -259,7 +259,7 @@ WHY = {
             "broadcast the optimizer state from one rank, or even the data out.",
     },
     "12": {
-        1: "[0]: rank 0 was killed by SIGABRT, with no Python exception to catch. gloo's "
+        1: "Rank 0 was killed by SIGABRT, with no Python exception to catch. gloo's "
             "all_gather (gloo/allgather.cc) passes each rank's piece around a ring in two "
             "halves, and rank 0 receives first from rank 2. It had room for half of its own 4 "
             "bytes, 2, and rank 2 sent half of its 12 bytes, 6: the receiving side's check "
