@@ -93,12 +93,21 @@ def reference():
 
 # --- step 1: reduce_scatter, all_gather, all_reduce -------------------------------------------
 def test_rank_r_keeps_piece_r_of_the_sum(group):
-    out = group.run(NB.reduce_scatter_then_all_gather, 8, "i + 10 * rank")
-    for rank, (_, shard, gathered, summed) in enumerate(out):
-        want = 4 * torch.arange(8.0) + 60
+    out = group.run(NB.reduce_scatter_then_all_gather, 8)
+    want = sum(torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(r)).float() for r in range(4))
+    for rank, (grad, shard, gathered, summed) in enumerate(out):
+        assert torch.equal(grad, torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(rank)).float())
         assert shard.tolist() == want[2 * rank:2 * rank + 2].tolist()
         assert torch.equal(gathered, want) and torch.equal(summed, want)
-    assert out[2][1].tolist() == [76.0, 80.0]          # question 1
+
+
+def test_no_question_re_asks_the_definition_just_given():
+    """Sixth review (08-5): question 1 asked what rank 2 keeps after reduce_scatter_single,
+    the definition the text above had just given (rank r keeps piece r). The figure shows it;
+    the first question is the one on bits, after the byte table."""
+    first = next(i for i, c in enumerate(CELLS) if "**Question" in "".join(c["source"]))
+    assert "".join(CELLS[first]["source"]).startswith("**Question 1.** Float addition rounds")
+    assert "i + 10 * r" not in "".join("".join(c["source"]) for c in CELLS)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
@@ -118,13 +127,13 @@ def test_the_integer_check_before_question_2_says_why_it_is_not_its_answer():
 
 
 def test_question_2_is_answerable_from_the_byte_table_above_it():
-    """Question 2 (equal bits?) follows the table in which gloo's reduce_scatter writes as many
+    """Question 1 (equal bits?) follows the table in which gloo's reduce_scatter writes as many
     bytes as its all_reduce, and its hint points to where to look; nothing above it states
     what the table shows or the mechanism (one all_reduce of the whole input, then a copy
     of a chunk): that is its reveal's. (An expert review: the hint used to say it.)"""
     ids = [c["id"] for c in CELLS]
     table = next(i for i, c in enumerate(CELLS) if "bytes_per_collective, 1_000_000" in "".join(c["source"]))
-    question = next(i for i, c in enumerate(CELLS) if "**Question 2.**" in "".join(c["source"]))
+    question = next(i for i, c in enumerate(CELLS) if "**Question 1.**" in "".join(c["source"]))
     assert table < question, ids
     stored = stored_text("bytes_per_collective, 1_000_000")
     for n, whole in (("2", "4.00 MB"), ("4", "6.00 MB")):
@@ -141,7 +150,7 @@ def test_question_2_is_answerable_from_the_byte_table_above_it():
 
 
 def test_gloo_reduce_scatter_is_one_all_reduce_of_the_whole_input(group):
-    """Question 2's why: ProcessGroupGloo::_reduce_scatter_base calls
+    """Question 1's why: ProcessGroupGloo::_reduce_scatter_base calls
     reduce_scatter_tensor_coalesced, which clones the input, all-reduces all of it once
     and copies chunk(world_size)[rank] (the profiler's trace of the notebook's rank
     function shows those calls); the text cites that function, not #149869."""
@@ -150,7 +159,7 @@ def test_gloo_reduce_scatter_is_one_all_reduce_of_the_whole_input(group):
         assert rank_calls == [("c10d::_reduce_scatter_base_", [[300], [1200]]), ("aten::clone", [[1200]]),
                               ("gloo:all_reduce", [[1200]]), ("aten::chunk", [[1200]]),
                               ("aten::copy_", [[300], [300]])]
-    why = WHY["08"][2]
+    why = WHY["08"][1]
     assert "ProcessGroupGloo::_reduce_scatter_base" in why and "reduce_scatter_tensor_coalesced" in why
     assert "chunk(world_size)[rank]" in why and "#149869" not in why
     assert "#149869" not in markdown()
@@ -162,20 +171,46 @@ def test_old_names_warn_and_point_to_the_single_names(group):
     assert "reduce_scatter_single" in messages[0] and "all_gather_single" in messages[1]
 
 
-@pytest.mark.skipif(NB.bytes_written() is None, reason="needs Linux's write_chars")
+def socket_bytes(call):
+    """Bytes this rank's process passed to write() during call() (Linux's write_chars), or None."""
+    import psutil
+    if not hasattr(psutil.Process, "io_counters"):
+        return None
+    dist.barrier()
+    before = psutil.Process().io_counters().write_chars
+    call()
+    return psutil.Process().io_counters().write_chars - before
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_bytes_counted_from_the_tensors_and_what_gloo_writes(group, world_size):
+def test_bytes_counted_from_the_tensors_and_from_the_call_gloo_ran(group, world_size):
+    """Review 6 (08-2): the byte table's last column read Linux's write_chars through psutil,
+    and macOS printed nothing there. It now applies the ring formula to the collective gloo
+    itself runs, as torch's profiler records it (any OS); on Linux, what gloo writes to its
+    sockets agrees with it, as the text says."""
     group.resize(world_size)
     numel, S = 400_000, 1_600_000
     f = (world_size - 1) / world_size
     for rank_rows in group.run(NB.bytes_per_collective, numel):
         counted = {name: c for name, (c, _) in rank_rows.items()}
-        measured = {name: m for name, (_, m) in rank_rows.items()}
+        ran = {name: m for name, (_, m) in rank_rows.items()}
         assert counted == {"all_reduce": 2 * f * S, "reduce_scatter": f * S, "all_gather": f * S}
-        assert measured["all_reduce"] == pytest.approx(2 * f * S, rel=0.01)
-        assert measured["all_gather"] == pytest.approx(f * S, rel=0.01)
-        # gloo's reduce_scatter sends what its all_reduce sends: twice the ring formula
-        assert measured["reduce_scatter"] == pytest.approx(2 * f * S, rel=0.01)
+        # gloo's reduce_scatter runs what its all_reduce runs: twice the ring formula
+        assert ran == {"all_reduce": 2 * f * S, "reduce_scatter": 2 * f * S, "all_gather": f * S}
+
+    def on_the_sockets():
+        n = dist.get_world_size()
+        grad, shard, full = torch.randn(numel), torch.empty(numel // n), torch.empty(numel)
+        calls = {"all_reduce": lambda: dist.all_reduce(grad),
+                 "reduce_scatter": lambda: dist.reduce_scatter_single(shard, grad),
+                 "all_gather": lambda: dist.all_gather_single(full, shard)}
+        return {name: (socket_bytes(call), NB.bytes_gloo_ran(call)) for name, call in calls.items()}
+    for rank_rows in group.run(on_the_sockets):
+        for name, (written, ran) in rank_rows.items():
+            if written is not None:                                   # Linux
+                assert written == pytest.approx(ran, rel=0.01), name
+    assert "(On Linux, the bytes gloo writes to its sockets, `psutil`'s `write_chars`, agree with it.)" in markdown()
+    assert "psutil" not in "".join("".join(c["source"]) for c in CELLS if c["cell_type"] == "code")
 
 
 def test_counting_sees_every_call_and_restores_the_collectives(group):
@@ -284,27 +319,27 @@ def test_memory_measured_from_the_tensors_is_the_formula_plus_padding(group, wor
             formula = memory_formula(stage, NUMEL, world_size)
             assert sum(got) - sum(formula.values()) < 4 * 4 * world_size + 8   # padding, step
     if world_size == 4:
-        # question 3: with SGD with momentum (one state tensor per parameter), ZeRO-1 keeps
+        # question 2: with SGD with momentum (one state tensor per parameter), ZeRO-1 keeps
         # 9/12 of DDP's bytes; with Adam (two), 10/16, which its explanation contrasts
         kept = {(opt, stage): sum(group.run(NB.zero_train, stage, X, y, 1, "float32", opt)[0]["bytes"].values())
                 for opt in ("SGD", "Adam") for stage in ("DDP", "ZeRO-1")}
         assert kept == {("SGD", "DDP"): 28_944, ("SGD", "ZeRO-1"): 21_708,
                         ("Adam", "DDP"): 38_596, ("Adam", "ZeRO-1"): 24_124}
         assert round(kept["SGD", "ZeRO-1"] / kept["SGD", "DDP"], 3) == 0.75
-        assert "21,708 of 28,944 bytes" in WHY["08"][3] and "0.75" in WHY["08"][3]
-        assert "0.625" in WHY["08"][3]
-        stored = conftest.stored_text(next(c for c in CELLS if "reveal(answer_3, actual_3," in "".join(c["source"])))
+        assert "21,708 of 28,944 bytes" in WHY["08"][2] and "0.75" in WHY["08"][2]
+        assert "0.625" in WHY["08"][2]
+        stored = conftest.stored_text(next(c for c in CELLS if "reveal(answer_2, actual_2," in "".join(c["source"])))
         assert "The real run gives 0.75." in stored
         assert "SGD  on rank 0: ZeRO-1 keeps 21,708 of DDP's 28,944 bytes, 0.750" in stored
 
 
 def test_question_3_asks_for_what_stage_1_leaves_whole_and_nothing_above_it_says():
-    """Question 3 asks for ZeRO-1's share of DDP's bytes (all three kinds together) with an
+    """Question 2 asks for ZeRO-1's share of DDP's bytes (all three kinds together) with an
     optimizer the notebook did not run (SGD with momentum: one state tensor, not Adam's
     two), an application rather than arithmetic on the formula just shown (an expert
     review); the text above gives the paper's terms and Adam's K, not the share."""
-    question = next(i for i, c in enumerate(CELLS) if "**Question 3.**" in "".join(c["source"]))
-    before, _, asked = "".join(CELLS[question]["source"]).partition("**Question 3.**")
+    question = next(i for i, c in enumerate(CELLS) if "**Question 2.**" in "".join(c["source"]))
+    before, _, asked = "".join(CELLS[question]["source"]).partition("**Question 2.**")
     assert "what fraction of DDP's bytes" in asked and "parameters, gradients and optimizer state together" in asked
     assert "SGD with momentum" in asked and "`momentum_buffer`, where Adam keeps two" in asked
     above = "\n".join("".join(c["source"]) for c in CELLS[:question]) + before
@@ -381,7 +416,7 @@ def test_gloo_has_a_reduce_scatter_that_processgroupgloo_does_not_use():
     profiler trace (test above) shows ProcessGroupGloo running one all_reduce instead."""
     text = "\n".join("".join(c["source"]) for c in CELLS)
     assert "has no reduce_scatter algorithm" not in text and "no reduce-scatter algorithm" not in text
-    why = WHY["08"][2]
+    why = WHY["08"][1]
     assert "ReduceScatterHalvingDoubling" in why and "does not use it" in why
 
 
@@ -467,7 +502,7 @@ def test_the_late_parts_are_marked_optional_and_the_header_counts_them():
     part, the GPU part and Myth vs reality are marked optional where they start, and the
     header counts them in the form every notebook uses (test_notebooks.py holds the form)."""
     header = "".join(CELLS[0]["source"]).splitlines()[2]
-    assert header.endswith("· torch 2.13 · parts marked optional: about 10 min more, after the lesson*")
+    assert header.endswith("· torch 2.13 · parts marked optional: about 12 min more, after the lesson*")
     headings = [line for c in CELLS if c["cell_type"] == "markdown"
                 for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
     optional = [h for h in headings if h.endswith(" (optional, after the lesson)")]
@@ -490,10 +525,14 @@ def test_fsdp2_moved_to_notebook_15_and_08_stays_one_study_unit():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_copies_in_the_package_equal_the_notebooks_cells(group, world_size):
-    """Notebook 15 and the check import reducelab.checks.sharded's zero_train,
-    counting_collectives and storage_bytes: the same code as notebook 08's cells."""
-    for name in ("ring_bytes", "counting_collectives", "storage_bytes", "zero_train"):
+    """Notebook 15 and the check import reducelab.checks.sharded's zero_train and
+    storage_bytes: the same code as notebook 08's cells. The byte counting's plumbing
+    (ring_bytes, and counting_collectives, which swaps torch's collectives for counting
+    wrappers) is the package's own, imported by the notebook (review 6, 08-4)."""
+    for name in ("storage_bytes", "zero_train"):
         assert getattr(NB, name).__module__ == "nb08_cells"
+    assert NB.counting_collectives is helper.counting_collectives and NB.ring_bytes is helper.ring_bytes
+    assert "setattr(dist" not in "".join("".join(c["source"]) for c in CELLS)
     group.resize(world_size)
     for stage in STAGES:
         for dtype in ("float32", "bfloat16"):
@@ -960,7 +999,7 @@ def test_the_review_5_wording_holds():
     """Fifth review: the table's ZeRO-1 row says whose schedule it is (ours all-reduces, the
     paper's reduce-scatters, torch's ZeroRedundancyOptimizer broadcasts whole tensors: the
     exercise) (08-1); the memory part says no stage shards the activations, which need
-    activation checkpointing, citing the ZeRO paper (08-2); question 2 asks about bit-for-bit
+    activation checkpointing, citing the ZeRO paper (08-2); the bits question (now question 1) asks about bit-for-bit
     equality here, on gloo, not in general (08-5)."""
     table = cell_with("## Step 2: ZeRO stages 1, 2 and 3, by hand")
     row = next(line for line in table.splitlines() if line.startswith("| ZeRO-1"))
@@ -968,7 +1007,7 @@ def test_the_review_5_wording_holds():
     memory = cell_with("**Memory.** The measured bars sit on the formulas")
     assert "No stage shards the activations" in memory and "activation checkpointing" in memory
     assert "Rajbhandari et al. 2020, section 3.2" in memory
-    assert "equal **bit for bit**, here, on gloo?" in cell_with("**Question 2.**")
+    assert "equal **bit for bit**, here, on gloo?" in cell_with("**Question 1.**")
 
 
 def test_the_review_6_zero3_bytes_say_whose_stage():

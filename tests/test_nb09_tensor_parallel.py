@@ -721,3 +721,20 @@ def _tp_mlp_on_its_own_batch():
     y = NB["tp_forward"](NB["make_input"](100 + rank), p).detach()
     wants = [NB["unsharded"](100 + r)[0] for r in range(tp)]     # one process on each rank's input
     return y, wants
+
+
+def test_questions_2_and_3_are_asked_before_the_code_that_answers_them_by_a_count():
+    """Review 6 (09-1): questions 2 and 3 followed tp_attention and tp_block, whose
+    `.apply` calls a learner could count instead of reasoning. Each answer cell now comes
+    before the cell that defines the function it asks about, and the prompt says so; the
+    reveal still runs that function, after it."""
+    all_cells = cells()
+    def first(text):
+        return next(k for k, (src, _) in enumerate(all_cells) if text in src)
+    for q, defines, reveal_call in ((2, "def tp_attention(", "reveal(answer_2"),
+                                    (3, "def tp_block(", "reveal(answer_3")):
+        asked = first(f"**Question {q}.**")
+        assert "Answer it before you read the code below." in all_cells[asked][0]
+        assert asked < first(f"answer_{q} = None") < first(defines) < first(reveal_call)
+        between = "\n".join(src for src, _ in all_cells[:first(f"answer_{q} = None")])
+        assert defines not in between

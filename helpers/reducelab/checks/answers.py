@@ -159,10 +159,7 @@ WHY = {
             "nproc_per_node = 4.",
     },
     "08": {
-        1: "Element i summed over the 4 ranks is i + (i + 10) + (i + 20) + (i + 30) = 4i + "
-            "60. The sum is cut into 4 pieces of 2 elements, and rank 2 keeps piece 2: "
-            "elements 4 and 5, that is 76 and 80.",
-        2: "They are equal, in float32 and in bfloat16. The clue was the table's last column: "
+        1: "They are equal, in float32 and in bfloat16. The clue was the table's last column: "
             "gloo's reduce_scatter sends as many bytes as its all_reduce because it runs one. The "
             "gloo library has a reduce_scatter algorithm of its own "
             "(ReduceScatterHalvingDoubling, in gloo/reduce_scatter.h), but ProcessGroupGloo, "
@@ -180,7 +177,7 @@ WHY = {
             "calls ncclReduceScatter and ncclAllReduce, two different collectives (in "
             "ProcessGroupNCCL.cpp), whose order of additions nothing documents as the same, "
             "so compare there with a tolerance of a few units in the last place, not with ==.",
-        3: "ZeRO-1 shards the optimizer's state only, and SGD with momentum keeps one "
+        2: "ZeRO-1 shards the optimizer's state only, and SGD with momentum keeps one "
             "float32 tensor of it per parameter. Per parameter, DDP keeps 4 bytes of the "
             "parameter, 4 of its gradient and 4 of momentum_buffer: 12. ZeRO-1 keeps the same "
             "4 + 4 and a quarter of the 4: 9 of 12, 0.75. Measured on rank 0: 21,708 of 28,944 "
@@ -262,7 +259,7 @@ WHY = {
             "broadcast the optimizer state from one rank, or even the data out.",
     },
     "12": {
-        1: "[0]: rank 0 was killed by SIGABRT, with no Python exception to catch. gloo's "
+        1: "Rank 0 was killed by SIGABRT, with no Python exception to catch. gloo's "
             "all_gather (gloo/allgather.cc) passes each rank's piece around a ring in two "
             "halves, and rank 0 receives first from rank 2. It had room for half of its own 4 "
             "bytes, 2, and rank 2 sent half of its 12 bytes, 6: the receiving side's check "

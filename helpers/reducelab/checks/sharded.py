@@ -269,7 +269,7 @@ def zero_train(stage: str, X: torch.Tensor, y: torch.Tensor, steps: int = 1,
     ``"ZeRO-2"`` or ``"ZeRO-3"``) on the flat vector padded to ``n * k`` elements,
     ``k = ceil(NUMEL / n)``; the gradient travels in ``reduce_dtype``. The optimizer is
     Adam, or with ``optimizer_name="SGD"`` SGD with momentum 0.9 (one state tensor per
-    parameter: notebook 08's question 3). Notebook 08's step 2, where the learner reads
+    parameter: notebook 08's question 2). Notebook 08's step 2, where the learner reads
     it line by line.
 
     Returns:
