@@ -680,7 +680,7 @@ def test_what_skipping_the_sync_costs_as_the_text_says(group):
 
 
 def test_the_gpu_part_claims_no_unmeasured_order_of_additions():
-    """Like WHY["08"][2] (a third review: "NCCL's ring reduce_scatter adds in its own order",
+    """Like WHY["08"][1] (a third review: "NCCL's ring reduce_scatter adds in its own order",
     unsourced): the GPU part says only that NCCL's order was not measured here."""
     part = cell_with("## On GPUs with NCCL")
     assert "add in other orders" not in part
