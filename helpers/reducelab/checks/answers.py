@@ -105,26 +105,27 @@ WHY = {
             "docstring says so: the forward pass should be included inside the context manager.",
     },
     "05": {
-        1: "Ranks 1 and 5. Row-major, rank r of a (dp=2, cp=4) mesh sits at (r // 4, r % 4): "
+        1: "Row-major, rank r of a (dp=2, cp=4) mesh sits at (r // 4, r % 4): "
             "rank 5 at (1, 1). Its dp group is its column, the ranks of cp index 1, cp = 4 "
             "apart: 1 and 5. Its cp group would be its row, 4, 5, 6 and 7.",
         2: "On gloo, AVG is the first way, a SUM followed by a division by the group size "
             "(that is how pytorch/pytorch#149781 added it, in torch 2.8), so the two run the "
-            "same arithmetic and give the same bits, in every dtype here. NCCL builds a float "
-            "AVG the second way: torch's ProcessGroupNCCL.cpp maps ReduceOp.AVG to ncclAvg, "
-            "and NCCL (hostToDevRedOp in src/enqueue.cc) runs a float ncclAvg as a PreMulSum "
-            "with 1/N, an integer one as a SUM then a division. On 4 ranks even that gives "
-            "the same bits: 1/4 is a power of two, so each product is exact (the last "
-            "evidence column). With 3 ranks 1/3 is rounded, and the two ways differ in the "
-            "last bit of many elements (the last evidence row, run on 3 ranks). Neither is the exact mean: both round the result to "
-            "the tensor's dtype, so a check against one process needs a tolerance.",
+            "same arithmetic and give the same bits, in every dtype here and on any number of "
+            "ranks. NCCL builds a float AVG the second way: torch's ProcessGroupNCCL.cpp maps "
+            "ReduceOp.AVG to ncclAvg, and NCCL (hostToDevRedOp in src/enqueue.cc) runs a float "
+            "ncclAvg as a PreMulSum with 1/N, an integer one as a SUM then a division. With 3 "
+            "ranks 1/3 is rounded, and that way differs from SUM/3 in the last bit of many "
+            "elements (the evidence's last column). On 4 ranks it would not: 1/4 is a power of "
+            "two, so each product is exact (the last evidence row). Neither is the exact mean: "
+            "both round the result to the tensor's dtype, so a check against one process needs "
+            "a tolerance.",
         3: "DTensor.from_local without shape= assumes even shards, so each rank infers the "
             "global shape from its own shard: 3 x 2 = 6 rows on the tp ranks that hold 3 rows "
             "(ranks 0 and 2), 2 x 2 = 4 on those that hold 2 (ranks 1 and 3), and assigning "
             "that to param.grad fails because the weight has 5 rows. Pass shape=g.shape and "
             "stride=g.stride(), or reduce in place with AVG (or SUM then .div_()) and skip "
             "the rebuild. Skipping the rebuild alone is not enough: the page divides out of "
-            "place, so param.grad would keep the SUM (the cells below show it).",
+            "place, so param.grad would keep the SUM (an optional part shows it).",
     },
     "06": {
         1: "Rank r finishes chunk (r + 1) % N: chunk c starts at rank c, picks up one rank "
