@@ -148,13 +148,14 @@ WHY = {
             "only once the two 1e8s have cancelled.",
     },
     "07": {
-        1: "gloo listens on 127.0.0.1 because GLOO_SOCKET_IFNAME names the loopback "
-            "interface, but the TCPStores that the torchrun agent hosts (the rendezvous's and "
-            "the ranks') listen on the wildcard address (::, or 0.0.0.0 on a host without "
-            "IPv6; TCPStoreLibUvBackend.cpp), every interface, although the rendezvous "
-            "endpoint is localhost. It was "
-            "measured after every rank had joined, so the stores outlive the rendezvous, and "
-            "again at the end, after the ranks' all_reduce: still open.",
+        1: "GLOO_SOCKET_IFNAME pins gloo, and only gloo, to the loopback interface: rank 0 "
+            "listens on 127.0.0.1. The agent's two TCPStores (the rendezvous's, where the "
+            "agents met, and the ranks', at MASTER_ADDR:MASTER_PORT) do not read it: a "
+            "TCPStore server binds the wildcard address (::, or 0.0.0.0 on a host without "
+            "IPv6; TCPStoreLibUvBackend.cpp), every interface, and the host it is given, "
+            "localhost here, is only where its clients connect. It was measured after every "
+            "rank had joined, so the stores outlive the rendezvous, and again at the end, after "
+            "the ranks' all_reduce: still open.",
         2: "With the static rendezvous, RANK = node_rank * nproc_per_node + LOCAL_RANK = 1 * "
             "2 + 1 = 3. LOCAL_RANK counts within the node, and WORLD_SIZE = nnodes * "
             "nproc_per_node = 4.",
