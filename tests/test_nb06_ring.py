@@ -804,7 +804,9 @@ def test_question_3_asks_which_elements_keep_a_1_and_nothing_above_it_says():
     for spoiler in ("[1.0, 0.0, 1.0, 0.0]", "tensor([1., 0., 1., 0.])", "Element 0 is added",
                     "Elements 0 and 2", "elements 0 and 2"):
         assert spoiler not in above, spoiler
-    assert WHY["06"][3].startswith("Elements 0 and 2.")
+    # review 6: a reveal that opens with its answer says it twice ("gives [0, 2]. Elements 0 and 2.")
+    assert WHY["06"][3].startswith("Chunk c starts at rank c") and "Elements 0 and 2." not in WHY["06"][3]
+    assert "The real run gives [0, 2]. Chunk c starts at rank c" in stored
 
 
 def group_free_ring_result():

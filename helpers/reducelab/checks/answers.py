@@ -140,7 +140,7 @@ WHY = {
             "one chunk of 12 bytes, 72 bytes, 1.5 times the tensor. In general a rank sends "
             "2 (N - 1) / N x S bytes, less than 2 S for any N; a naive all_reduce that sends "
             "the whole tensor to every other rank sends (N - 1) x S, 144 bytes with 12 elements.",
-        3: "Elements 0 and 2. Chunk c starts at rank c and picks up the ranks to its right "
+        3: "Chunk c starts at rank c and picks up the ranks to its right "
             "(question 1). Element 0: 1e8 + 1 rounds to 1e8, - 1e8 gives 0, + 1 gives 1. "
             "Element 2: -1e8 + 1 rounds to -1e8, + 1e8 gives 0, + 1 gives 1. Elements 1 and 3 "
             "add their two 1s while a 1e8 is still in the sum, and lose both: 0. A 1 survives "
