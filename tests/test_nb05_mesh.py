@@ -919,7 +919,7 @@ def test_question_cells_set_their_own_world_size_and_never_touch_the_explorer():
     questions = [c for c in code if "reveal(answer_" in _src(c)]
     assert len(questions) == 3
     for c in questions:
-        assert _src(c).startswith(("group.resize(4)", "group.resize(8)")), _src(c)[:60]
+        assert _src(c).startswith(("group.resize(3)", "group.resize(4)", "group.resize(8)")), _src(c)[:60]
         assert "explorer" not in _src(c)
     explorer_at = next(i for i, c in enumerate(code) if "MeshExplorer(" in _src(c))
     for c in code[explorer_at + 1:]:
@@ -1071,8 +1071,9 @@ def optional_parts() -> list:
 def test_the_digressions_are_optional_parts_after_the_exercise_and_the_core_keeps_their_rules():
     """Review 5 (05-1) timed the core at about 70 min: the precision digression (finfo),
     the timing of one call per tensor against a bucket, and the count of new process groups
-    are optional parts after the exercise, before the summary; the core keeps each rule in
-    a sentence that points to them."""
+    are optional parts after the summary (review 6: a learner stops at the first optional
+    mark, so the summary comes before it); the core keeps each rule in a sentence that
+    points to them."""
     cells, parts = [_src(c) for c in _cells()], optional_parts()
     exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/05_token"))
     summary = next(i for i, c in enumerate(cells) if c.startswith("## Summary"))
@@ -1080,8 +1081,9 @@ def test_the_digressions_are_optional_parts_after_the_exercise_and_the_core_keep
                         ("## What the page's loop costs (optional, after the lesson)", "group.run(sync_cost"),
                         ("## Making the group at every step (optional, after the lesson)", "def five_steps")):
         i = next(i for i, c in enumerate(cells) if c.startswith(start + "\n"))
-        assert exercise < i < summary and parts[i] == i, start
+        assert exercise < summary < i and parts[i] == i, start
         assert parts[next(j for j, c in enumerate(cells) if code in c)] == i, code
+    assert parts[summary] is None and parts[summary + 1] is not None   # the first optional mark
     core = "\n".join(c for c, p in zip(cells, parts) if p is None)
     assert "make the group once, next to the mesh, never inside the training loop" in core
     assert "pays a fixed cost" in core and "Compare with a tolerance, never `==`" in core
@@ -1099,15 +1101,49 @@ def test_the_core_advises_reducing_in_float32_with_fsdp2_s_policy():
     assert "reduce in float32" in next(c for c in cells if c.startswith("## Summary"))
 
 
-def test_question_2s_reveal_runs_the_3_rank_case_it_states():
-    """Review 5 (05-2): the reveal said 3 ranks differ in the last bit, and only 4 ran. The
-    question cell now runs 3 ranks too, and its stored evidence shows the difference."""
-    cell = next(c for c in _cells() if "reveal(answer_2" in _src(c))
-    assert "group.resize(3)" in _src(cell) and _src(cell).rstrip().count("group.resize(4)") == 2
+def test_question_2_is_asked_on_3_ranks_where_the_two_ways_of_averaging_differ(group):
+    """Review 6 (05-2): on 4 ranks question 2 was True whichever way a backend builds AVG
+    (1/4 is a power of two). It is asked on 3 ranks, where premultiplying by 1/3 differs
+    from SUM/3 and only how gloo builds AVG makes it True. A 3-rank run re-derives the
+    answer; the stored evidence shows both the 3-rank rows and the 4-rank one the reveal
+    cites (review 5 found a reveal citing a case that did not run)."""
+    cells = _cells()
+    asked = next(c for c in cells if _src(c).startswith("**Question 2.**"))
+    assert "On **3** gloo ranks" in _src(asked) and "`/ 3`" in _src(asked)
+    group.resize(3)
+    for dtype in ("float32", "bfloat16", "float16"):
+        out = group.run(sum_divide_vs_avg, 100_000, dtype)
+        for _, summed, averaged, premultiplied in out:
+            assert torch.equal(summed, averaged), dtype
+            if dtype == "float32":
+                assert (summed != premultiplied).float().mean().item() > 0.1
+    cell = next(c for c in cells if "reveal(answer_2" in _src(c))
+    assert _src(cell).startswith("group.resize(3)") and "actual_2 = torch.equal(summed, averaged)" in _src(cell)
     shown = "".join(t for o in cell["outputs"] for t in o.get("data", {}).get("text/html", []))
-    assert ("float32 on 3 ranks: inputs times 1/3, then SUM, equal to SUM/3 bit for bit False; "
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert f"{dtype} on 3 ranks: SUM/3 and AVG equal bit for bit True" in shown, dtype
+    assert ("inputs times 1/3, then SUM, equal to SUM/3 bit for bit False, "
             "more than 1 element in 10 differs True") in shown
-    assert "(the last evidence row, run on 3 ranks)" in why("05", 2)
+    assert "float32 on 4 ranks: inputs times 1/4, then SUM, equal to SUM/4 bit for bit True" in shown
+    assert "(the evidence's last column)" in why("05", 2) and "(the last evidence row)" in why("05", 2)
+
+
+def test_the_exercise_starts_from_the_same_calls_on_every_rank_and_prints_no_docstring():
+    """Review 6 (05-3): the starter kept the page's `if p.grad is not None`, the hang step 4
+    warns of. (Job 1 of round 17: the check's printed harness leaves out its docstring,
+    which repeated the exercise's text.)"""
+    cells = _cells()
+    starter = next(c for c in cells if _src(c).startswith("# %load solutions/05_token"))
+    assert "is not None" not in _src(starter) and "for p in model.parameters():" in _src(starter)
+    shown = next(c for c in cells if "inspect.getsource(token_train_step)" in _src(c))
+    printed = "".join(t for o in shown["outputs"] for t in o.get("text", []))
+    assert "Returns:" not in printed and "def token_train_step" in printed
+
+
+def test_no_reveal_opens_with_its_answer_in_other_words():
+    """Review 6: a reveal said its answer twice ("The real run gives [1, 5]. Ranks 1 and 5.")."""
+    assert not why("05", 1).startswith("Ranks 1 and 5")
+    assert why("05", 1).startswith("Row-major")
 
 
 def test_question_1_is_not_answered_by_the_rule_above_it():
@@ -1130,7 +1166,8 @@ def test_summary_lines_that_rest_on_optional_runs_say_so_and_step_4_is_shorter()
     for words in ("when DDP or FSDP averages over `dp`: optional part)",
                   "8 bits of precision: optional part)",
                   "as DDP does (optional part).",
-                  "next to the mesh (an optional part counts the groups)."):
+                  "next to the mesh (an optional part counts the groups).",
+                  "`DTensor.from_local(..., shape=, stride=)` (an optional part runs both)."):
         assert sum(words in line for line in summary) == 1, words
     moved = next(i for i, c in enumerate(cells) if 'Does the "other computation" hide the reductions?' in c)
     assert cells[moved].startswith("## What the page's loop costs (optional, after the lesson)")

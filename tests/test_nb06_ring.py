@@ -140,27 +140,31 @@ def test_each_rank_sends_2_n_minus_1_over_n_times_s(group):
     assert ring_bytes_per_rank(4, 4_000_000) == 6_000_000
 
 
-def test_question_2_every_rank_sends_72_bytes_of_12_elements_and_the_why_follows_up_uneven(group):
-    """Question 2 (review 5, 06-2: the uneven case, which rank sends most, needed tracing all 6
-    steps): 12 elements on 4 ranks, 72 bytes per rank; the uneven case (10 elements, 3, 3, 2,
-    2: rank 1 sends the most, 64 bytes) is the follow-up in the why, run in the evidence."""
+def test_question_2_asks_which_rank_sends_most_of_10_elements_and_the_why_gives_the_even_case(group):
+    """Question 2. Review 5 (06-2) found "which rank sends most" of 10 elements needed tracing
+    all 6 steps and asked 12 elements (72 bytes each); review 6 (06-3) found that plain
+    arithmetic and asked for the uneven case again. It is asked now, with the explorer of
+    step 4 (which shows every send) as the way to trace it: rank 1 sends the most (64 bytes;
+    3, 3, 2, 2 elements a chunk). The even case, 72 bytes on every rank, is in the why and
+    run in the evidence."""
     assert [c.numel() for c in torch.ones(10).tensor_split(4)] == [3, 3, 2, 2]
     group.resize(4)
+    sent = group.run(ring_bytes, NB["ring_all_reduce"], 10)
+    assert sent == [60, 64, 60, 56] and max(range(4), key=sent.__getitem__) == 1
     assert group.run(ring_bytes, NB["ring_all_reduce"], 12) == [72] * 4
     assert 72 == ring_bytes_per_rank(4, 48)
-    sent = group.run(ring_bytes, NB["ring_all_reduce"], 10)
-    assert sent == [60, 64, 60, 56]
     cells = _cells()
     stored = conftest.stored_text(cells[_index_of("reveal(answer_2")])
-    assert "The real run gives 72." in stored and "[72, 72, 72, 72]" in stored
-    assert "(chunks of 3, 3, 2 and 2): [60, 64, 60, 56]" in stored
-    assert WHY["06"][2].startswith("72 bytes on every rank.")
-    assert "For rank 1 those are the two short chunks, so it sends the most" in WHY["06"][2]
+    assert "The real run gives 1." in stored and "10 elements: [60, 64, 60, 56]" in stored
+    assert "(chunks of 3 each): [72, 72, 72, 72]" in stored
+    assert WHY["06"][2].startswith("Rank r never sends chunk (r + 1) % N")
+    assert "so it sends the most: 2 x 10 - 2 - 2 = 16 elements, 64 bytes" in WHY["06"][2]
+    assert "72 bytes, 1.5 times the tensor" in WHY["06"][2]
     question = _src(cells[_index_of("**Question 2.**")])
-    assert "**12** elements (48 bytes)" in question and "How many bytes does each rank send" in question
+    assert "**10** elements" in question and "Which rank sends the most bytes" in question
     answer = _index_of("answer_2 = None")
     above = "\n".join(_src(c) + json.dumps(c.get("outputs", [])) for c in cells[:answer])
-    for spoiler in ("72 bytes", "[72, 72", "1.5 times", "= 72"):
+    for spoiler in ("64 bytes", "[60, 64", "rank 1 sends", "(r + 2) % N", "72 bytes"):
         assert spoiler not in above, spoiler
 
 
@@ -800,7 +804,9 @@ def test_question_3_asks_which_elements_keep_a_1_and_nothing_above_it_says():
     for spoiler in ("[1.0, 0.0, 1.0, 0.0]", "tensor([1., 0., 1., 0.])", "Element 0 is added",
                     "Elements 0 and 2", "elements 0 and 2"):
         assert spoiler not in above, spoiler
-    assert WHY["06"][3].startswith("Elements 0 and 2.")
+    # review 6: a reveal that opens with its answer says it twice ("gives [0, 2]. Elements 0 and 2.")
+    assert WHY["06"][3].startswith("Chunk c starts at rank c") and "Elements 0 and 2." not in WHY["06"][3]
+    assert "The real run gives [0, 2]. Chunk c starts at rank c" in stored
 
 
 def group_free_ring_result():

@@ -255,11 +255,17 @@ def test_gloo_on_loopback_but_tcpstore_on_all_interfaces_from_join_to_the_end(st
             assert s["launcher"] and all(x.startswith("all interfaces") for x in s["launcher"])
 
 
-def test_the_notebook_shows_the_code_that_measures_the_sockets():
-    """Question 1's measurement is printed in the notebook, as it is in lessons.py."""
-    cell = notebook_code_cell("for f in (socket_scope, listening_sockets):")
+def test_step_4_names_the_measurement_and_prints_no_helper_source():
+    """Review 6 (07-4): step 4 printed 45 lines of helper source (socket_scope and
+    listening_sockets), over 290 words a learner read before question 1. Step 4 says what
+    the helper measures and where it lives; the measurement itself is what this test reads."""
+    code = [("".join(c["source"])) for c in json.loads(NOTEBOOK.read_text())["cells"]
+            if c["cell_type"] == "code"]
+    assert not any("getsource" in c for c in code)
+    step_4 = next(t for t in markdown().split("\n## ") if t.startswith("Step 4: what a launch listens on"))
+    assert "`listening_sockets` (in `reducelab/lessons.py`)" in step_4
+    assert "once every rank has joined and again at the end, after an `all_reduce`" in step_4
     source = inspect.getsource(listening_sockets)
-    assert printed(cell) == inspect.getsource(socket_scope) + "\n" + source + "\n"
     assert "dist.barrier()" in source and "dist.all_reduce(total)" in source
     assert source.index("dist.barrier()") < source.index("dist.all_reduce(total)") \
         < source.index("end = {")
@@ -384,8 +390,8 @@ def test_launcher_source_is_valid_python_using_env_init():
 
 
 # --- the exercise check ----------------------------------------------------------------
-RIGHT = ("torchrun --nnodes 3 --node-rank 2 --nproc-per-node 8 --master-addr 10.0.0.5 "
-         "--master-port 29400 train.py")
+RIGHT = ("NCCL_SOCKET_IFNAME=eth1 torchrun --nnodes 3 --node-rank 2 --nproc-per-node 8 "
+         "--master-addr 10.0.0.5 --master-port 29400 train.py")
 RANKS = list(range(16, 24))
 WHERE = (1, 5)     # RANK 13 with 8 processes a node: node 1, LOCAL_RANK 5
 
@@ -400,7 +406,7 @@ def test_solution_passes():
 
 
 def test_other_right_forms_pass():
-    cmd = ("python -m torch.distributed.run --nnodes=3 --node-rank=2 --nproc-per-node=8 "
+    cmd = ("NCCL_SOCKET_IFNAME==eth1 python -m torch.distributed.run --nnodes=3 --node-rank=2 --nproc-per-node=8 "
            "--master-addr=10.0.0.5 --master-port=29400 train.py")
     assert check_node_command(cmd, range(16, 24), WHERE)
     assert check_node_command(cmd.split(), tuple(reversed(RANKS)), list(WHERE))      # any order
@@ -412,11 +418,12 @@ def test_other_right_forms_pass():
 
 
 @pytest.mark.parametrize("command", [
-    "NCCL_SOCKET_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0 " + RIGHT,
-    "/usr/bin/python3.11 -m torch.distributed.run" + RIGHT.removeprefix("torchrun"),
-    "OMP_NUM_THREADS=1 /opt/venv/bin/python -m torch.distributed.run" + RIGHT.removeprefix("torchrun"),
-    "/opt/venv/bin/torchrun" + RIGHT.removeprefix("torchrun"),
-    "torchrun --nnodes 3 --node-rank 2 --nproc-per-node 8 --rdzv-backend static "
+    "GLOO_SOCKET_IFNAME=eth1 " + RIGHT,
+    "NCCL_SOCKET_IFNAME=eth1 /usr/bin/python3.11 -m torch.distributed.run" + RIGHT.split("torchrun", 1)[1],
+    "OMP_NUM_THREADS=1 NCCL_SOCKET_IFNAME=eth1 /opt/venv/bin/python -m torch.distributed.run"
+    + RIGHT.split("torchrun", 1)[1],
+    "NCCL_SOCKET_IFNAME=eth1 /opt/venv/bin/torchrun" + RIGHT.split("torchrun", 1)[1],
+    "NCCL_SOCKET_IFNAME=eth1 torchrun --nnodes 3 --node-rank 2 --nproc-per-node 8 --rdzv-backend static "
     "--rdzv-endpoint 10.0.0.5:29400 train.py",
 ])
 def test_forms_the_notebook_teaches_pass(command):
@@ -428,7 +435,7 @@ def test_forms_the_notebook_teaches_pass(command):
     assert verdict, verdict.message
     if "--rdzv-endpoint" in command:
         from torch.distributed.run import get_args_parser, get_rdzv_endpoint
-        args = get_args_parser().parse_args(command.split()[1:])
+        args = get_args_parser().parse_args(command.split()[2:])
         assert get_rdzv_endpoint(args) == "10.0.0.5:29400"
 
 
@@ -439,6 +446,9 @@ def test_the_job_is_not_the_one_the_notebook_showed():
     assert HEAD_PORT != DEFAULT_PORT
     text = markdown()
     assert "--node-rank 1" not in text and "29400" in text and "10.0.0.5" in text
+    # review 6 (07-3): node 2's network is eth1, a case step 2's loopback did not show
+    assert "**`eth1`**, on the cluster network the nodes share" in text and "NCCL for the collectives" in text
+    assert "NCCL_SOCKET_IFNAME=eth1" not in text
 
 
 WRONG_ANSWERS = [
@@ -464,6 +474,10 @@ WRONG_ANSWERS = [
       "--rdzv-endpoint 10.0.0.5 train.py", RANKS), "Port is absent in endpoint"),
     (("NCCL_SOCKET_IFNAME=eth0 mpirun -n 8 train.py", RANKS), "start it with `torchrun`"),
     ((RIGHT, RANKS), "Now rank13_node_and_local_rank"),
+    ((RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", ""), RANKS), "nothing names the network interface"),
+    ((RIGHT.replace("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"), RANKS), "pins gloo's sockets only"),
+    ((RIGHT.replace("eth1", "eth0"), RANKS), "NCCL_SOCKET_IFNAME is 'eth0'"),
+    ((RIGHT.replace("eth1", "eth"), RANKS), "the start of the interface names"),
     ((RIGHT, RANKS, (5, 1)), "the other way round"),
     ((RIGHT, RANKS, (1, 13)), "LOCAL_RANK counts within a node"),
     ((RIGHT, RANKS, (2, 5)), "Node ranks count from 0"),
@@ -498,6 +512,7 @@ def test_no_message_gives_the_solution(answer):
     assert RIGHT not in message
     assert "--node-rank 2" not in message and "--node-rank=2" not in message
     assert "--master-port 29400" not in message
+    assert "NCCL_SOCKET_IFNAME=eth1" not in message and "=eth1" not in message
     assert "16 to 23" not in message and "[16," not in message   # what the passing check says
     assert "(1, 5)" not in message and "= node 1" not in message and "node 1, LOCAL_RANK 5" not in message
 
@@ -633,8 +648,6 @@ def test_question_1_stays_unspoiled_and_step_5_says_what_it_leaves_out():
     binds (question 1's answer, given in its explanation); step 5's table is twelve of the
     variables torchrun sets, and the text says there are more without listing them (an
     expert review found the list padding)."""
-    shown = printed(notebook_code_cell("for f in (socket_scope, listening_sockets):"))
-    assert "def socket_scope" in shown and "TCPStore`` binds" not in shown and "falls back" not in shown
     text = markdown()
     assert "everything `torchrun` sets" not in text and "## Step 5: what `torchrun` sets" in text
     assert "(`torchrun` sets a few more)" in text and "ROLE_RANK" not in text
@@ -746,15 +759,29 @@ def test_the_slurm_template_runs_one_torchrun_per_node_and_parses():
 
 
 # --- fifth review: question 1's clue, the c10d checklist item, --max-restarts -------------
-def test_question_1_asks_about_gloo_and_the_store_apart_with_a_clue_not_the_answer():
-    """07-1: question 1 names the two listeners, gloo and the agent's store, and the clue
-    that only gloo reads GLOO_SOCKET_IFNAME; it does not say where the store binds."""
+def test_question_1_asks_which_listener_goes_beyond_loopback_without_a_clue(standalone):
+    """07-1 (review 6): the clue "only gloo reads that variable" gave the answer away. The
+    question names the two listeners and asks which goes beyond loopback: "gloo", "store",
+    "both" or "neither". A --standalone launch re-derives the answer, "store"; the question
+    cell maps the same measurement to it; the reveal says why (the server binds the wildcard,
+    the host it is given is where clients connect: 07-2) and names both stores."""
     cells = [("".join(c["source"]), c["cell_type"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
     q1 = next(s for s, _ in cells if s.startswith("**Question 1.**"))
-    for clue in ("gloo, on each rank, and the `torchrun` agent's two stores", "only gloo reads that variable",
-                 "Think about each of the two"):
-        assert clue in q1, clue
+    assert "gloo, on each rank, and the `torchrun` agent's two stores" in q1
+    assert '`"gloo"`, `"store"`, `"both"` or `"neither"`' in q1
+    assert "only gloo reads" not in q1 and "Think about each" not in q1
     assert not re.search(r"every interface|all interfaces|wildcard|`::`|0\.0\.0\.0", q1)
+    for measured in standalone[listening_sockets]:
+        gloo, store = (any(not s.startswith("loopback") for seen in measured.values() for s in seen[who])
+                       for who in ("rank", "launcher"))
+        assert (gloo, store) == (False, True)               # "store"
+    cell = notebook_code_cell("launch = run_torchrun(launcher_env, listening_sockets")
+    assert '(False, True): "store"' in "".join(cell["source"])
+    shown = "".join(t for o in cell["outputs"] for t in o.get("data", {}).get("text/html", []))
+    assert "The real run gives &#x27;store&#x27;." in shown
+    from reducelab.checks.answers import WHY
+    for said in ("two TCPStores", "binds the wildcard address", "is only where its clients connect"):
+        assert said in WHY["07"][1], said
 
 
 def test_the_checklist_names_c10ds_master_addr_as_torch_builds_it():

@@ -105,55 +105,56 @@ WHY = {
             "docstring says so: the forward pass should be included inside the context manager.",
     },
     "05": {
-        1: "Ranks 1 and 5. Row-major, rank r of a (dp=2, cp=4) mesh sits at (r // 4, r % 4): "
+        1: "Row-major, rank r of a (dp=2, cp=4) mesh sits at (r // 4, r % 4): "
             "rank 5 at (1, 1). Its dp group is its column, the ranks of cp index 1, cp = 4 "
             "apart: 1 and 5. Its cp group would be its row, 4, 5, 6 and 7.",
         2: "On gloo, AVG is the first way, a SUM followed by a division by the group size "
             "(that is how pytorch/pytorch#149781 added it, in torch 2.8), so the two run the "
-            "same arithmetic and give the same bits, in every dtype here. NCCL builds a float "
-            "AVG the second way: torch's ProcessGroupNCCL.cpp maps ReduceOp.AVG to ncclAvg, "
-            "and NCCL (hostToDevRedOp in src/enqueue.cc) runs a float ncclAvg as a PreMulSum "
-            "with 1/N, an integer one as a SUM then a division. On 4 ranks even that gives "
-            "the same bits: 1/4 is a power of two, so each product is exact (the last "
-            "evidence column). With 3 ranks 1/3 is rounded, and the two ways differ in the "
-            "last bit of many elements (the last evidence row, run on 3 ranks). Neither is the exact mean: both round the result to "
-            "the tensor's dtype, so a check against one process needs a tolerance.",
+            "same arithmetic and give the same bits, in every dtype here and on any number of "
+            "ranks. NCCL builds a float AVG the second way: torch's ProcessGroupNCCL.cpp maps "
+            "ReduceOp.AVG to ncclAvg, and NCCL (hostToDevRedOp in src/enqueue.cc) runs a float "
+            "ncclAvg as a PreMulSum with 1/N, an integer one as a SUM then a division. With 3 "
+            "ranks 1/3 is rounded, and that way differs from SUM/3 in the last bit of many "
+            "elements (the evidence's last column). On 4 ranks it would not: 1/4 is a power of "
+            "two, so each product is exact (the last evidence row). Neither is the exact mean: "
+            "both round the result to the tensor's dtype, so a check against one process needs "
+            "a tolerance.",
         3: "DTensor.from_local without shape= assumes even shards, so each rank infers the "
             "global shape from its own shard: 3 x 2 = 6 rows on the tp ranks that hold 3 rows "
             "(ranks 0 and 2), 2 x 2 = 4 on those that hold 2 (ranks 1 and 3), and assigning "
             "that to param.grad fails because the weight has 5 rows. Pass shape=g.shape and "
             "stride=g.stride(), or reduce in place with AVG (or SUM then .div_()) and skip "
             "the rebuild. Skipping the rebuild alone is not enough: the page divides out of "
-            "place, so param.grad would keep the SUM (the cells below show it).",
+            "place, so param.grad would keep the SUM (an optional part shows it).",
     },
     "06": {
         1: "Rank r finishes chunk (r + 1) % N: chunk c starts at rank c, picks up one rank "
             "per step, and after N - 1 steps it has reached rank c - 1 = rank r, holding all "
             "N inputs. Each rank now owns one complete chunk: a reduce_scatter.",
-        2: "72 bytes on every rank. Each of the 2 (N - 1) = 6 steps sends one chunk of "
-            "12 / 4 = 3 elements, 12 bytes: 6 x 12 = 72 bytes, 1.5 times the tensor. In "
-            "general a rank sends 2 (N - 1) / N x S bytes, less than 2 S for any N; a naive "
-            "all_reduce that sends the whole tensor to every other rank sends (N - 1) x S = "
-            "144 bytes per rank. With 10 elements (the evidence's second line) the chunks hold "
-            "3, 3, 2 and 2 elements, and the ranks differ: rank r never sends chunk (r + 1) % N "
-            "in reduce-scatter (the one it completes, question 1), nor chunk (r + 2) % N in "
-            "all-gather (the last one it receives). For rank 1 those are the two short chunks, "
-            "so it sends the most: 2 x 10 - 2 - 2 = 16 elements, 64 bytes. Rank 3 skips the two "
-            "long ones (56 bytes), ranks 0 and 2 one of each (60).",
-        3: "Elements 0 and 2. Chunk c starts at rank c and picks up the ranks to its right "
+        2: "Rank r never sends chunk (r + 1) % N in reduce-scatter (the one it completes, "
+            "question 1), nor chunk (r + 2) % N in all-gather (the last one it receives). For "
+            "rank 1 those are chunks 2 and 3, the two short ones, so it sends the most: 2 x 10 "
+            "- 2 - 2 = 16 elements, 64 bytes. Rank 3 skips the two long ones (56 bytes), ranks "
+            "0 and 2 one of each (60). With 12 elements (the evidence's second line) every "
+            "chunk holds 3 and every rank sends the same: each of the 2 (N - 1) = 6 steps sends "
+            "one chunk of 12 bytes, 72 bytes, 1.5 times the tensor. In general a rank sends "
+            "2 (N - 1) / N x S bytes, less than 2 S for any N; a naive all_reduce that sends "
+            "the whole tensor to every other rank sends (N - 1) x S, 144 bytes with 12 elements.",
+        3: "Chunk c starts at rank c and picks up the ranks to its right "
             "(question 1). Element 0: 1e8 + 1 rounds to 1e8, - 1e8 gives 0, + 1 gives 1. "
             "Element 2: -1e8 + 1 rounds to -1e8, + 1e8 gives 0, + 1 gives 1. Elements 1 and 3 "
             "add their two 1s while a 1e8 is still in the sum, and lose both: 0. A 1 survives "
             "only once the two 1e8s have cancelled.",
     },
     "07": {
-        1: "gloo listens on 127.0.0.1 because GLOO_SOCKET_IFNAME names the loopback "
-            "interface, but the TCPStores that the torchrun agent hosts (the rendezvous's and "
-            "the ranks') listen on the wildcard address (::, or 0.0.0.0 on a host without "
-            "IPv6; TCPStoreLibUvBackend.cpp), every interface, although the rendezvous "
-            "endpoint is localhost. It was "
-            "measured after every rank had joined, so the stores outlive the rendezvous, and "
-            "again at the end, after the ranks' all_reduce: still open.",
+        1: "GLOO_SOCKET_IFNAME pins gloo, and only gloo, to the loopback interface: rank 0 "
+            "listens on 127.0.0.1. The agent's two TCPStores (the rendezvous's, where the "
+            "agents met, and the ranks', at MASTER_ADDR:MASTER_PORT) do not read it: a "
+            "TCPStore server binds the wildcard address (::, or 0.0.0.0 on a host without "
+            "IPv6; TCPStoreLibUvBackend.cpp), every interface, and the host it is given, "
+            "localhost here, is only where its clients connect. It was measured after every "
+            "rank had joined, so the stores outlive the rendezvous, and again at the end, after "
+            "the ranks' all_reduce: still open.",
         2: "With the static rendezvous, RANK = node_rank * nproc_per_node + LOCAL_RANK = 1 * "
             "2 + 1 = 3. LOCAL_RANK counts within the node, and WORLD_SIZE = nnodes * "
             "nproc_per_node = 4.",

@@ -35,9 +35,15 @@ NPROC_PER_NODE = 8
 NODE_RANK = 2
 """The node the learner writes the command for."""
 SCRIPT = "train.py"
-JOB = (f"{NNODES} nodes with {NPROC_PER_NODE} GPUs each, static rendezvous, head node (node 0) "
-       f"{HEAD_ADDR}, store on port {HEAD_PORT} ({DEFAULT_PORT} is taken there), script "
-       f"{SCRIPT}")
+IFNAME = "eth1"
+"""Node 2's interface on the cluster network that the nodes share; its other one, eth0, is
+a network of its own that the other nodes cannot reach (review 6, 07-3: the exercise was
+mostly copying the notebook's launch)."""
+OWN_IFNAME = "eth0"
+JOB = (f"{NNODES} nodes with {NPROC_PER_NODE} GPUs each (NCCL), static rendezvous, head node "
+       f"(node 0) {HEAD_ADDR}, store on port {HEAD_PORT} ({DEFAULT_PORT} is taken there), "
+       f"script {SCRIPT}; node {NODE_RANK} reaches the other nodes through {IFNAME} "
+       f"({OWN_IFNAME} is a network of its own)")
 """The exercise's job, in one line."""
 ASKED_RANK = 13
 """The global RANK whose node and LOCAL_RANK the exercise asks for: node 1, LOCAL_RANK 5."""
@@ -46,18 +52,21 @@ _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _PYTHON = re.compile(r"python[0-9.]*")
 
 
-def _launcher_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
-    """``(argv without its leading VAR=value words, torchrun's own arguments)``; the
-    second is ``None`` when the command does not start torchrun: ``torchrun`` or an
-    interpreter running ``-m torch.distributed.run``, by any path."""
-    while argv and _ASSIGNMENT.match(argv[0]):      # NCCL_SOCKET_IFNAME=eth0 torchrun ...
+def _launcher_args(argv: list[str]) -> tuple[dict, list[str], list[str] | None]:
+    """``(the leading VAR=value words as a dict, argv without them, torchrun's own
+    arguments)``; the last is ``None`` when the command does not start torchrun:
+    ``torchrun`` or an interpreter running ``-m torch.distributed.run``, by any path."""
+    env = {}
+    while argv and _ASSIGNMENT.match(argv[0]):      # NCCL_SOCKET_IFNAME=eth1 torchrun ...
+        name, _, value = argv[0].partition("=")
+        env[name] = value
         argv = argv[1:]
     name = os.path.basename(argv[0]) if argv else ""
     if name == "torchrun":
-        return argv, argv[1:]
+        return env, argv, argv[1:]
     if _PYTHON.fullmatch(name) and argv[1:3] == ["-m", "torch.distributed.run"]:
-        return argv, argv[3:]
-    return argv, None
+        return env, argv, argv[3:]
+    return env, argv, None
 
 
 def _split(command) -> list[str]:
@@ -90,7 +99,10 @@ def check_node_command(command, ranks=None, rank13=None) -> Verdict:
     process per visible GPU: 8 on these nodes), says ``--node-rank 2`` and
     runs ``train.py``. The right ranks are 16 to 23 (``RANK = node_rank *
     nproc_per_node + LOCAL_RANK``), in any order, as a list, tuple or range of ints.
-    ``rank13`` is ``(node rank, LOCAL_RANK)`` of RANK 13: ``(1, 5)``.
+    ``rank13`` is ``(node rank, LOCAL_RANK)`` of RANK 13: ``(1, 5)``. The command sets
+    ``NCCL_SOCKET_IFNAME`` to :data:`IFNAME` (or ``=eth1``, NCCL's exact match) in front:
+    NCCL picks an interface itself where it is unset (NCCL's docs, "NCCL_SOCKET_IFNAME"),
+    and on node 2 it may pick eth0, which the other nodes cannot reach.
 
     Args:
         command: ``str`` (split like a shell would) or ``list`` of ``str``; ``None`` or
@@ -109,7 +121,7 @@ def check_node_command(command, ranks=None, rank13=None) -> Verdict:
     if command is None or command == "" or command == []:
         return failed(f"No command yet. The job: {JOB}. Write the whole torchrun command "
                       f"typed on node {NODE_RANK}, as one string.")
-    argv, own = _launcher_args(_split(command))
+    env, argv, own = _launcher_args(_split(command))
     if own is None:
         return failed(f"The command starts with {' '.join(argv[:3])!r}; start it with "
                       f"`torchrun` (or `python -m torch.distributed.run`), the launcher that "
@@ -188,8 +200,31 @@ def check_node_command(command, ranks=None, rank13=None) -> Verdict:
     if args.training_script != SCRIPT:
         return failed(f"The script is {args.training_script!r}; every node runs the same "
                       f"training script, {SCRIPT}.")
+    verdict = _check_interface(env)
+    if not verdict:
+        return verdict
     verdict = _check_ranks(ranks)
     return _check_where(rank13) if verdict else verdict
+
+
+def _check_interface(env: dict) -> Verdict:
+    """Node 2's collectives go through NCCL over :data:`IFNAME`, named in the command's
+    environment by ``NCCL_SOCKET_IFNAME``; NCCL reads a plain value as a prefix of the
+    interface names and ``=name`` as the exact name (NCCL's docs, "NCCL_SOCKET_IFNAME")."""
+    nccl = env.get("NCCL_SOCKET_IFNAME")
+    if nccl in (IFNAME, f"={IFNAME}"):
+        return passed("the interface")
+    if nccl is None and "GLOO_SOCKET_IFNAME" in env:
+        return failed(f"The options are right. GLOO_SOCKET_IFNAME pins gloo's sockets only, "
+                      f"and this job's GPUs run their collectives through NCCL, which reads a "
+                      f"variable of its own.")
+    if nccl is None:
+        return failed(f"The options are right, but nothing names the network interface. "
+                      f"Where it is not told, NCCL picks one itself, and on node {NODE_RANK} "
+                      f"it may pick {OWN_IFNAME}, a network the other nodes cannot reach.")
+    return failed(f"The options are right, but NCCL_SOCKET_IFNAME is {nccl!r}: NCCL reads a "
+                  f"plain value as the start of the interface names it may use, so that is "
+                  f"not the interface node {NODE_RANK} shares with the others, or not it alone.")
 
 
 def _check_where(where) -> Verdict:
