@@ -83,7 +83,7 @@ PLANS = {
     "04_ddp_gradients.ipynb": Plan(("answer_1 = None", "answer_1 = 3.0")),
     "05_device_mesh_sync.ipynb": Plan(("answer_1 = None", "answer_1 = [0, 1]")),
     "06_ring_all_reduce.ipynb": Plan(("answer_1 = None", "answer_1 = 0")),
-    "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", "answer_1 = False")),
+    "07_notebook_to_cluster.ipynb": Plan(("answer_1 = None", 'answer_1 = "gloo"')),
     "08_sharded_data_parallel.ipynb": Plan(("answer_1 = None", "answer_1 = False")),
     "09_tensor_parallel.ipynb": Plan(("answer_1 = None", 'answer_1 = ["y"]')),
     "10_cost_and_precision.ipynb": Plan(("answer_2 = None", "answer_2 = 2"), interim=True),
