@@ -848,7 +848,7 @@ def test_stored_precision_table_says_what_the_text_says():
     (a fourth review: the text stated Higham's bound as if it were the error) gloo's
     error is a falling share of Higham's worst-case bound: about a third of it on 2
     ranks, a fortieth on 16."""
-    out = stored("rows = []\nfor n in (16, 12, 8, 6, 4, 2):")
+    out = stored("rows, sums = [], {}")
     table, _, same = out.partition("bit for bit the rank-order sum")
     bound = stored("print(f\"{'world_size':>10}   gloo's error / Higham")   # an optional part (review 6)
     rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
