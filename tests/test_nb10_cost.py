@@ -223,7 +223,7 @@ def test_the_notebook_tags_every_timing_cell_and_quotes_no_time_in_its_text():
     depends on timing, is tagged; no markdown quotes a time measured on some machine."""
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     timing_calls = ("measure(", "time_ring", "CostExplorer(", "check_recursive_doubling(",
-                    "available_cores()", "sweeps[", "sweeps.items()", "fits[")
+                    "available_cores()", "sweeps[", "sweeps.items()", "fits[", "sweep_table(", "fits_table(")
     tagged = 0
     for cell in cells:
         source = "".join(cell["source"])
@@ -769,9 +769,11 @@ def test_question_1_runs_1024_calls_in_one_repeat_and_they_take_far_longer(group
 
 
 def test_stored_fits_give_each_collective_its_own_one_over_beta():
-    """Step 3: "the largest is more than twice the smallest at each world size"."""
-    assert "the largest 1/β is more than twice the smallest at each world size" in markdown()
-    out = stored("fits = {key: fit_alpha_beta(")
+    """Step 3: "the largest is more than twice the smallest" on 2 ranks; the optional part on
+    more ranks than cores: "again" on 4 (review 6: the 4-rank rows moved there, 10-5)."""
+    assert "the largest 1/β is more than twice the smallest (the table's last line)" in markdown()
+    assert "The largest 1/β is again more than twice the smallest." in markdown()
+    out = stored("fits = {key: fit_alpha_beta(") + stored("sweep_table(4)")
     found = dict((int(n), float(r)) for n, r in re.findall(r"(\d) ranks: the largest 1/β is ([\d.]+) times", out))
     assert set(found) == {2, 4} and min(found.values()) > 2, found
 
@@ -813,7 +815,7 @@ def test_stored_4_rank_rows_overlap_up_to_16_kib_and_the_text_ranks_none_there()
     """A fourth review: the 4-rank timing rows differ by less than their spread. Step 2
     prints, size by size, whether the four collectives' ranges of repeats overlap, and
     the text says that on 4 ranks they do at every size up to 16 KiB, so it ranks none."""
-    out = stored("SIZES = [4 * 16**k for k in range(7)]")
+    out = stored("sweep_table(4)")                     # the 4-rank rows: an optional part (review 6)
     header = next(line for line in out.splitlines() if line.startswith("median, slowest rank"))
     sizes = header.split()[3::2]
     assert sizes[:4] == ["4", "64", "1", "16"], header                  # 4 B, 64 B, 1 KiB, 16 KiB
@@ -846,8 +848,9 @@ def test_stored_precision_table_says_what_the_text_says():
     (a fourth review: the text stated Higham's bound as if it were the error) gloo's
     error is a falling share of Higham's worst-case bound: about a third of it on 2
     ranks, a fortieth on 16."""
-    out = stored("rows = []\nfor n in (16, 12, 8, 6, 4, 2):")
+    out = stored("rows, sums = [], {}")
     table, _, same = out.partition("bit for bit the rank-order sum")
+    bound = stored("print(f\"{'world_size':>10}   gloo's error / Higham")   # an optional part (review 6)
     rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
     errors = {int(r[0]): [float(v) for v in r[1:]] for r in rows}
     ns = sorted(errors)
@@ -858,7 +861,8 @@ def test_stored_precision_table_says_what_the_text_says():
     lines = [line.split() for line in same.splitlines() if "bf16" in line]
     shares = [float(parts[2].rstrip("%")) for parts in lines]
     assert shares[0] == 100.0 and shares == sorted(shares, reverse=True)
-    of_bound = {int(parts[0]): (float(parts[6]), float(parts[8])) for parts in lines}
+    of_bound = {int(parts[0]): (float(parts[2]), float(parts[4]))
+                for parts in (line.split() for line in bound.splitlines() if "bf16" in line)}
     assert sorted(of_bound) == ns
     for k in (0, 1):                                # bf16, fp16: a falling share, far below 1
         assert [of_bound[n][k] for n in ns] == sorted((of_bound[n][k] for n in ns), reverse=True)
@@ -908,6 +912,9 @@ def test_the_outline_follows_the_skeleton_one_purpose_per_markdown_cell():
                        "## Step 4: notebook 06's Python ring beside gloo's all_reduce",
                        "## Step 5: explore", "## Step 6: how exact is a sum over ranks?",
                        "## Exercise: an all_reduce for small messages", "## Summary",
+                       "## What gloo sends, collective by collective (optional, after the lesson)",
+                       "## Higham's bound (optional, after the lesson)",
+                       "## algbw and busbw (optional, after the lesson)",
                        "## More ranks than cores (optional, after the lesson)",
                        "## Common misconceptions (optional, after the lesson)",
                        "## On GPUs with NCCL (optional, after the lesson)", "## Further reading",

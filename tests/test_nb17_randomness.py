@@ -492,7 +492,7 @@ def test_header_and_cited_questions():
     head = source_with("# Which random numbers should match across ranks?", "markdown")
     assert re.search(r"\*About (3\d|4[0-5]) min to study · about \d+ s to run top to bottom · world size 4 · "
                      r"CPU only \(gloo\) · follows notebooks 05, 09 and 13 · parts marked optional: "
-                     r"about 10 min more, after the lesson\*", head)
+                     r"about 12 min more, after the lesson\*", head)
     # the optional parts (a third review: about 60 min for the whole; review 5: the core alone
     # 55-70 min), all after the summary: RNGStreams, unseeded ranks and DataLoader workers, the
     # DTensor aside and the explorer

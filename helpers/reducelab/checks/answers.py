@@ -366,7 +366,7 @@ WHY = {
     },
     "16": {
         1: lambda: (
-            "False: 2 buckets. A bucket's all_reduce can start only once all of its gradients are "
+            "DDP made 2 buckets. A bucket's all_reduce can start only once all of its gradients are "
             "ready; one bucket of every gradient would wait for the first layer's, the last one "
             "ready, and could not overlap backward() at all. "
             "So with the default bucket_cap_mb (None), DDP caps the first bucket at "
@@ -381,8 +381,8 @@ WHY = {
             f"Divided by 4 it is {held / 4:.2g}, less than half of 2^-24, so every rank's share "
             "rounds to 0 before it is sent. The sum of 4 zeros is 0: the gradient vanishes. "
             f"Summing first keeps it: 4 x {held:.4g} is {round(4 * held / 2**-24)} times 2^-24, "
-            f"which fp16 holds exactly, and divided by 4 it is {held:.4g} again (the table "
-            "below)."),
+            f"which fp16 holds exactly, and divided by 4 it is {held:.4g} again (an optional "
+            "part after the summary runs both orders for four values)."),
     },
     "17": {
         1: "full_tensor() all-gathers every rank's shard, so every rank gets the same tensor. "
