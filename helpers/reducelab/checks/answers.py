@@ -26,10 +26,12 @@ WHY = {
             "before shows 10 on every rank and the input is gone. To keep it, copy it "
             "first: before = value.clone(), as the explorer's rank function below does, or "
             "read a Python number with .item() as step 1 did.",
-        2: "SUM adds signed values: 1 - 1 + 2 - 2 + 3 = 3. The pairs cancel, and every rank "
-            "ends with 3, rank 4's input, which no other input cancels: nothing grew past "
-            "the largest input. Inputs that disagree in sign shrink a SUM; only inputs that "
-            "agree make it grow.",
+        2: "gloo's AVG is a SUM followed by a true division by world_size. The SUM, "
+            "1 + 2 + 3 + 4 = 10, is written into x on every rank first; the division then "
+            "gives a float, which cannot be written back into an int64 tensor, and only "
+            "then does the call raise. The hidden error leaves every rank holding the sum, "
+            "4 times the mean of 2.5, as if it were the result. Use float32, or SUM and "
+            "divide yourself, and never hide a collective's error.",
         3: "MIN writes the smallest value, 1, into every rank's tensor. Ranks 1 and 3 "
             "already hold 1: a tie changes nothing, so both keep what they had, while ranks "
             "0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not already "
