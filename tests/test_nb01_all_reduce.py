@@ -132,31 +132,38 @@ def test_sum_is_world_size_times_the_mean_and_bounded_by_the_largest_input(group
         assert total < max(values)
 
 
-def all_reduce_signed():
-    rank = dist.get_rank()
-    value = torch.tensor([(rank // 2 + 1) * (1.0 if rank % 2 == 0 else -1.0)])
-    dist.all_reduce(value)
-    return value.item()
+def all_reduce_avg_int64_caught():
+    x = torch.tensor([dist.get_rank() + 1])
+    try:
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    except RuntimeError:
+        pass
+    return x.item()
 
 
-def test_question_2_on_five_ranks_sums_to_the_one_input_nothing_cancels(group):
-    """Question 2 (review 5, 01-2: +1, -1, +2, -2 summing to 0 was trivial): five ranks hold
-    +1, -1, +2, -2, +3; the pairs cancel and every rank holds 3, no more than the largest
-    input. The stored reveal shows that run; nothing above the question says it."""
-    group.resize(5)
-    assert group.run(all_reduce_signed) == [3.0] * 5
+def test_question_2_a_hidden_avg_refusal_on_int64_leaves_the_sum(group):
+    """Question 2 (review 6, 01-1: the signed +1, -1, +2, -2, +3 was addition again): four
+    int64 ranks hide gloo's refusal of AVG; every rank holds 10, the SUM the refusal left
+    behind, not the mean 2.5 nor its input. The stored reveal shows that run; nothing
+    above the question says it, and the WHY opens with the reason, not the answer."""
+    group.resize(4)
+    assert group.run(all_reduce_avg_int64_caught) == [10] * 4
     cells = json.loads(NOTEBOOK.read_text())["cells"]
-    q = next(c for c in cells if "".join(c["source"]).startswith("def all_reduce_signed"))
-    assert "group.resize(5)" in "".join(q["source"])
+    q = next(c for c in cells if "".join(c["source"]).startswith("def all_reduce_avg_int64_caught"))
+    assert "group.resize(4)" in "".join(q["source"]) and "answer_2" in "".join(q["source"])
     shown = "".join("".join(o["data"]["text/html"]) for o in q["outputs"] if "data" in o)
-    assert "gives 3.0." in shown and re.search(r"rank 4: \+3 -(>|&gt;) 3\b", shown), shown
+    assert "gives 10." in shown and "rank 0 10, rank 1 10, rank 2 10, rank 3 10" in shown, shown
     text = notebook_cells()
-    above = "\n".join(text[:next(i for i, c in enumerate(text) if c.startswith("answer_2 = None"))])
-    assert "+1, -1, +2, -2, +3" in above
-    for spoiler in ("= 3", "-> 3", "cancel", "+ 3 ="):
-        assert spoiler not in above.split("**Question 2.**")[1], spoiler
-    from reducelab.checks import why
-    assert "1 - 1 + 2 - 2 + 3 = 3" in why("01", 2)
+    at = next(i for i, c in enumerate(text) if c.startswith("answer_2 = None"))
+    above = "\n".join(text[:at])
+    assert "dist.all_reduce(x, op=dist.ReduceOp.AVG)" in above.split("**Question 2.**")[1]
+    for spoiler in ("stays in the tensor", "after the SUM", "after the `SUM`", "leaves the sum",
+                    "[10, 10, 10, 10]"):
+        assert spoiler not in above, spoiler
+    assert all(c["cell_type"] == "markdown" or "ReduceOp.AVG" not in "".join(c["source"])
+               for c in cells[:cells.index(q) - 1])            # the table of refusals follows it
+    assert why_01(2).startswith("gloo's AVG is a SUM followed by a true division")
+    assert "1 + 2 + 3 + 4 = 10, is written into x on every rank first" in why_01(2)
 
 
 def changed_by(op, values):
@@ -226,9 +233,16 @@ def test_the_same_tensor_reduced_twice_gives_world_size_times_the_sum(group):
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     i = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("def reduced_twice"))
     out = "".join("".join(o.get("text", "")) for o in cells[i]["outputs"])
-    assert out.count("after one all_reduce 10, after two 40") == 4, out
-    after = "".join(cells[i + 1]["source"])
-    assert after.startswith("10, then 40") and "The summary says where" in after
+    assert "rank 0: after one all_reduce 10, after two 40" in out, out
+    assert "the same on every rank: True" in out, out
+    # review 6 (01-2): its own point in step 5 (not buried in the myths), with the fix
+    text = notebook_cells()
+    step5 = next(j for j, c in enumerate(text) if c.startswith("## Step 5"))
+    exercise = next(j for j, c in enumerate(text) if c.startswith("# %load solutions/01_"))
+    assert step5 < i < exercise
+    after = text[i + 1]
+    assert after.startswith("10, then 40") and "Reduce each value once" in after
+    assert "metric reduced in place" in after and "DDP already averaged" in after
     # review 6 (01-2): the point is the summary's own line, with its two causes and the fix
     summary = next(c for c in notebook_cells() if "## Summary" in c).split("## Summary")[1]
     line = next(l for l in summary.splitlines() if "all-reduced twice" in l)
@@ -709,25 +723,11 @@ def test_after_a_world_size_move_the_next_one_starts_on_spares(explorer):
     assert group.run(os.getpid) == spares and explorer.result.world_size == 4
 
 
-def test_stored_max_example_raises_no_value_lowers_none():
-    """Myth vs reality, example 3: the answer says MAX increases "or decreases" a process's
-    values; the text says no value is ever decreased, and the stored run shows it: every
-    element after is the maximum over ranks, at least the element before."""
-    import re
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    assert "increased, or decreased, by the other processes' data" in text
-    assert "No value is ever decreased" in text
-    cell = next(c for c in cells if "".join(c["source"]).startswith("def example_3"))
-    out = "".join("".join(o.get("text", "")) for o in cell["outputs"])
-    rows = re.findall(r"before \[([^\]]*)\] -> after \[([^\]]*)\]", out)
-    assert len(rows) == 4, out
-    before = [[float(v) for v in b.split(",")] for b, _ in rows]
-    after = [[float(v) for v in a.split(",")] for _, a in rows]
-    maximum = [max(col) for col in zip(*before)]
-    assert all(a == maximum for a in after)
-    assert all(x >= y for a, b in zip(after, before) for x, y in zip(a, b))
-    assert after[-1] == before[-1]                       # the rank holding the maximum keeps it
+def test_claim_1_and_example_3_are_cut_from_the_myths():
+    """Review 6 (01-2): the myth section spent a cell on SUM being the default (step 1
+    shows it) and on example 3's MAX (step 3's table shows MAX); both are cut."""
+    text = "\n".join(notebook_cells())
+    assert "def example_3" not in text and "inspect.signature" not in text
 
 
 from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (one definition, shared)
@@ -751,6 +751,10 @@ def test_the_optional_claims_follow_the_summary_and_no_core_cell_needs_them():
     out = "".join("".join(o.get("text", "")) for o in cells[name_error]["outputs"])
     assert "NameError: name 'run' is not defined" in out
     assert not any("NameError" in t for t in text[:start])
+    # review 6 (01-3): %%ranks is an optional part after the summary, before the claims
+    ranks = [i for i, t in enumerate(text) if t.startswith(("%%ranks", "%load_ext"))]
+    assert ranks and all(summary < start <= i < name_error for i in ranks)
+    assert OPTIONAL_MARK.search(text[start]) and "%%ranks" in text[start]
     code = [(i, *_bound_and_loaded(t)) for i, t in enumerate(text) if cells[i]["cell_type"] == "code"]
     optional = lambda i: start <= i < reading
     only_there = set().union(*(b for i, b, _ in code if optional(i))) - set().union(*(b for i, b, _ in code if not optional(i)))

@@ -947,7 +947,7 @@ def test_the_myth_section_is_marked_optional_and_counted_in_the_header():
     """A review (12:20) timed 03 at about 55 min against 40: Myth vs reality is marked
     optional, and the header counts it."""
     cells = notebook_cells()
-    assert "· parts marked optional: about 12 min more, after the lesson*" in cells[0][0]
+    assert "· parts marked optional: about 14 min more, after the lesson*" in cells[0][0]
     assert any(s.startswith("## Myth vs reality (optional, after the lesson)\n") for s, _ in cells)
 
 
@@ -965,6 +965,7 @@ def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
     marks = [i for i, t in enumerate(text) if OPTIONAL_MARK.search(t)]
     reading = next(i for i, t in enumerate(text) if t.startswith("## Further reading"))
     assert [text[i].split("\n")[0] for i in marks] == [
+        "## Why `zero_grad()` inside the loop keeps only the last micro-batch (optional, after the lesson)",
         "## Token-level losses: count tokens, not samples (optional, after the lesson)",
         "## Myth vs reality (optional, after the lesson)"]
     assert summary < marks[0] and marks[-1] < reading
@@ -1028,3 +1029,23 @@ def test_step_3_says_why_every_rank_starts_alike():
     assert "the answer does not seed its model)" not in cells[i - 1]
     code = cells[i]
     assert code.index("torch.manual_seed(0)") < code.index("nn.Linear(10, 2)")
+
+
+def test_logging_the_loss_says_its_cost_and_zero_grad_s_evidence_is_kept():
+    """Review 6 (03-3): logging the all-reduced loss with .item() at every step is a
+    collective and, on a GPU, a sync point: step 5's text says so, in the core. The
+    zero_grad-inside diagnosis (only the last micro-batch survives, / 4) left the core for
+    an optional part after the summary; the core states it and points there, and the
+    stored run there still shows it."""
+    cells = notebook_cells()
+    text = [s for s, _ in cells]
+    from test_notebooks import parts
+    part = parts(NOTEBOOK)
+    i = next(i for i, t in enumerate(text) if t.startswith("The local losses differ;"))
+    assert part[i] is None and "`.item()` is a sync point" in text[i] and "Log every few steps" in text[i]
+    core = next(t for t in text if t.startswith('`"/ micro_batches"` and'))
+    assert "only the last one survives, divided by 4" in core and "optional part after the summary" in core
+    j = next(i for i, t in enumerate(text) if t.startswith("last_only = reference_grad(4, keep=[3]) / 4"))
+    summary = next(i for i, t in enumerate(text) if t.startswith("## Summary"))
+    assert part[j] is not None and j > summary
+    assert "equal: True" in "".join("".join(o.get("text", "")) for o in cells[j][1]["outputs"])

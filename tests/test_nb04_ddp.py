@@ -7,6 +7,7 @@ helpers and the figures.
 from __future__ import annotations
 
 import contextlib
+import html
 import inspect
 import json
 import pathlib
@@ -819,9 +820,10 @@ def test_questions_2_and_3_are_asked_before_they_are_explained():
     q2 = next(i for i, c in enumerate(cells) if c.startswith("answer_2 = None"))
     table = next(i for i, c in enumerate(cells) if c.startswith("WORLD_SIZES = "))
     rows = next(i for i, c in enumerate(cells) if c.startswith("Read it row by row"))
-    assert q2 < table < rows
+    assert table < q2 < rows            # review 6 (04-2): the table shows "varies", not 2.5
     before = "\n".join(cells[:q2])
-    assert "1/W" not in before and "factor $1/W$" not in before and "1/8" not in before
+    for spoiler in ("1/W", "W n_r", "2.5", "1/336", "count more", "weighs more"):
+        assert spoiler not in before, spoiler
     q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
     asked = cells[q3 - 1]
     assert "DDP offers `model.no_sync()` for gradient accumulation" in asked
@@ -829,7 +831,7 @@ def test_questions_2_and_3_are_asked_before_they_are_explained():
                       "unless it runs inside"):
         assert mechanism not in asked, mechanism
     assert "accumulates locally" in WHY["04"][3]  # the mechanism is in the why
-    assert "only `loss.backward()` inside `no_sync()`" in asked and WHY["04"][3].startswith("4,")
+    assert "only `loss.backward()` inside `no_sync()`" in asked and WHY["04"][3].startswith("As many as without no_sync.")
     for mechanism in ("acts at the forward", "decides at the forward", "_post_forward"):
         assert mechanism not in "\n".join(cells[:q3]), mechanism
 
@@ -838,24 +840,73 @@ def _stored(cell):
     return "".join("".join(o.get("text", "")) for o in cell["outputs"])
 
 
-def test_question_1_opens_the_notebook_and_asks_about_reduce_op_warnings_only():
-    """A review (12:20): question 1 was answered by step 1 just above it. It now comes
-    before step 1, as the hook, and counts reduce_op warnings; nothing above it says
-    where the warning comes from."""
+def import_then_ddp_step():
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        hasattr(dist.reduce_op, "SUM")
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(10, 5))
+        torch.manual_seed(dist.get_rank())
+        nn.CrossEntropyLoss()(model(torch.randn(4, 10)), torch.randint(0, 5, (4,))).backward()
+        torch.optim.SGD(model.parameters(), lr=0.01).step()
+    return [str(w.message) for w in records]
+
+
+def test_question_1_follows_step_2_and_counts_a_library_s_read_plus_a_ddp_step(group):
+    """Review 6 (04-1): question 1 before step 1 was a coin flip. It follows step 2 and
+    asks for the reduce_op warnings of a library's hasattr at import plus one DDP step
+    with CrossEntropyLoss: 1 per rank, the hasattr's; DDP adds none. Re-derived here and
+    stored; nothing above it says DDP adds none, and the WHY opens with the reason."""
+    group.resize(2)
+    found = group.run(import_then_ddp_step)
+    assert [sum("reduce_op" in m for m in w) for w in found] == [1, 1]
+    assert all(len(w) == 1 for w in found)
     cells = notebook_cells()
     q1 = next(i for i, c in enumerate(cells) if c.startswith("answer_1 = None"))
-    step1 = next(i for i, c in enumerate(cells) if c.startswith("## Step 1"))
-    assert q1 < step1
-    assert "How many `reduce_op` warnings does the step with `nn.CrossEntropyLoss()`" in cells[q1 - 1]
+    step2 = next(i for i, c in enumerate(cells) if "\n## Step 2" in c)
+    step3 = next(i for i, c in enumerate(cells) if c.startswith("## Step 3"))
+    assert step2 < q1 < step3
+    asked = cells[q1 - 1].split("**Question 1.**")[1]
+    assert "runs `somelib`'s line 3" in asked and "`nn.CrossEntropyLoss()`" in asked
+    assert "How many `reduce_op` warnings does each rank record?" in asked
     above = "\n".join(cells[:q1 + 1])
-    for spoiler in ("__getattribute__", "dist.reduce_op.SUM", "reading the old", "read an attribute",
-                    "lower-case name"):
+    for spoiler in ("adds none", "does not warn", "DDP does not", "nothing in a DDP step"):
         assert spoiler not in above, spoiler
     nb = json.loads(NOTEBOOK.read_text())
-    shown = "".join("".join(o["data"].get("text/html", "")) for o in nb["cells"][q1 + 1]["outputs"]
-                    if "data" in o)
-    assert "CrossEntropyLoss: reduce_op warnings per rank [0, 0]" in shown
-    assert "The real run gives 0." in shown
+    assert 'hasattr(dist.reduce_op, "SUM")' in cells[q1 + 1]
+    shown = html.unescape("".join("".join(o["data"].get("text/html", ""))
+                                  for o in nb["cells"][q1 + 1]["outputs"] if "data" in o))
+    assert "The real run gives 1." in shown
+    assert shown.count("1 warning(s), raised by ['has_sum = hasattr(dist.reduce_op") == 2, shown
+    assert WHY["04"][1].startswith("somelib's feature check reads dist.reduce_op once")
+
+
+def weight_of_each_sample(n, split):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    part = local_slice(n, world_size, rank, split)
+    model = DDP(nn.Linear(n, 1, bias=False))
+    model(torch.eye(n)[part]).mean().backward()
+    return model.module.weight.grad.flatten()
+
+
+def test_question_2_a_sample_on_rank_0_weighs_2_5_times_its_full_batch_weight(group):
+    """Review 6 (04-2): question 2 (sum, 8 ranks, k = 1/8) repeated 03's question 2. It asks
+    for the weight of a sample on rank 0 with mean and uneven local batches on 4 ranks:
+    840 / (4 x 84) = 2.5. Re-derived from a run of the cell's one-weight-per-sample model,
+    against the formula, and stored."""
+    group.resize(4)
+    k = group.run(weight_of_each_sample, 840, "uneven")[0] * 840
+    sizes = split_sizes(840, 4, "uneven")
+    assert sizes == [84, 168, 252, 336]
+    firsts = [sum(sizes[:r]) for r in range(4)]
+    assert [round(k[i].item(), 4) for i in firsts] == [2.5, 1.25, 0.8333, 0.625]
+    assert sample_weights(sizes, "mean").tolist() == pytest.approx([k[i].item() for i in firsts])
+    nb = json.loads(NOTEBOOK.read_text())
+    cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("def weight_of_each_sample"))
+    shown = html.unescape("".join("".join(o["data"].get("text/html", "")) for o in cell["outputs"]
+                                  if "data" in o))
+    assert "The real run gives 2.5." in shown and "[2.5, 1.25, 0.8333, 0.625]" in shown, shown
+    assert WHY["04"][2].startswith("Each rank's mean divides by its own local batch")
 
 
 def test_any_read_of_the_old_name_warns_and_the_stored_cell_says_so():
@@ -940,7 +991,7 @@ def test_myth_vs_reality_is_marked_optional_and_counted_in_the_header():
     50: the myths, the run of every read of the old name, DDP's own float16 run with the
     bucket rules, and the explorer are optional, after the exercise."""
     cells = notebook_cells()
-    assert "· parts marked optional: about 10 min more, after the lesson*" in cells[0]
+    assert "· parts marked optional: about 12 min more, after the lesson*" in cells[0]
     parts = optional_parts()
     exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/04_ddp_loss.py"))
     summary = next(i for i, c in enumerate(cells) if c.startswith("## Summary"))
@@ -949,7 +1000,7 @@ def test_myth_vs_reality_is_marked_optional_and_counted_in_the_header():
                   "## DDP's own float16 path, and its buckets (optional, after the lesson)\n",
                   "## Explore the factor (optional, after the lesson)\n"):
         i = next(i for i, c in enumerate(cells) if c.startswith(start))
-        assert exercise < i < summary and parts[i] == i, start
+        assert exercise < summary < i and parts[i] == i, start    # review 6: after the summary
     for name in ("def warns(read)", "def ddp_float16_gradient", "explorer = GradientFactorExplorer"):
         assert parts[next(i for i, c in enumerate(cells) if c.startswith(name))] is not None, name
 

@@ -26,10 +26,12 @@ WHY = {
             "before shows 10 on every rank and the input is gone. To keep it, copy it "
             "first: before = value.clone(), as the explorer's rank function below does, or "
             "read a Python number with .item() as step 1 did.",
-        2: "SUM adds signed values: 1 - 1 + 2 - 2 + 3 = 3. The pairs cancel, and every rank "
-            "ends with 3, rank 4's input, which no other input cancels: nothing grew past "
-            "the largest input. Inputs that disagree in sign shrink a SUM; only inputs that "
-            "agree make it grow.",
+        2: "gloo's AVG is a SUM followed by a true division by world_size. The SUM, "
+            "1 + 2 + 3 + 4 = 10, is written into x on every rank first; the division then "
+            "gives a float, which cannot be written back into an int64 tensor, and only "
+            "then does the call raise. The hidden error leaves every rank holding the sum, "
+            "4 times the mean of 2.5, as if it were the result. Use float32, or SUM and "
+            "divide yourself, and never hide a collective's error.",
         3: "MIN writes the smallest value, 1, into every rank's tensor. Ranks 1 and 3 "
             "already hold 1: a tie changes nothing, so both keep what they had, while ranks "
             "0 and 2 are lowered to 1. MIN and MAX change only the ranks that do not already "
@@ -68,7 +70,7 @@ WHY = {
             "Wait first, then write.",
     },
     "03": {
-        1: "3. mean_of_means counts each rank's mean once, whatever its batch size, and "
+        1: "mean_of_means counts each rank's mean once, whatever its batch size, and "
             "divides by world_size = 2. Rank 0's one sample is its whole mean, so it weighs "
             "1/2: raised by 1, the result moves by 0.5. Each of rank 1's three samples is a "
             "third of rank 1's mean and weighs 1/6. In the global mean every sample weighs "
@@ -79,23 +81,27 @@ WHY = {
             "it divides each by world_size = 4 during backward() (notebook 04 shows where in "
             "torch), so a quarter of the reference is left. Multiplying each loss by "
             "world_size undoes that division.",
-        3: "0.5 = 1 / world_size, on both ranks. all_reduce changed the loss's value, but "
-            "autograd has no formula for it and passes the gradient through unchanged, as if "
-            "it were the identity; only the division by world_size is left. So each rank gets "
+        3: "all_reduce changed the loss's value, but autograd has no formula for it and "
+            "passes the gradient through unchanged, as if it were the identity; only the "
+            "division by world_size is left, 1 / 2 on both ranks. So each rank gets "
             "its own local gradient divided by 2: the two gradients differ, and no rank "
             "learned from the other's data. Nothing was exchanged in backward(). torch's "
             "warning above says only that c10d::allreduce_ has no autograd kernel, and that "
             "this may be silently incorrect.",
     },
     "04": {
-        1: "DDP does not look at how your loss reduces and has nothing to warn about, and "
-            "nothing in a DDP step reads torch.distributed.reduce_op: no warning of any kind "
-            "came, with either loss. What does warn is reading the old name: steps 1 and 2 "
-            "below.",
-        2: "With reduction='sum' the local sums add up to the full-batch sum whatever the "
-            "split, and DDP divides each rank's gradient by world_size = 8 before it sums "
-            "them: k = 1/8.",
-        3: "4, as many as without no_sync. DDP decides at the forward whether the backward "
+        1: "somelib's feature check reads dist.reduce_op once, and that read warns; the DDP "
+            "step adds none. DDP does not look at how your loss reduces and has nothing to "
+            "warn about, and nothing in a DDP step reads torch.distributed.reduce_op: each "
+            "rank's one warning names the hasattr line. The optional myth section runs the "
+            "answer's custom loss too, with the same result.",
+        2: "Each rank's mean divides by its own local batch, 84 on rank 0, and DDP then "
+            "divides by world_size = 4 before it sums: a sample on rank 0 weighs "
+            "1/(4 x 84) = 1/336 in DDP's gradient, against 1/840 in one process's mean over "
+            "the whole batch, and 840/336 = 2.5. Samples on the small ranks count more, those "
+            "on the big ranks less (rank 3's: 840/(4 x 336) = 0.625): a different gradient, "
+            "not a rescaled one. Equal local batches give every sample 1.",
+        3: "As many as without no_sync. DDP decides at the forward whether the backward "
             "all-reduces: the forward reads require_backward_grad_sync, which no_sync() sets "
             "to False, and when it is True prepares the reducer for a synced backward "
             "(_post_forward in torch/nn/parallel/distributed.py). A forward run outside "
