@@ -238,7 +238,7 @@ WHY = {
             "two ranks' values: 15 roundings for 16 ranks, whose errors add up.",
     },
     "11": {
-        1: "None: []. Only rank 0 counts a monitored_barrier's timeout: the other ranks report "
+        1: "Only rank 0 counts a monitored_barrier's timeout: the other ranks report "
             "to rank 0 and wait for its answer, and rank 0 names the ranks that are missing. "
             "Here rank 0 is stuck in all_reduce and never reaches the barrier, so nobody counts "
             "the 1 second. Ranks 1 to 3 wait as long as their process group's own timeout (30 "
@@ -255,7 +255,7 @@ WHY = {
             "the fingerprints agree and the numbers come back silently wrong, as on plain "
             "gloo. Only a check of your own catches this one: all_gather the op, or the "
             "result.",
-        3: "False. At the end, DDP's join hook broadcasts the final model from the highest-numbered "
+        3: "At the end, DDP's join hook broadcasts the final model from the highest-numbered "
             "rank of those that ran out of inputs last, here rank 1 "
             "(DistributedDataParallel._sync_final_model and _find_common_rank), so every rank "
             "holds the parameters of the third step, even ranks 2 and 3, which never took it. "
@@ -311,10 +311,10 @@ WHY = {
             "DDP never all-reduced it: backward() returned with each rank's own, local "
             "gradient, and the optimizer stepped on it. Nothing raised. From here the four "
             "replicas differ. The error comes one step later, at the next forward.",
-        4: "It hangs, buffers or not. This is the first forward after the first backward, and "
-            "with gradients enabled it rebuilds the gradient buckets: _rebuild_buckets "
-            "broadcasts rank 0's new bucket order (the two broadcasts step 4 counted in the "
-            "second step), a collective only rank 0 runs. Under torch.no_grad() that forward "
+        4: "This is the first forward after the first backward, and with gradients enabled "
+            "it rebuilds the gradient buckets: _rebuild_buckets broadcasts rank 0's new bucket "
+            "order (an optional part counts these broadcasts), a collective only rank 0 runs, "
+            "so rank 0 hangs, buffers or not. Under torch.no_grad() that forward "
             "rebuilds nothing, and without buffers it syncs none, so it runs no collective at "
             "all and returns. Whether a rank-0-only forward through the wrapper hangs depends "
             "on the model, the step and torch.no_grad(); model.module never runs a collective.",

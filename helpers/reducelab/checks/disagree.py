@@ -227,6 +227,43 @@ def _explain_hang(context: str, err: RankError, timeout: float) -> Verdict:
     return failed(text)
 
 
+def first_step_on_new_ranks() -> bool:
+    """One step of the exercise's kind on every rank, the first of new ranks' lives: a
+    :func:`step_batch`, a backward, an all_reduce and an SGD step. Ranks started by a
+    resize pay one-off costs in their first call (the notebook's cells sent to them,
+    torch's first backward and collective): seconds on a loaded 2-core machine, where the
+    learner's whole loop takes a tenth of a second. :func:`check_skip_together` runs this
+    first, so that those costs do not count against the learner's loop (review 6, 11-5)."""
+    import torch.distributed as dist
+    model = torch.nn.Linear(3, 1)
+    x, y = step_batch(dist.get_rank(), 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    dist.all_reduce(model.weight.grad, op=dist.ReduceOp.AVG)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return True
+
+
+FIRST_USE_IMPORTS = ("torch._dynamo", "reducelab.checks.disagree")
+"""What a new rank imports in the exercise's first step: ``optimizer.step()`` imports
+``torch._dynamo`` on its first call (824 modules, sympy among them: 4 s in one process on
+a loaded 2-core machine, review 6's 11-5), and the loop calls :func:`step_batch`.
+:func:`check_skip_together` asks the ranks' forkserver for them before it resizes the
+group, so the new ranks inherit them (a group's start waits for the server's imports off
+its clock: :func:`reducelab.processes.warm`)."""
+
+
+def settle(group, tries: int = 3) -> None:
+    """Run :func:`first_step_on_new_ranks` on ``group`` until a call finishes within its
+    timeout, at most ``tries`` times: a call that times out stops the ranks, and the next
+    one starts new ranks within its own time, not within the learner's call."""
+    for _ in range(tries):
+        try:
+            group.run(first_step_on_new_ranks)
+            return
+        except RankError:
+            continue
+
+
 def check_skip_together(group, fn, cases=CASES) -> Verdict:
     """Notebook 11's exercise: ``fn(bad, steps)`` trains for ``steps`` steps on
     :func:`step_batch` and, whenever **any** rank's gradient holds an inf or a NaN,
@@ -235,7 +272,8 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
 
     Runs ``fn(bad, STEPS)`` on real ranks for each ``(world_size, bad)`` in ``cases``
     (the group is resized, then restored), each call bounded by the group's timeout,
-    and compares with :func:`reference` (weights within :data:`ATOL`). A wrong answer
+    on ranks started with :data:`FIRST_USE_IMPORTS` and after :func:`settle` has run their
+    first call, and compares with :func:`reference` (weights within :data:`ATOL`). A wrong answer
     gets an explanation of what its run shows: a hang (who returned, who waited where,
     and why), an error, ranks that disagree, a step taken with a non-finite gradient
     (every step taken, the bad gradient averaged in; or skipping only when every rank,
@@ -245,10 +283,13 @@ def check_skip_together(group, fn, cases=CASES) -> Verdict:
     Returns:
         A :class:`~reducelab.checks.Verdict`.
     """
+    from .. import processes                 # the kernel's side only: ranks never run this
+    processes.ask_for_later(FIRST_USE_IMPORTS)
     with restoring_world_size(group):
         for ws, bad in cases:
             context = f"With world_size={ws} and a corrupt batch on {_where_bad(bad)}"
             group.resize(ws)
+            settle(group)                    # new ranks' one-off costs, not on the loop's clock
             try:
                 out = group.run(fn, bad, STEPS)
             except RankError as err:
