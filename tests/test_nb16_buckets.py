@@ -444,8 +444,9 @@ def test_stored_bucketing_saving_holds_what_the_text_claims():
     (alpha16, _), (saved16, saved256) = times("α"), times("saved by fewer calls")   # per column: (median, least, most)
     assert ratios("per parameter ÷ DDP in backward")[1][0] > 10, rows["per parameter ÷ DDP in backward"]
     assert saved256[0] > 5 * saved16[0], (saved16, saved256)
-    assert ("plus β per byte, and the bytes are the same both ways. So a call that carries a weight, 16 KiB "
-            "at 256 tensors and mostly 256 KiB at 16, cost more than α here") in text
+    assert ("The model's α was measured with 4-byte tensors, and the bytes are the same both ways. So a "
+            "call that carries a weight, 16 KiB at 256 tensors and mostly 256 KiB at 16, cost more than α "
+            "here") in text
     ns = notebook("make_model")
     sizes = [p.numel() * 4 for p in ns["make_model"](128, 64).parameters()]
     assert len(sizes) == 256 and sizes.count(16 * 1024) == 127 and sizes[:2] == [16 * 1024, 256]
