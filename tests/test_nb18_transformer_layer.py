@@ -555,6 +555,15 @@ def dp_buffer_copied_back_tp_forgotten(grads, mesh):   # copied back; only the t
         g.copy_(mean.view_as(g))
 
 
+def sp_buffer_right_sharded_left_out(grads, mesh):   # the SP buffer right and copied back
+    sp = [grads[n] for n in SP_NAMES]
+    flat = torch.cat([g.flatten() for g in sp])
+    dist.all_reduce(flat, group=mesh["tp"].get_group())
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+    for g, done in zip(sp, flat.split([g.numel() for g in sp])):
+        g.copy_(done.view_as(g))
+
+
 def raises(grads, mesh):
     dist.all_reduce(grads["nothing"], group=mesh["dp"].get_group())
 
@@ -566,7 +575,8 @@ def test_the_copy_back_hint_comes_only_where_a_buffer_was_reduced(group):
     place or not at all, nor (a sixth review, 18-1) where the one buffer was copied back and
     the tp sum forgotten."""
     for fn in (unchanged, sp_not_summed, replaced_by_a_new_dict,
-               dp_buffer_copied_back_tp_forgotten):    # a sixth review (18-1): it was copied back
+               dp_buffer_copied_back_tp_forgotten,     # a sixth review (18-1): it was copied back
+               sp_buffer_right_sharded_left_out):      # a seventh (18-1): copied back, some left out
         verdict = check_sync_gradients(group, fn)
         assert not verdict and "torch.cat" not in verdict.message, (fn.__name__, verdict.message)
     assert "notebook 18's" not in check_sync_gradients(group, sp_not_summed).message
@@ -592,6 +602,7 @@ def test_the_copy_back_hint_comes_only_where_a_buffer_was_reduced(group):
                                   "collective on a tensor that is none of grads' tensors: "
                                   "torch.cat makes a copy"),
     (dp_buffer_copied_back_tp_forgotten, "the dp average of this rank's own gradient"),
+    (sp_buffer_right_sharded_left_out, "changed: the collectives left "),
     (raises, "your function raised on the ranks"),
 ])
 def test_each_usual_mistake_gets_its_explanation(group, fn, words):

@@ -200,6 +200,15 @@ def _judge(rows: list, right: dict) -> Verdict | None:
             kind = "sequence-parallel" if name in SP_NAMES else "sharded"
             seen = seen_as[name]
             if seen == "unchanged":
+                changed = [n for n in SP_NAMES + SHARDED_NAMES if n not in seen_as or
+                           seen_as[n] != "unchanged"]
+                if changed:   # a buffer came back: this one was left out (a seventh review, 18-1)
+                    need = ("the dp average" if kind == "sharded" else
+                            "the sum over tp and the average over dp")
+                    return failed(f"{where}: the gradient of {name} is unchanged, as backward left "
+                                  f"it, while that of {changed[0]} changed: the collectives left "
+                                  f"{name} out. A {kind} weight's gradient needs {need} too.",
+                                  "left out of the collectives")
                 return failed(f"{where}: the gradient of {name} is unchanged, as backward left it: "
                               f"nothing combined it with the other ranks' gradients.{copy_back}", "unchanged")
             if kind == "sequence-parallel" and seen == "dp only":
