@@ -879,11 +879,30 @@ def test_the_misconceptions_are_optional_after_the_exercise_and_the_summary_is_c
     assert _index_of("check_chain_broadcast(chain_broadcast)") < start < _index_of("answer_3 = None")
     summary = _index_of("## Summary")
     assert _src(cells[summary]).startswith("## Summary") and "## Further reading" not in _src(cells[summary])
-    assert _src(cells[summary + 1]).startswith("## Further reading")
-    later = "\n".join(_src(c) for c in cells[summary:] if c["cell_type"] == "code")
+    # review 7 (06-3): the summary follows the exercise's reveal, before the optional parts
+    assert _src(cells[summary - 1]).startswith("<details><summary>The exercise asked two questions")
+    assert summary + 1 == start
+    reading = _index_of("## Further reading")
+    assert all(not OPTIONAL_MARK.search(_src(c)) for c in cells[reading:])
+    core = "\n".join(_src(c) for c in cells[:start] + cells[reading:] if c["cell_type"] == "code")
     for name in ("order_matters", "blocking_ring", "mismatched_recv", "ring_sum"):
-        assert name not in later, name
+        assert name not in core, name
     assert "an optional part at the end runs it" in _src(cells[_index_of("So on gloo, if every rank called `send` first")])
+
+
+def test_the_core_teaches_what_the_summary_cites_and_the_chain_s_last_rank_sends_nothing():
+    """Review 7: the summary's first bullet cites batch_isend_irecv, which only an optional
+    part taught (06-3): step 1 says it in one sentence; the chain's last rank only receives,
+    so "each rank still sends S" was wrong for it (06-4); the reveal cited a test file that
+    an installed reducelab lacks without saying where it is (06-5)."""
+    cells = _cells()
+    step1 = _src(cells[_index_of("So on gloo, if every rank called `send` first")])
+    assert "On any backend, NCCL included, `dist.batch_isend_irecv` posts the send and the receive together" in step1
+    assert "`dist.batch_isend_irecv`" in _src(cells[_index_of("## Summary")])
+    exercise = _src(cells[_index_of("## Exercise: a broadcast that spreads its bytes")])
+    assert "each rank but the last still sends `S`" in exercise and "each rank still sends" not in exercise
+    reveal_cell = _src(cells[_index_of("The exercise asked two questions")])
+    assert "`tests/test_nb06_ring.py` of the Reduce Lab repository; an installed `reducelab` does not include it" in reveal_cell
 
 
 def test_the_ring_s_rotation_and_torch_s_piece_r_on_rank_r_are_reconciled():

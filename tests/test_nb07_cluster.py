@@ -425,6 +425,10 @@ def test_other_right_forms_pass():
     "NCCL_SOCKET_IFNAME=eth1 /opt/venv/bin/torchrun" + RIGHT.split("torchrun", 1)[1],
     "NCCL_SOCKET_IFNAME=eth1 torchrun --nnodes 3 --node-rank 2 --nproc-per-node 8 --rdzv-backend static "
     "--rdzv-endpoint 10.0.0.5:29400 train.py",
+    # review 7 (07-5): an exported variable, in a statement of its own before torchrun
+    RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", "export NCCL_SOCKET_IFNAME=eth1; "),
+    RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", "export NCCL_SOCKET_IFNAME=eth1 && "),
+    RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", "export OMP_NUM_THREADS=1 NCCL_SOCKET_IFNAME=eth1;"),
 ])
 def test_forms_the_notebook_teaches_pass(command):
     """Leading VAR=value words (step 2 puts GLOO_SOCKET_IFNAME in front), any interpreter
@@ -475,6 +479,9 @@ WRONG_ANSWERS = [
     (("NCCL_SOCKET_IFNAME=eth0 mpirun -n 8 train.py", RANKS), "start it with `torchrun`"),
     ((RIGHT, RANKS), "Now rank13_node_and_local_rank"),
     ((RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", ""), RANKS), "nothing names the network interface"),
+    ((RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", "NCCL_SOCKET_IFNAME=eth1; "), RANKS),
+     "set for the shell only: without `export`"),                          # review 7 (07-5)
+    ((RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", "cd /scratch && "), RANKS), "The command starts with 'cd /scratch'"),
     ((RIGHT.replace("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"), RANKS), "pins gloo's sockets only"),
     ((RIGHT.replace("eth1", "eth0"), RANKS), "NCCL_SOCKET_IFNAME is 'eth0'"),
     ((RIGHT.replace("eth1", "eth"), RANKS), "the start of the interface names"),
@@ -795,10 +802,16 @@ def test_the_checklist_names_c10ds_master_addr_as_torch_builds_it():
     assert "local_addr or socket.getfqdn()" in inspect.getsource(dynamic_rendezvous._NodeDescGenerator.generate)
     assert any("--local-addr" in a.option_strings for a in get_args_parser()._actions)
     text = markdown()
+    # review 7 (07-2): the item left the core's checklist for the optional Slurm part, whose
+    # template uses the c10d rendezvous
     checklist = next(t for t in text.split("\n\n") if "check from each node" in t)
-    for fact in ("with the c10d rendezvous, `MASTER_ADDR` is not the `--rdzv-endpoint`",
+    assert "c10d" not in checklist and "127.0.1.1" not in checklist
+    assert "`NCCL_DEBUG=INFO`" in checklist
+    checklist = text.split("## On a Slurm cluster (optional, after the lesson)")[1].split("\n## ")[0]
+    assert text.index("## Summary") < text.index("## On a Slurm cluster (optional, after the lesson)")
+    for fact in ("With the c10d rendezvous (this template's), `MASTER_ADDR` is not the `--rdzv-endpoint`",
                  "`socket.getfqdn()`", "`RendezvousStoreInfo.build`", "`127.0.1.1`", "`--local-addr`",
-                 "the rendezvous succeeds and `init_process_group` then fails", "`NCCL_DEBUG=INFO`"):
+                 "the rendezvous succeeds and `init_process_group` then fails"):
         assert fact in checklist, fact
     assert "MASTER_ADDR=localhost" in printed(notebook_code_cell("lo = loopback_interface()"))  # "`localhost` here"
 
@@ -812,8 +825,30 @@ def test_max_restarts_and_the_restart_count_are_said_as_torchrun_documents_them(
     assert action.default == 0
     assert "``TORCHELASTIC_RESTART_COUNT`` - The number of worker group restarts so far." in run.__doc__
     text = markdown()
-    assert "By default (`--max-restarts 0`) the job ends there" in text
-    assert "`TORCHELASTIC_RESTART_COUNT`" in text.split("## Summary")[0]
+    # review 7 (07-2): restarts are an optional part's, after the summary (core time)
+    slurm = text.split("## On a Slurm cluster (optional, after the lesson)")[1].split("\n## ")[0]
+    assert "- When a rank fails: by default (`--max-restarts 0`) the job ends there" in slurm
+    assert "`TORCHELASTIC_RESTART_COUNT`" in slurm
+    assert "max-restarts" not in text.split("## Summary")[0]
+
+
+def test_review_7_question_1_s_way_to_reason_question_2_s_node_and_c10d_s_node_rank():
+    """Review 7: question 1 steered to "neither" (07-1): it now gives a way to reason (the
+    address a listener was given: where it binds, or where its clients connect?) without
+    the answer; question 2 says which node "node 1" is (07-3); that c10d ignores
+    --node-rank is said where the notebook chooses a rendezvous (07-4)."""
+    from torch.distributed.run import get_args_parser
+    action = next(a for a in get_args_parser()._actions if "--node-rank" in a.option_strings)
+    assert "only used for static rendezvous" in action.help.replace("\n", " ")
+    cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+    q1 = next(s for s in cells if s.startswith("**Question 1.**"))
+    assert "A way to reason: for each, is the host or interface it was given the address it binds " \
+           "to, or only where its clients connect?" in q1
+    step6 = next(s for s in cells if s.startswith("## Step 6: several nodes"))
+    assert "the rendezvous then hands out the node ranks itself, and ignores `--node-rank` " \
+           "(torchrun's help: \"only used for static rendezvous\")" in step6
+    assert "**node 1** (its `--node-rank` is 1: the second node)" in step6
+    assert sum("only used for static rendezvous" in s for s in cells) == 1
 
 
 def test_the_trusted_network_is_taught_in_the_core():

@@ -510,8 +510,26 @@ def test_the_late_parts_are_marked_optional_and_the_header_counts_them():
                         "## Saving a `ZeroRedundancyOptimizer`'s state (optional, after the lesson)",
                         "## On GPUs with NCCL (optional, after the lesson)",
                         "## Myth vs reality (optional, after the lesson)"], optional
-    assert headings.index(optional[0]) == headings.index("## Exercise: ZeRO-1 by whole parameters, as "
-                                                         "`ZeroRedundancyOptimizer` does it") + 1   # all after the exercise
+    exercise = headings.index("## Exercise: ZeRO-1 by whole parameters, as `ZeroRedundancyOptimizer` does it")
+    # review 7 (08-3): the summary follows the exercise, before the optional parts (was after them)
+    assert headings[exercise + 1] == "## Summary"
+    assert headings.index(optional[0]) == exercise + 2                                 # all after the summary
+    assert headings[-2:] == ["## Further reading", "## When you are done"]
+
+
+def test_the_core_says_what_nccl_s_reduce_scatter_sends_and_how_to_save_a_zero_optimizer():
+    """Review 7: the core said only what gloo's reduce_scatter does (08-2), and only an
+    optional part said that every rank must consolidate before rank 0 saves (08-4); the myth
+    part sent the reader to question 2 for the all_reduce inside gloo's reduce_scatter,
+    which question 1 shows (08-5)."""
+    after_q1 = cell_with("So on gloo a `reduce_scatter` costs an `all_reduce`")
+    assert "NCCL's sends the formula's `(n-1)/n · S`, half of gloo's" in after_q1
+    assert "compare them within a tolerance, not with `==`" in after_q1
+    summary = cell_with("## Summary")
+    assert "To save its state, **every** rank calls `consolidate_state_dict(to=0)`; only then does " \
+           "rank 0's `state_dict()` hold it all." in summary
+    myth = cell_with("## Myth vs reality")
+    assert "the all_reduce inside it (question 1)" in myth and "(question 2)" not in myth
 
 
 def test_fsdp2_moved_to_notebook_15_and_08_stays_one_study_unit():
@@ -532,6 +550,9 @@ def test_the_copies_in_the_package_equal_the_notebooks_cells(group, world_size):
     for name in ("storage_bytes", "zero_train"):
         assert getattr(NB, name).__module__ == "nb08_cells"
     assert NB.counting_collectives is helper.counting_collectives and NB.ring_bytes is helper.ring_bytes
+    # review 7 (08-1): the profiler plumbing of step 1 and question 1 is the package's too
+    assert NB.bytes_gloo_ran is helper.bytes_gloo_ran and NB.what_gloo_runs is helper.what_gloo_runs
+    assert "torch.profiler" not in "".join("".join(c["source"]) for c in CELLS)
     assert "setattr(dist" not in "".join("".join(c["source"]) for c in CELLS)
     group.resize(world_size)
     for stage in STAGES:

@@ -738,3 +738,20 @@ def test_questions_2_and_3_are_asked_before_the_code_that_answers_them_by_a_coun
         assert asked < first(f"answer_{q} = None") < first(defines) < first(reveal_call)
         between = "\n".join(src for src, _ in all_cells[:first(f"answer_{q} = None")])
         assert defines not in between
+
+
+def test_the_summary_says_what_tp_buys_and_what_it_costs():
+    """Review 7 (09-1): the core never said what tensor parallelism buys (1/tp of a split
+    layer's weights, gradients, optimizer state and matrix products) nor what it costs (an
+    all_reduce of the whole activation per block, forward and backward, every micro-batch,
+    which the next layer waits for), against data parallelism's once per step, overlapped.
+    The collectives per block are the ones step 2 counts on the ranks."""
+    summary = next(src for src, _ in cells() if src.startswith("## Summary"))
+    for fact in ("What `tp` buys: each rank keeps `1/tp` of a split layer's weights, gradients and "
+                 "optimizer state, and does `1/tp` of its matrix products.",
+                 "What it costs: an all_reduce of the whole activation per block, forward and backward, "
+                 "every micro-batch, which the next layer waits for.",
+                 "Data parallelism all-reduces the gradients once per step, overlapped with backward "
+                 "(notebook 16)", "(Narayanan et al. 2021)"):
+        assert fact in summary, fact
+    assert "Narayanan et al. (2021)" in next(src for src, _ in cells() if src.startswith("## Further reading"))

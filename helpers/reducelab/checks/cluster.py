@@ -50,28 +50,46 @@ ASKED_RANK = 13
 
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _PYTHON = re.compile(r"python[0-9.]*")
+_SEPARATORS = (";", "&&")
 
 
-def _launcher_args(argv: list[str]) -> tuple[dict, list[str], list[str] | None]:
-    """``(the leading VAR=value words as a dict, argv without them, torchrun's own
-    arguments)``; the last is ``None`` when the command does not start torchrun:
-    ``torchrun`` or an interpreter running ``-m torch.distributed.run``, by any path."""
-    env = {}
+def _launcher_args(argv: list[str]) -> tuple[dict, list[str], list[str] | None, dict]:
+    """``(the variables set for torchrun as a dict, argv without them, torchrun's own
+    arguments, the variables set for the shell only)``. Variables reach torchrun as
+    leading ``VAR=value`` words or from ``export VAR=value`` statements before it, ended by
+    ``;`` or ``&&`` (review 7, 07-5: ``export NCCL_SOCKET_IFNAME=eth1; torchrun ...`` was
+    refused); a statement ``VAR=value;`` without ``export`` sets a shell variable that
+    torchrun's processes do not inherit. The third is ``None`` when the command does not
+    start torchrun: ``torchrun`` or an interpreter running ``-m torch.distributed.run``, by
+    any path, after nothing but such statements."""
+    env, shell_only = {}, {}
+    while any(word in _SEPARATORS for word in argv):
+        end = next(i for i, word in enumerate(argv) if word in _SEPARATORS)
+        statement, argv = argv[:end], argv[end + 1:]
+        exported = statement[:1] == ["export"]
+        words = statement[1:] if exported else statement
+        if not words or not all(_ASSIGNMENT.match(word) for word in words):
+            return env, statement, None, shell_only   # something else runs before torchrun
+        for word in words:
+            name, _, value = word.partition("=")
+            (env if exported else shell_only)[name] = value
     while argv and _ASSIGNMENT.match(argv[0]):      # NCCL_SOCKET_IFNAME=eth1 torchrun ...
         name, _, value = argv[0].partition("=")
         env[name] = value
         argv = argv[1:]
     name = os.path.basename(argv[0]) if argv else ""
     if name == "torchrun":
-        return env, argv, argv[1:]
+        return env, argv, argv[1:], shell_only
     if _PYTHON.fullmatch(name) and argv[1:3] == ["-m", "torch.distributed.run"]:
-        return env, argv, argv[3:]
-    return env, argv, None
+        return env, argv, argv[3:], shell_only
+    return env, argv, None, shell_only
 
 
 def _split(command) -> list[str]:
     if isinstance(command, str):
-        return shlex.split(command)
+        lexer = shlex.shlex(command, posix=True, punctuation_chars=";&")   # `;` and `&&` apart
+        lexer.whitespace_split = True
+        return list(lexer)
     if isinstance(command, (list, tuple)) and all(isinstance(a, str) for a in command):
         return list(command)
     raise TypeError(f"give the command as a str or a list of str, got {type(command).__name__}")
@@ -93,7 +111,7 @@ def check_node_command(command, ranks=None, rank13=None) -> Verdict:
 
     A right command starts with ``torchrun`` (or an interpreter running ``-m
     torch.distributed.run``, by any path), after any ``VAR=value`` words that set its
-    environment; joins the static rendezvous (``--nnodes 3``, ``--master-addr 10.0.0.5``
+    environment or ``export VAR=value;`` (or ``&&``) statements; joins the static rendezvous (``--nnodes 3``, ``--master-addr 10.0.0.5``
     and ``--master-port 29400``, or ``--rdzv-backend static --rdzv-endpoint
     10.0.0.5:29400``, which takes their place); starts ``--nproc-per-node 8`` (or ``gpu`` or ``auto``, one
     process per visible GPU: 8 on these nodes), says ``--node-rank 2`` and
@@ -121,7 +139,7 @@ def check_node_command(command, ranks=None, rank13=None) -> Verdict:
     if command is None or command == "" or command == []:
         return failed(f"No command yet. The job: {JOB}. Write the whole torchrun command "
                       f"typed on node {NODE_RANK}, as one string.")
-    env, argv, own = _launcher_args(_split(command))
+    env, argv, own, shell_only = _launcher_args(_split(command))
     if own is None:
         return failed(f"The command starts with {' '.join(argv[:3])!r}; start it with "
                       f"`torchrun` (or `python -m torch.distributed.run`), the launcher that "
@@ -200,14 +218,14 @@ def check_node_command(command, ranks=None, rank13=None) -> Verdict:
     if args.training_script != SCRIPT:
         return failed(f"The script is {args.training_script!r}; every node runs the same "
                       f"training script, {SCRIPT}.")
-    verdict = _check_interface(env)
+    verdict = _check_interface(env, shell_only)
     if not verdict:
         return verdict
     verdict = _check_ranks(ranks)
     return _check_where(rank13) if verdict else verdict
 
 
-def _check_interface(env: dict) -> Verdict:
+def _check_interface(env: dict, shell_only: dict) -> Verdict:
     """Node 2's collectives go through NCCL over :data:`IFNAME`, named in the command's
     environment by ``NCCL_SOCKET_IFNAME``; NCCL reads a plain value as a prefix of the
     interface names and ``=name`` as the exact name (NCCL's docs, "NCCL_SOCKET_IFNAME")."""
@@ -218,6 +236,11 @@ def _check_interface(env: dict) -> Verdict:
         return failed(f"The options are right. GLOO_SOCKET_IFNAME pins gloo's sockets only, "
                       f"and this job's GPUs run their collectives through NCCL, which reads a "
                       f"variable of its own.")
+    if nccl is None and "NCCL_SOCKET_IFNAME" in shell_only:
+        return failed("The options are right, but NCCL_SOCKET_IFNAME is set for the shell only: "
+                      "without `export`, a variable set in a statement of its own is not in the "
+                      "environment of the programs the shell starts, so torchrun's ranks, and "
+                      "NCCL in them, never see it.")
     if nccl is None:
         return failed(f"The options are right, but nothing names the network interface. "
                       f"Where it is not told, NCCL picks one itself, and on node {NODE_RANK} "

@@ -17,6 +17,8 @@ Everything here runs in the kernel and on the ranks alike (it needs only ``torch
   ``tests/test_nb08_sharded.py`` holds the two versions equal bit for bit);
 * :func:`placed` and :func:`placed_dtensors`: what a rank holds, placed in the flat
   vector (NaN elsewhere), for the explorer's figure;
+* :func:`bytes_gloo_ran` and :func:`what_gloo_runs`: what torch's profiler records of
+  the collective gloo runs (notebook 08's step 1 and question 1 import them);
 * :func:`ring_bytes`, :func:`counting_collectives`, :func:`storage_bytes` and
   :func:`zero_train`: the byte counting and the hand-written DDP and ZeRO stages 1 to 3
   of notebook 08's steps 1 and 2, where the learner reads them. Notebook 15 (FSDP2)
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -254,6 +257,35 @@ def counting_collectives():
     finally:
         for attr, call in originals.items():
             setattr(dist, attr, call)
+
+
+def bytes_gloo_ran(call) -> float:
+    """On a rank: :func:`ring_bytes` of the collective gloo itself runs inside ``call()``,
+    as torch's profiler records it (its event ``gloo:<collective>`` and that event's input
+    shape; an all_gather's input is one rank's piece, so the whole tensor is ``n`` times
+    it). gloo's ``reduce_scatter`` records ``gloo:all_reduce`` on the whole input. Bytes.
+    (Notebook 08, step 1's last column.)"""
+    os.environ["KINETO_LOG_LEVEL"] = "99"                 # the profiler's own start/stop log lines: off
+    with torch.profiler.profile(record_shapes=True) as prof:
+        call()
+    (event,) = [e for e in prof.events() if e.name.startswith("gloo:")]
+    name, n = event.name.removeprefix("gloo:"), dist.get_world_size()
+    numel = math.prod(event.input_shapes[0]) * (n if name == "all_gather" else 1)   # the whole tensor
+    return ring_bytes(name, torch.empty(numel), n)
+
+
+def what_gloo_runs(numel: int) -> list[tuple[str, list]]:
+    """On a rank: the calls inside one ``dist.reduce_scatter_single`` of ``numel`` float32
+    elements, as torch's profiler records them: ``(event name, non-empty input shapes)``
+    for the top-level events and the children of ``c10d::_reduce_scatter_base_``.
+    (Notebook 08, question 1's evidence: on gloo, a clone, one all_reduce of the whole
+    input, a chunk and a copy.)"""
+    os.environ["KINETO_LOG_LEVEL"] = "99"                 # the profiler's own start/stop log lines: off
+    shard, grad = torch.empty(numel // dist.get_world_size()), torch.randn(numel)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        dist.reduce_scatter_single(shard, grad)
+    return [(e.name, [s for s in e.input_shapes if s]) for e in prof.events()
+            if e.cpu_parent is None or e.cpu_parent.name == "c10d::_reduce_scatter_base_"]
 
 
 def storage_bytes(*tensors) -> int:
