@@ -745,7 +745,7 @@ def exact_repeats_in_the_count(losses, indices, dataset_size):   # repeats left 
 @pytest.mark.parametrize("fn, words", [
     (exact_own_mean, ["Each rank returned the mean of its own share only",
                       "your function called none"]),
-    (exact_repeats_in_the_count, ["With 7 samples on 2 ranks", "1 of the indices the ranks hold are repeats"]),
+    (exact_repeats_in_the_count, ["With 7 samples on 2 ranks", "1 of the indices the ranks hold is a repeat. Step 3 showed where the sampler puts repeats"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_check_exact_mean_loss_names_each_mistake(group, fn, words):
     assert_names(check_exact_mean_loss(group, fn), *words)

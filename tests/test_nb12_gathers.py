@@ -148,6 +148,11 @@ def test_slots_sized_like_the_own_tensor_abort_rank_0(group, tmp_path, world_siz
         # gets half of the last rank's piece), makes the answer one, not two defensible ones
         assert ("gloo's `all_gather` is a ring (notebook 06): each rank receives from rank "
                 "`(rank - 1) % world_size`.") in question
+        # review 7 (12-1): 11's core shows a hang, not an abort, so the question states gloo's
+        # rule itself, which the check in the message above ("length <= op.nbytes") re-derives
+        assert ("gloo's receiving side (`transport/tcp/pair.cc`) accepts fewer bytes than a slot "
+                "holds, but aborts its process when more arrive.") in question
+        assert "Notebook 11 showed" not in question
         assert "The real run gives [0]." in html.unescape(stored_text("def all_gather_own_size(log_dir):"))
         assert "half of its own 4 bytes, 2, and rank 2 sent half of its 12 bytes, 6" in why
         assert "6 vs 2" in stored_text("def all_gather_own_size(log_dir):")
@@ -515,6 +520,13 @@ def gather_and_dedupe(losses, indices, dataset_size):     # another right answer
     return sum(unique.values()) / len(unique)
 
 
+def deduped_on_own_rank(losses, indices, dataset_size):   # review 7 (12-4)
+    own = dict(zip(indices, losses.tolist()))
+    t = torch.tensor([sum(own.values()), float(len(own))], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t[0] / t[1]
+
+
 def many_numbers(losses, indices, dataset_size):
     return losses
 
@@ -567,6 +579,8 @@ def test_a_collective_the_function_did_call_is_never_reported_as_none(group):
     (sum_with_repeats, "the sampler's 1 repeat(s) are counted twice"),
     (right_count_wrong_sum, "The count is right, but the sum still holds the 1 repeated sample(s)"),
     (drop_last_everywhere, "That leaves out the last index of every rank, 2 samples, but only 1 of them is padding"),
+    (deduped_on_own_rank, "Removing repeats within one rank's indices finds none: the sampler "
+                          "puts each repeat on another rank than its first copy."),
     (many_numbers, "expected one number"),
     (crashes, "your function raised on the ranks"),
 ])
@@ -851,3 +865,31 @@ def test_the_core_leaves_question_4_and_the_bound_table_for_after_the_lesson():
     assert "at most 1 % up to 5 ranks, 2.3 % on 8" in cells[table - 1]
     assert "go missing" not in cells[summary] and "never seen" not in "".join(cells[:q4])
     assert "at most `p / (N + p)` of the metric's range" in "".join(cells[:summary])
+
+
+def test_the_optional_profiler_block_points_to_a_heading_in_the_core():
+    """Review 7 (12-2): the optional block on what all_gather_object runs sits inside step 2
+    and sends the learner on to "When each fits", which was a bold line: it is a ### heading,
+    in the core, right after the block."""
+    cells = ["".join(c["source"]) for c in CELLS]
+    block = next(i for i, s in enumerate(cells) if s.startswith("*Optional, after the lesson.*"))
+    assert 'In class, go on to "When each fits" below.' in cells[block]
+    fits = next(i for i, s in enumerate(cells) if "When each fits" in s and i != block)
+    assert block < fits and cells[fits].startswith("### When each fits\n")
+    from test_notebooks import parts
+    assert parts(NOTEBOOK)[fits] is None
+
+
+def test_a_repeat_never_shares_a_rank_with_its_first_copy_and_the_fallback_counts_in_the_singular():
+    """Review 7 (12-4): the message for a padded mean says a rank's own dedupe finds no
+    repeat. Position j + k * dataset_size holds position j's sample, and it falls on j's rank
+    only when k * dataset_size is a multiple of the world size, which never happens in a
+    padded list; the fallback says "1 ... is a repeat", not "are repeats"."""
+    for world_size in range(2, 9):
+        for dataset_size in range(1, 30):
+            for epoch in range(3):
+                shares = sampler_layout(dataset_size, world_size, True, epoch)["indices"]
+                assert all(len(set(s)) == len(s) for s in shares), (world_size, dataset_size, epoch)
+    from reducelab.checks.gathers import _diagnose
+    message = _diagnose(2, 7, 3, [0.5, 0.5], exercise_losses(7).mean().item(), [1, 1])
+    assert "1 of the indices the ranks hold is a repeat." in message, message

@@ -362,6 +362,18 @@ def test_question_3_does_not_say_what_ddp_promises():
     question = source_with("**Question 3.**", "markdown")
     assert "do the 4 ranks hold the same gradient? Answer `True` or `False`." in question
     assert "promise" not in question
+    # review 7 (13-2): the question needs the one bucket, which step 3's intro now states and
+    # WHY["13"][3] says again: Net's parameters, all of them, fit DDP's first bucket (1 MiB)
+    assert "in this small model every parameter shares one bucket." in source_with("## Step 3:", "markdown")
+    import torch.distributed as dist
+    size = sum(p.numel() * p.element_size() for p in NB.Net().parameters())
+    assert size < dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024, size
+
+
+def test_the_summary_says_static_graph_s_lower_cost_is_shown_in_an_optional_part():
+    """Review 7 (13-4): the cost of the two options is measured only in an optional part."""
+    summary = source_with("## Summary", "markdown")
+    assert "fixes a set that is the same in every step, at less cost (optional part)." in summary
 
 
 def test_own_batchnorm_statistics_miss_by_several_percent(group):
@@ -946,11 +958,13 @@ def _broadcasts_per_call():
     return out
 
 
-def test_the_rebuild_rule_is_in_question_4s_reveal_not_above_it():
+def test_the_rebuild_rule_is_in_step_3_far_above_question_4():
     """A fifth review (13-1) had the rule that decides question 4 (the bucket rebuild runs in
     the forward, and only with gradients enabled) stated above the question; a sixth
-    (13-1) found that sentence, right above it, answers it. It is gone from above the
-    question; the reveal (WHY["13"][4]) says it. The run here holds it: the rebuild's two
+    (13-1) found that sentence, right above it, answers it; a seventh (13-1) found question
+    4 a guess without it. The rule is stated in step 3, where the buckets are introduced,
+    two steps above question 4: the learner must see that rank 0's evaluation is that first
+    forward. The reveal (WHY["13"][4]) says it. The run here holds it: the rebuild's two
     broadcasts come in the first forward with gradients after the first backward, not in
     the backward, and a torch.no_grad() forward puts them off."""
     import inspect
@@ -967,6 +981,12 @@ def test_the_rebuild_rule_is_in_question_4s_reveal_not_above_it():
         assert "It hangs, buffers or not" not in text and "a collective only rank 0 runs" not in text
     assert "with gradients enabled it rebuilds the gradient buckets" in WHY["13"][4]
     assert "Under torch.no_grad() that forward rebuilds nothing" in WHY["13"][4]
+    step_3 = next(i for i, c in enumerate(CELLS) if "".join(c["source"]).startswith("## Step 3:"))
+    step_5 = next(i for i, c in enumerate(CELLS) if "".join(c["source"]).startswith("## Step 5:"))
+    assert step_3 < step_5 < q4
+    assert ("DDP builds its buckets when you wrap the model; with its defaults, the first forward "
+            "with gradients enabled after the first `backward()` rebuilds them in the order the "
+            "gradients arrived, and broadcasts rank 0's order to every rank.") in "".join(CELLS[step_3]["source"])
 
 
 def test_step_4_s_wording_and_the_hang_s_line():

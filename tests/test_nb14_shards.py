@@ -146,12 +146,12 @@ def test_clip_grad_norm_reduces_through_norm_partial_and_returns_replicate(group
     for o in out:
         assert str(o["one_norm"][0]) == "(_NormPartial(2),)" and o["one_norm"][1] < whole / 2
         assert str(o["total_norm"][0]) == "(Replicate(),)"
-        assert abs(o["total_norm"][1] - whole) <= ATOL                # question 2: True
-        assert o["collectives"] == {"c10d_functional.all_reduce": 1}
+        assert abs(o["total_norm"][1] - whole) <= ATOL
+        assert o["collectives"] == {"c10d_functional.all_reduce": 1}   # question 2: 1 (review 7, 14-1)
         expected = reference_run(X, y, 1)["grads"][0] * (0.1 / (whole + 1e-6))
         assert (o["clipped"] - expected).abs().max() <= ATOL
         assert abs(o["clipped"].norm().item() - 0.1) < 1e-4
-    assert "The real run gives True." in stored_folded("actual_2 = ")
+    assert "The real run gives 1." in stored_folded("actual_2 = ")
     assert stored_text("expected = one_process * min(").count("norm after clipping 0.1000; max |clipped") == 4
 
 
@@ -337,6 +337,12 @@ def averaged(model, mesh):
     return s.sqrt().item()
 
 
+def every_rank_over_tp(model, mesh):        # review 7 (14-4): undoes the copies' double count on all
+    s = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(s)
+    return (s / mesh["tp"].size()).sqrt().item()
+
+
 def gathered(model, mesh):
     return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]).norm().item()
 
@@ -381,6 +387,8 @@ def test_the_solution_passes_and_the_stub_fails(group):
     (mesh_only, "The gradients of model[2] (2.weight, 2.bias) live on the dp mesh only"),
     (replicate_as_piece, "0.bias is Replicate() over tp"),
     (averaged, "It looks like an average over 4 ranks"),
+    (every_rank_over_tp, "Dividing the sum over every rank by tp = 2 halves the pieces as well as the "
+                         "copies: only the copies were counted twice."),
     (gathered, "The value is right, but your function called full_tensor()"),
     (gathered_single, "The value is right, but your function called dist.all_gather_single"),
     (torchs_own, "torch's own clip_grad_norm_ (or get_total_norm) failing on this model"),
@@ -807,8 +815,14 @@ def test_question_2_is_asked_after_the_pending_norm_of_one_gradient(group):
     stored = stored_text("def one_gradient_norm(X, y):")
     assert "placements (_NormPartial(2),)" in stored
     asked = "".join(CELLS[q2 - 1]["source"])
-    assert "Is `total_norm.to_local()` on rank 0, the number it holds, the norm of the whole gradient? " \
-        "Answer `True` or `False`." in asked and "as #170862" not in asked
+    # review 7 (14-1): "is total_norm.to_local() the whole norm?" had two defensible answers
+    # (older releases returned it pending, #126457); the count of collectives has one, which
+    # the rule above it (pending through torch.stack, completed before the norm of norms) gives
+    assert ("`CommDebugMode` counts the collectives DTensor runs inside that call: how many on "
+            "each rank? Pick one of 0, 1 and 4.") in asked and "as #170862" not in asked
+    assert "on the model's 4 gradients, each a DTensor" in asked
+    assert [entry[0] for entry in LAYOUT] == ["0.weight", "0.bias", "2.weight", "2.bias"]   # 4 gradients
+    assert "not one per gradient" in WHY["14"][2] and "torch.stack of the 4 pending norms" in WHY["14"][2]
 
 
 def test_the_collectives_every_rank_must_call_are_named_where_rank_0_saves():

@@ -228,8 +228,10 @@ def _diagnose(world_size, dataset_size, epoch, values, want, calls) -> str:
     v = values[0]
     if close(v, wrong["padded mean"]):
         return (f"{head} That is the mean over all {dataset_size + p} indices the ranks hold: "
-                f"the sampler's {p} repeat(s) are counted twice. Find which of a rank's "
-                f"indices are padding, and leave them out of both the sum and the count.")
+                f"the sampler's {p} repeat(s) are counted twice. Removing repeats within "
+                f"one rank's indices finds none: the sampler puts each repeat on another "
+                f"rank than its first copy. Find which of a rank's indices are padding, and "
+                f"leave them out of both the sum and the count.")
     if close(v, wrong["padded sum / dataset_size"]):
         return (f"{head} The count is right, but the sum still holds the {p} repeated "
                 f"sample(s): leave the padding out of the sum too.")
@@ -242,8 +244,9 @@ def _diagnose(world_size, dataset_size, epoch, values, want, calls) -> str:
         return (f"{head} Here nothing is padded ({dataset_size} divides by {world_size}), so "
                 f"every index the ranks hold is a sample counted once: your function removes "
                 f"something it should keep.")
-    return (f"{head} {p} of the indices the ranks hold are repeats. Step 3 showed where "
-            f"the sampler puts them in each rank's share; with shuffle=True they are other "
+    return (f"{head} {p} of the indices the ranks hold "
+            f"{'is a repeat' if p == 1 else 'are repeats'}. Step 3 showed where "
+            f"the sampler puts repeats in each rank's share; with shuffle=True they are other "
             f"samples each epoch, in the same places.")
 
 

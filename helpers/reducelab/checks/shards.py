@@ -351,9 +351,12 @@ def check_global_grad_norm(group: LocalGroup, global_grad_norm) -> Verdict:
     for way in ("every rank", "dp only", "tp only", "right"):
         for n in (2, 4):
             if each_rank_gave(way, lambda x: math.sqrt(x / n)) or each_rank_gave(way, lambda x: x / n):
+                by_tp = (" Dividing the sum over every rank by tp = 2 halves the pieces as well "
+                         "as the copies: only the copies were counted twice."
+                         if way == "every rank" and n == 2 else "")
                 return failed(f"{head} It looks like an average over {n} ranks (ReduceOp.AVG, or a "
                               f"division by the group's size): a norm adds the squares of the "
-                              f"pieces, it does not average them.")
+                              f"pieces, it does not average them.{by_tp}")
     if not same:
         return failed(f"{head} Every rank must clip with the same factor, max_norm / norm, or the "
                       f"copies of a parameter drift apart: the norm needs sums over ranks, which "
