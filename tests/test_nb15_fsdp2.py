@@ -978,3 +978,22 @@ def test_the_cp_sync_names_torchtitans_flattened_fsdp_mesh():
     assert ("torchtitan instead runs `fully_shard` over dp and cp flattened, `dp_shard_cp` "
             "(`torchtitan/distributed/parallel_dims.py`), leaving no manual sync.") in text
     assert "pytorch/torchtitan#1132" in text
+
+
+def test_step_2_names_the_papers_stage_3_and_how_bytes_are_counted():
+    """Review 7 (15-2): step 2's heading said FSDP2's step was "our ZeRO-3", beside bytes of
+    22,284 against our 14,472: FSDP2 is the ZeRO paper's stage 3, which gathers twice per step,
+    and notebook 08's gathered once (its table says so). 15-5: the bytes are ring-formula
+    bytes, and gloo's reduce_scatter runs an all_reduce (notebook 08)."""
+    text = " ".join(markdown().split())
+    assert "is our ZeRO-3" not in text and "step is notebook 08's ZeRO-3" not in text
+    assert ("## Step 2: FSDP2's step is the paper's ZeRO-3 FSDP2 is the ZeRO paper's stage 3, which gathers "
+            "twice per step; notebook 08's gathered once.") in text
+    assert "- FSDP2's step is the ZeRO paper's stage 3." in text
+    nb08 = next(pathlib.Path(__file__).resolve().parents[1].joinpath("notebooks").glob("08_*.ipynb")).read_text()
+    assert "ZeRO-3 (ours: gathers once; the paper's gathers twice)" in nb08
+    assert "So on gloo a `reduce_scatter` costs an `all_reduce`" in nb08
+    assert ("Bytes follow the ring formulas, as in notebook 08 (gloo's reduce_scatter runs an all_reduce).") in text
+    import inspect
+    from reducelab.checks import sharded
+    assert "ring_bytes(name" in inspect.getsource(sharded.counting_collectives)
