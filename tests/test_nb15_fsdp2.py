@@ -1005,3 +1005,15 @@ def test_step_2_names_the_papers_stage_3_and_how_bytes_are_counted():
     import inspect
     from reducelab.checks import sharded
     assert "ring_bytes(name" in inspect.getsource(sharded.counting_collectives)
+
+
+def test_question_3_is_asked_without_a_lean():
+    """Review 7 (15-3): "What happens when you add a sync of your own?" and "does every
+    gradient *still* equal" signalled False before the learner reasoned; the question now
+    states the setting and asks, beside the claim's own argument for True (FSDP2 already
+    averaged over its mesh)."""
+    q3 = " ".join(next(s for s in (("".join(c["source"])) for c in json.loads(NOTEBOOK.read_text())["cells"])
+                       if "**Question 3.**" in s).split())
+    assert "add a sync of your own" not in q3 and "still equal" not in q3
+    assert "Does every gradient equal one process's (within `ATOL` = 1e-6)?" in q3
+    assert "FSDP2 does average the gradient over its mesh" in q3
