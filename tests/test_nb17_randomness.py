@@ -755,3 +755,21 @@ def test_the_summary_recipe_combines_one_seed_for_the_model_and_per_rank_seeds_a
         assert all(torch.equal(whole, one) for whole, _, _ in out)
         assert all(torch.equal(shard, one.chunk(4)[r]) for r, (_, shard, _) in enumerate(out))
         assert len({tuple(m.tolist()) for _, _, m in out}) == 4
+
+
+def test_the_summary_says_random_control_flow_must_match_and_what_sequence_parallelism_changes():
+    """Review 7 (17-1, HIGH): nothing said that a random choice of which layers run (LayerDrop,
+    stochastic depth) must match on every rank, or ranks run different collectives: DDP waits
+    for a gradient that never comes (notebook 13's error), FSDP2 and tensor parallel hang
+    (notebook 11). 17-3: with sequence parallelism the outputs of the row-parallel layers are
+    token shards, and Megatron-LM's TransformerBlock forks its tp RNG tracker for the layer."""
+    summary = " ".join(markdown().split("## Summary")[1].split("## Further reading")[0].split())
+    assert ("A random choice of which layers run (LayerDrop, stochastic depth) must match on every rank: a "
+            "layer one rank skips leaves DDP waiting for its gradient (\"Expected to have finished reduction "
+            "in the prior iteration\", notebook 13); under FSDP2 or tensor parallel, the ranks call different "
+            "collectives and hang (notebook 11).") in summary
+    assert "Sequence parallelism (notebook 18) makes the outputs of the row-parallel layers token shards" in summary
+    assert "tensor-parallel random-number tracker" in summary
+    # the quoted error is the one notebook 13 stores from the installed torch
+    nb13 = next((ROOT / "notebooks").glob("13_*.ipynb")).read_text()
+    assert "Expected to have finished reduction in the prior iteration" in nb13

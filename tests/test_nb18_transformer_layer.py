@@ -814,3 +814,21 @@ def test_the_core_says_why_cp_is_averaged_and_points_to_torchs_own():
     assert 'fully_shard(model, mesh=mesh["dp"])' in source_with("def fsdp_over_dp")
     assert "SequenceParallel()" in "\n".join(cells_[cells_.index(next(s for s in cells_ if s.startswith(
         "## Step 2: torch's own"))):])
+
+
+def test_review_7_intro_rule_bullets_and_flat_buffer():
+    """Review 7: the question paragraph promised parallelize_module, now optional (18-3);
+    the 200-word paragraph on sum against mean is two bullets, one per rule (18-4); and the
+    one-flat-buffer rule is met where step 1's loop all-reduces one gradient at a time (18-5)."""
+    intro = " ".join(cells()[0][0].split())
+    assert "by hand; torch's `parallelize_module` does the same in an optional part." in intro
+    assert "by hand and with torch's `parallelize_module`" not in intro
+    rule = next(s for s, _ in cells() if s.startswith("This is notebook 05's rule seen from the other side"))
+    bullets = [line for line in rule.splitlines() if line.startswith("- ")]
+    assert [b.split("**")[1] for b in bullets] == ["A sum over `tp`.", "A mean over `dp` and `cp`."]
+    assert all(len(b.split()) < 80 for b in bullets)
+    step_1 = " ".join(next(s for s, _ in cells() if s.startswith("So one more `all_reduce` over `tp`")).split())
+    assert ("The cell makes one `all_reduce` per gradient, to be read; a real run packs them into one flat "
+            "buffer for one call (the exercise):") in step_1
+    loop = next(s for s, c in cells() if c["cell_type"] == "code" and "def sp_step" in s)
+    assert "for name in SEQUENCE_PARALLEL:" in loop and "dist.all_reduce(grads[name])" in loop   # one per gradient
