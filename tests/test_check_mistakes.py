@@ -13,7 +13,7 @@ test_each_usual_mistake_gets_its_explanation, in tests/test_nbNN_*.py:
 - 01 check_spread_over_ranks: test_nb01_all_reduce "likely". Here: an all_gather (fix);
   a reduce then a broadcast, which gathers nothing.
 - 02 check_reduce_to_owners: test_nb02_reduce "likely". Here: every chunk reduced to
-  rank 0, then sent on (fix); one reduce per element.
+  rank 0, then sent on (fix); one reduce per element; each rank's own chunk first.
 - 03 check_backward_and_log: here, the whole table (test_nb03_loss: the stub, the
   solution and the other right answers, a rank that skips backward() or runs its forward
   in no_sync() stopped at once, and what the count leaves out).
@@ -167,7 +167,22 @@ def owners_element_by_element(x):        # the right sums, one reduce per elemen
     return x.tensor_split(n)[rank].clone()
 
 
+def owners_own_chunk_first(x):          # each rank reduces its own chunk first (review 7, 02-3)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for i in range(n):
+        c = (rank + i) % n
+        chunk = x[c * k:(c + 1) * k].clone()
+        dist.reduce(chunk, dst=c)
+        if c == rank:
+            mine = chunk
+    return mine
+
+
 @pytest.mark.parametrize("fn, words", [
+    (owners_own_chunk_first, ["At call 1 of dist.reduce (line",
+                              "defines owners_own_chunk_first), the ranks passed dst 0 (rank 0), 1 (rank 1)",
+                              "Collectives pair up in call order", "the same dst"]),
     (owners_sent_from_rank_0, ["your function called dist.recv",
                                "from dist.reduce alone, one reduce per chunk"]),
     (owners_element_by_element, ["passed a tensor of 1 element to dist.reduce",

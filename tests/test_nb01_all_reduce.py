@@ -759,3 +759,26 @@ def test_the_optional_claims_follow_the_summary_and_no_core_cell_needs_them():
     optional = lambda i: start <= i < reading
     only_there = set().union(*(b for i, b, _ in code if optional(i))) - set().union(*(b for i, b, _ in code if not optional(i)))
     assert not [(i, loaded & only_there) for i, _, loaded in code if not optional(i) and loaded & only_there]
+
+
+def test_review_7_question_2_has_a_reasoning_handle_and_the_wording_holds():
+    """Review 7 (01-1): question 2 (what x holds after AVG's caught refusal) was only
+    guessable. Step 3 says, before it, how torch builds gloo's AVG (a SUM, then a true
+    division), and leaves to the learner which part refuses int64 and what x then holds;
+    the spoiler test above still holds. (01-3) Step 1 no longer says "nothing was broadcast",
+    which reads wrong next to MPI's all_reduce = reduce + broadcast. (01-4) Two of the
+    explorer's five tries are marked optional. (01-2) The factor hides under Adam."""
+    text = notebook_cells()
+    at = next(i for i, c in enumerate(text) if c.startswith("answer_2 = None"))
+    above = "\n".join(text[:at])
+    assert ("gloo has no `AVG` of its own: torch runs it as a `SUM` over the ranks, then a true "
+            "division by `world_size` (pytorch/pytorch#149781).") in above.split("**Question 2.**")[0]
+    assert "written into x" not in above and "10" not in above.split("## Step 3")[1]
+    assert why_01(2).startswith("gloo's AVG is a SUM followed by a true division by world_size.")
+    step_1 = next(c for c in text if c.startswith("Every rank ends with **10 = 1 + 2 + 3 + 4**"))
+    assert "broadcast" not in step_1
+    assert "No rank's value was copied to the others" in step_1 and "every rank receives the reduction" in step_1
+    try_line = next(l for c in text for l in c.splitlines() if l.startswith("Try, and notice:"))
+    assert "; if you have time, `AVG` on `int64` (refused) and `PRODUCT` with 8 ranks" in try_line
+    reality = next(c for c in text if c.startswith("Reality: the summed gradient is `world_size` times"))
+    assert "Adam and AdamW, which divide by the gradient's running scale, nearly hide the factor; clipping at a fixed norm does not." in reality

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import conftest
-from reducelab.checks import reveal
+from reducelab.checks import reveal, why
 from reducelab.plots import message_png
 from reducelab.checks.reduce import check_reduce_to_owners, exercise_input, expected_sums
 from reducelab.plots.reduce import (FULL, PARTIAL, STATUS_HATCHES, UNCHANGED, ReduceGrid,
@@ -1000,3 +1000,48 @@ def test_the_table_s_3_and_4_rank_rows_are_accounted_for_and_no_dunder_import():
     shown = "".join("".join(o.get("text", "")) for o in cells[i]["outputs"])
     assert re.search(r"\b576 rank tensors compared with the replay; 0 differ", shown), shown
     assert not any("__import__" in t for t in text)
+
+
+def test_review_7_reading_names_what_the_3_and_4_rank_rows_show():
+    """Review 7 (02-5): the reading says what to notice in the 3- and 4-rank rows; each
+    claim is re-derived from the stored table (dst=0): every rank but the last changes
+    elements at every size, the last keeps its input at n = 1 and 2, and at n = 32 every
+    rank changes most of its tensor (24 of 32 on 4 ranks). (02-1) The reading stays short."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    reading = next(t for t in text if t.startswith("**Reading the table.**"))
+    assert ("every rank but the last changes elements at every size; the last rank keeps its "
+            "input at `n` = 1 and 2; at `n` = 32 every rank changes most of its tensor "
+            "(24 of 32 on 4 ranks)") in reading
+    assert len(reading.split()) < 330
+    i = next(i for i, t in enumerate(text) if t.startswith("table_sizes = "))
+    shown = "".join("".join(o.get("text", "")) for o in cells[i]["outputs"])
+    sizes = [int(s) for s in re.findall(r"n=(\d+)", shown.splitlines()[0])]
+    for ws in (3, 4):
+        row = next(l for l in shown.splitlines() if re.match(rf"\s*{ws} \|", l))
+        counts = [[int(v) for v in c.split(",")] for c in row.split("|")[1].split()]
+        for n, per_rank in zip(sizes, counts):
+            assert all(v > 0 for v in per_rank[:-1]), (ws, n)
+            assert (per_rank[-1] == 0) == (n <= 2), (ws, n)
+            if n == 32:
+                assert all(v > 16 for v in per_rank), (ws, per_rank)
+                assert ws != 4 or per_rank == [24, 24, 24]
+
+
+def test_review_7_question_3_has_its_reasoning_handle_and_step_2_its_stake():
+    """Review 7 (02-2): question 3's option C hinged on gloo's TCP rule, stated only in the
+    reveal. Step 7 states, before the question, when a send reads x and when it goes out
+    (Pair::send), which lets a learner derive both runs; the existing spoiler test keeps
+    the reveal's words ("pending receive") out. (02-4) Step 2 says why partial sums matter
+    (ReduceLROnPlateau), before question 1."""
+    cells = notebook_cells()
+    q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
+    step_7 = cells[q3 - 1]
+    assert "a send reads `x` when it goes out" in step_7
+    assert "goes out only once the receiver has posted its matching receive" in step_7
+    assert "`Pair::send` in `gloo/transport/tcp/pair.cc`" in step_7
+    assert "Pair::send" in why("02", 3)
+    q1 = next(i for i, c in enumerate(cells) if c.startswith("answer_1 = None"))
+    step_2 = next(c for c in cells[:q1] if c.startswith("`dst` holds the full sum"))
+    assert "Why it matters" in step_2 and "`ReduceLROnPlateau`" in step_2
+    assert "learning rates drift apart" in step_2

@@ -1049,3 +1049,27 @@ def test_logging_the_loss_says_its_cost_and_zero_grad_s_evidence_is_kept():
     summary = next(i for i, t in enumerate(text) if t.startswith("## Summary"))
     assert part[j] is not None and j > summary
     assert "equal: True" in "".join("".join(o.get("text", "")) for o in cells[j][1]["outputs"])
+
+
+def test_review_7_question_3_states_that_all_reduce_has_no_backward_and_step_1_s_examples_hold():
+    """Review 7 (03-1): question 3 had two defensible answers (nothing said that
+    dist.all_reduce has no autograd formula; the optional differentiable one behaves
+    otherwise). The question's cell states it, as torch's warning in the stored evidence
+    says it (c10d::allreduce_ has no autograd kernel); the spoiler test above still holds.
+    (03-2) Step 1's examples of unequal batch sizes no longer include one whose sizes are
+    equal: DistributedSampler(drop_last=False) is named as the case that is not. (03-4) Step
+    4's rule for the micro-batch division points to the token count and its optional part."""
+    cells = notebook_cells()
+    q = next(i for i, (s, _) in enumerate(cells) if s.startswith("answer_3 = None"))
+    asked = cells[q - 1][0]
+    assert ("`dist.all_reduce` has no backward formula: torch registers no autograd kernel for "
+            "`c10d::allreduce_`, and nothing is exchanged between the ranks in `backward()`.") in asked
+    shown = "".join("".join(o["data"].get("text/html", "")) for o in cells[q + 1][1]["outputs"]
+                    if "data" in o)
+    assert "c10d::allreduce_" in shown and "autograd kernel was not registered" in shown
+    text = next(s for s, _ in cells if s.startswith("Local batch sizes differ more often"))
+    assert "the last batch of an epoch (" not in text
+    assert "(Not the last batch of an epoch: `DistributedSampler(drop_last=False)` evens" in text
+    rule = next(s for s, _ in cells if s.startswith('`"/ micro_batches"` and'))
+    assert "with token-level losses the global token count: optional part on tokens" in rule
+    assert any(s.startswith("## Token-level losses: count tokens, not samples (optional") for s, _ in cells)

@@ -1067,10 +1067,33 @@ def test_the_gap_panel_says_where_an_exact_zero_is_drawn(drawn):
 
 def test_the_summary_says_when_ddp_follows_one_process_step_for_step():
     """Review 6 (04-4): "step for step" holds up to rounding and only without
-    batch-dependent layers; the summary says so and points to BatchNorm's notebook."""
+    batch-dependent layers; the summary says so and points to BatchNorm's notebook.
+    Review 7 (04-5): nor with dropout, whose notebook is 17."""
     summary = next(c for c in notebook_cells() if c.startswith("## Summary"))
     line = next(l for l in summary.splitlines() if "step for step" in l)
     assert line.endswith("step for step, up to rounding, for a model without batch-dependent "
-                         "layers (BatchNorm: notebook 13).")
+                         "layers (BatchNorm: notebook 13) or dropout (notebook 17: each rank draws "
+                         "masks for its own samples, not the masks one process draws).")
     nb13 = NOTEBOOK.parent / "13_what_ddp_expects_of_a_model.ipynb"
     assert "BatchNorm" in nb13.read_text()
+    nb17 = NOTEBOOK.parent / "17_randomness_across_ranks.ipynb"
+    assert "dropout" in nb17.read_text().lower()
+
+
+def test_review_7_question_3_quotes_no_sync_s_docstring_and_the_summary_names_dropout():
+    """Review 7 (04-2): question 3 (only backward inside no_sync) needed a source fact. Step 5
+    quotes no_sync's docstring, read here from the installed torch, without its "or else"
+    clause, which would give the answer. (04-5) Step for step also needs no dropout. (04-4)
+    The exercise says why a rank would compute only its part of the penalty."""
+    from torch.nn.parallel import DistributedDataParallel
+    doc = " ".join(DistributedDataParallel.no_sync.__doc__.split())
+    assert "The forward pass should be included inside the context manager, or else gradients will still be synchronized." in doc
+    cells = notebook_cells()
+    q3 = next(i for i, c in enumerate(cells) if c.startswith("answer_3 = None"))
+    asked = cells[q3 - 1]
+    assert 'its docstring warns: "The forward pass should be included inside the context manager"' in asked
+    assert "still be synchronized" not in "\n".join(cells[:q3 + 1])
+    summary = next(c for c in cells if c.startswith("## Summary"))
+    assert "or dropout (notebook 17: each rank draws masks for its own samples" in summary
+    exercise = next(c for c in cells if "## Exercise: a penalty every rank computes whole" in c)
+    assert "a shard of the weight, as under FSDP or tensor parallelism, computes the term of its part" in exercise

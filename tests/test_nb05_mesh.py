@@ -962,11 +962,25 @@ def test_bfloat16_is_described_with_7_stored_mantissa_bits():
     assert math.log2(1 / torch.finfo(torch.bfloat16).eps) == 7
 
 
-def test_question_3_shows_every_rank_and_its_why_does_not_double_the_gradients():
+def test_question_3_shows_every_rank_and_its_why_does_not_double_the_gradients(group):
+    """Review 7 (05-4): "does the page's branch run?" was given away by the signature printed
+    above it. The question asks what global row count a rank holding 3 rows infers: 6, re-derived
+    here from the notebook's own rank function; the stored evidence shows every rank's count
+    and the branch's refusal."""
     cells = _cells()
+    asked = next(_src(c) for c in cells if _src(c).startswith("**Question 3.**"))
+    assert "how many rows does the rebuilt gradient's global shape have?" in asked
+    assert "Answer an int." in asked and "Does the page's branch still run?" not in asked
+    held = group.run(notebook_function("rebuilt_rows"), 5)
+    assert [tuple(h) for h in held] == [(3, 6), (2, 4), (3, 6), (2, 4)]
     question = next(c for c in cells if "reveal(answer_3" in _src(c))
     assert "reports[0]" not in _src(question) and "for report in err.reports" in _src(question)
+    assert "actual_3 = next(global_rows for own, global_rows in held if own == 3)" in _src(question)
     shown = "".join(t for o in question["outputs"] for t in o.get("data", {}).get("text/html", []))
+    assert "The real run gives 6." in shown
+    for rank in range(4):
+        own, inferred = (3, 6) if rank in (0, 2) else (2, 4)
+        assert f"rank {rank}: holds {own} rows, the rebuilt gradient has {inferred}" in shown
     for rank in range(4):
         assert f"rank {rank}: RuntimeError" in shown, rank
     assert "[6, 3]" in shown and "[4, 3]" in shown
@@ -1122,6 +1136,9 @@ def test_question_2_is_asked_on_3_ranks_where_the_two_ways_of_averaging_differ(g
     shown = "".join(t for o in cell["outputs"] for t in o.get("data", {}).get("text/html", []))
     for dtype in ("float32", "bfloat16", "float16"):
         assert f"{dtype} on 3 ranks: SUM/3 and AVG equal bit for bit True" in shown, dtype
+    # review 7 (05-3): the evidence opens with the line that answers the question, alone
+    evidence = shown.split("<summary>Show the real result anyway</summary>")[1]
+    assert evidence.startswith("float32 on 3 ranks: SUM/3 and AVG equal bit for bit True<br><br>Every dtype:<br>")
     assert ("inputs times 1/3, then SUM, equal to SUM/3 bit for bit False, "
             "more than 1 element in 10 differs True") in shown
     assert "float32 on 4 ranks: inputs times 1/4, then SUM, equal to SUM/4 bit for bit True" in shown
@@ -1157,20 +1174,52 @@ def test_question_1_is_not_answered_by_the_rule_above_it():
     assert "The layout is row-major" in next(c for c in cells[q1:] if c.startswith("## Step 2"))
 
 
-def test_summary_lines_that_rest_on_optional_runs_say_so_and_step_4_is_shorter():
-    """Review 6 (05-5): summary lines rested on runs in optional parts without saying so;
-    each now ends its claim with a pointer to the optional part. (05-1): the overlap and
-    fixed-cost paragraph of step 4 moved into the optional part that measures it."""
+def test_summary_bullets_rest_on_the_core_and_name_the_optional_parts_once():
+    """Review 6 (05-5): summary lines rested on runs in optional parts without saying so.
+    Review 7 (05-2): pointing to them filled 4 of 7 bullets. The bullets now hold only what
+    the core ran; one closing line names what the optional parts run, each once. The goals
+    no longer promise how far each dtype is from the exact mean (an optional run). (05-1):
+    the overlap and fixed-cost paragraph of step 4 moved into the optional part that
+    measures it."""
     cells, parts = [_src(c) for c in _cells()], optional_parts()
-    summary = next(c for c in cells if c.startswith("## Summary")).splitlines()
-    for words in ("when DDP or FSDP averages over `dp`: optional part)",
-                  "8 bits of precision: optional part)",
-                  "as DDP does (optional part).",
-                  "next to the mesh (an optional part counts the groups).",
-                  "`DTensor.from_local(..., shape=, stride=)` (an optional part runs both)."):
-        assert sum(words in line for line in summary) == 1, words
+    summary = next(c for c in cells if c.startswith("## Summary"))
+    bullets, closing = summary.split("\n\nAfter the lesson, ")
+    assert "optional" not in bullets
+    for words in ("with DDP or FSDP over `dp`, average over `cp` only",
+                  "bfloat16's 7 mantissa bits, 8 bits of precision",
+                  "pays a fixed cost (bucket, as DDP does)",
+                  "a new group at every step",
+                  "the rebuild with `DTensor.from_local(..., shape=, stride=)`",
+                  "the `async_op=True` handle (wait on each before `optimizer.step()`)"):
+        assert closing.count(words) == 1, words
+    goals = cells[0].split("## What you will learn")[1].split("## Prerequisites")[0]
+    assert "how far both are from the exact mean" not in goals and "`async_op=True`" not in goals
+    assert "neither is the exact mean" in goals
+    q2 = next(i for i, c in enumerate(cells) if "reveal(answer_2" in c)
+    assert "optional part" not in cells[q2 + 1] and "the evidence's `max |AVG - exact mean|`" in cells[q2 + 1]
     moved = next(i for i, c in enumerate(cells) if 'Does the "other computation" hide the reductions?' in c)
     assert cells[moved].startswith("## What the page's loop costs (optional, after the lesson)")
     assert parts[moved] == moved
     step4 = next(c for c in cells if "**Every rank must make the same calls.**" in c)
     assert "other computation" not in step4
+
+
+def test_step_4_keeps_the_same_calls_rule_and_the_async_demo_is_optional():
+    """Review 7 (05-1): the core was timed at about 60 minutes. Step 4's async demo (the Work
+    handle) is an optional part right after the summary; step 4 keeps the rule that every
+    rank makes the same calls, which the exercise's starter relies on. (05-5) The sentence
+    after the to_local() run says plainly what it shows."""
+    cells, parts = [_src(c) for c in _cells()], optional_parts()
+    summary = next(i for i, c in enumerate(cells) if c.startswith("## Summary"))
+    step4 = next(i for i, c in enumerate(cells) if c.startswith("## Step 4: the same calls on every rank"))
+    assert step4 < summary and parts[step4] is None
+    assert "**Every rank must make the same calls.**" in cells[step4]
+    demo = next(i for i, c in enumerate(cells) if c.startswith("def handles():"))
+    start = next(i for i, c in enumerate(cells)
+                 if c.startswith("## `async_op=True` and its handle (optional, after the lesson)"))
+    assert start == summary + 1 and parts[demo] == start and parts[demo + 1] == start
+    assert "comes after every wait" in cells[demo + 1]
+    assert "(the part above showed `None` and a `Work`)" in next(c for c in cells if c.startswith("## Myth vs reality"))
+    assert not any("handles()" in c for c, p in zip(cells, parts) if p is None)
+    view = next(c for c in cells if "`to_local()` is a view" in c and c.startswith("Ranks 0 and 1"))
+    assert "each filled their own shard, and `weight.grad` now shows both" in view

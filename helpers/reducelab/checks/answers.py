@@ -127,8 +127,9 @@ WHY = {
             "a tolerance.",
         3: "DTensor.from_local without shape= assumes even shards, so each rank infers the "
             "global shape from its own shard: 3 x 2 = 6 rows on the tp ranks that hold 3 rows "
-            "(ranks 0 and 2), 2 x 2 = 4 on those that hold 2 (ranks 1 and 3), and assigning "
-            "that to param.grad fails because the weight has 5 rows. Pass shape=g.shape and "
+            "(ranks 0 and 2), 2 x 2 = 4 on those that hold 2 (ranks 1 and 3). Neither is 5, so "
+            "the page's branch fails when it assigns the rebuilt gradient to param.grad (the "
+            "evidence's last lines). Pass shape=g.shape and "
             "stride=g.stride(), or reduce in place with AVG (or SUM then .div_()) and skip "
             "the rebuild. Skipping the rebuild alone is not enough: the page divides out of "
             "place, so param.grad would keep the SUM (an optional part shows it).",

@@ -14,6 +14,8 @@ does `torch.distributed.reduce` affect tensors other than the destination?" (202
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import RankError
@@ -146,6 +148,7 @@ def _on_rank(fn, k: int, record: bool):
     saved = {name: getattr(dist, name) for name in FORBIDDEN + ("reduce",) if hasattr(dist, name)}
     reduced: list[int] = []
     called: list[str] = []
+    unpaired: list[str] = []
 
     def refuse(name):
         def refused(*args, **kwargs):
@@ -156,6 +159,22 @@ def _on_rank(fn, k: int, record: bool):
 
     def recording(tensor, *args, **kwargs):
         reduced.append(tensor.numel() if isinstance(tensor, torch.Tensor) else -1)
+        # Collectives pair up in call order: every rank's i-th reduce is one collective.
+        # Ranks that pass different dst to the same call would wait on each other until
+        # the timeout; compare the dst of this call over the ranks first and say where.
+        dst = kwargs.get("dst", args[0] if args else None)
+        dst = kwargs.get("group_dst") if dst is None else dst
+        mine = torch.tensor([-1 if dst is None else int(dst)])
+        every = [torch.empty_like(mine) for _ in range(n)]
+        saved["all_gather"](every, mine)
+        dsts = [int(t) for t in every]
+        if len(set(dsts)) > 1:
+            caller = sys._getframe(1)
+            unpaired.append(
+                f"At call {len(reduced)} of dist.reduce (line {caller.f_lineno} of the cell that "
+                f"defines {caller.f_code.co_name}), the ranks passed dst "
+                + ", ".join(f"{d} (rank {r})" for r, d in enumerate(dsts)) + ".")
+            raise RuntimeError(unpaired[-1])
         return saved["reduce"](tensor, *args, **kwargs)
 
     try:
@@ -167,15 +186,15 @@ def _on_rank(fn, k: int, record: bool):
         try:
             result = fn(x)
         except RuntimeError:
-            if called:
-                return before, x.clone(), None, reduced, called
+            if called or unpaired:
+                return before, x.clone(), None, reduced, called, unpaired
             raise
     finally:
         for name, original in saved.items():
             setattr(dist, name, original)
     if isinstance(result, torch.Tensor):
         result = result.detach().clone()
-    return before, x.clone(), result, reduced, called
+    return before, x.clone(), result, reduced, called, unpaired
 
 
 def _matches(group: LocalGroup, candidates: dict, k: int, out, what: str) -> str:
@@ -210,7 +229,9 @@ def check_reduce_to_owners(group: LocalGroup, fn, world_sizes=WORLD_SIZES,
     wrong answer is compared with likely mistakes run on the same ranks (reducing ``x``
     itself, reducing slices of ``x``, one buffer through every reduce, the last reduce's
     buffer returned, no reduce at all), so the verdict can name it; no message prints a
-    line of the solution.
+    line of the solution. Before each ``dist.reduce`` the ranks compare its ``dst``, so
+    ranks that pass different ``dst`` to the same call (each reducing its own chunk
+    first) are named at that call and line rather than left to hang.
 
     Args:
         group: the :class:`~reducelab.LocalGroup` to run on.
@@ -257,6 +278,13 @@ def _check_at(group: LocalGroup, fn, ws: int, k: int) -> Verdict | None:
     if called:
         return failed(f"{at}, your function called dist.{called[0]}. The exercise builds "
                       f"the pattern from dist.reduce alone, one reduce per chunk.")
+    unpaired = next((o[5][0] for o in out if o[5]), "")
+    if unpaired:
+        return failed(
+            f"{at}: {unpaired} Collectives pair up in call order: every rank's first "
+            f"dist.reduce is one collective, its second the next, and so on, so at each "
+            f"call every rank must pass the same dst. With different dst they would wait "
+            f"on each other until the group's timeout; the check stopped them first.")
     want = expected_sums(ws, k)
     changed = [r for r, o in enumerate(out) if not torch.equal(o[0], o[1])]
     if changed:
