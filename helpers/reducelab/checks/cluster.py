@@ -233,9 +233,9 @@ def _check_interface(env: dict, shell_only: dict) -> Verdict:
     if nccl in (IFNAME, f"={IFNAME}"):
         return passed("the interface")
     if nccl is None and "GLOO_SOCKET_IFNAME" in env:
-        return failed(f"The options are right. GLOO_SOCKET_IFNAME pins gloo's sockets only, "
-                      f"and this job's GPUs run their collectives through NCCL, which reads a "
-                      f"variable of its own.")
+        return failed("The options are right. GLOO_SOCKET_IFNAME pins gloo's sockets only, "
+                      "and this job's GPUs run their collectives through NCCL, which reads a "
+                      "variable of its own.")
     if nccl is None and "NCCL_SOCKET_IFNAME" in shell_only:
         return failed("The options are right, but NCCL_SOCKET_IFNAME is set for the shell only: "
                       "without `export`, a variable set in a statement of its own is not in the "
