@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 POLL = 0.5
 """Seconds between the reaper's checks that its kernel is still alive."""
@@ -71,13 +72,22 @@ def _sweep(pgids: dict, pids: dict, dirs: set) -> None:
             os.killpg(pg, signal.SIGKILL)
         except OSError:
             pass
+    killed = []
     for pid in set(pids) | set(pgids) | descendants:
         try:
+            if psutil is not None:
+                killed.append(psutil.Process(pid))
             os.kill(pid, signal.SIGKILL)
-        except OSError:
+        except Exception:   # gone already (OSError, psutil.NoSuchProcess)
             pass
+    if psutil is not None:   # a process still exiting may hold a dir's last file
+        psutil.wait_procs(killed, timeout=2)
     for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        for _ in range(3):   # a CI run once found a swept dir still there
+            shutil.rmtree(d, ignore_errors=True)
+            if not os.path.exists(d):
+                break
+            time.sleep(0.1)
 
 
 def main(kernel_pid: int) -> None:
