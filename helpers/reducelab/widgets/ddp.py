@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ipywidgets as W
 import torch
 
-from . import Explorer
+from . import W, Explorer
 from ..checks.ddp import (REDUCTIONS, GradientComparison, compare_gradients, expected_factor,
                           explain)
 from ..data import SPLITS, split_sizes

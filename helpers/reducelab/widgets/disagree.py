@@ -32,7 +32,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-import ipywidgets as W
 
 from ..checks.disagree import record_on_rank
 from ..errors import RankError
@@ -40,7 +39,7 @@ from ..group import LocalGroup, current_group
 from ..plots import fmt_value
 from ..plots.disagree import (TimelineEntry, TimelineRow, clean_summary, fingerprint,
                               full_message, timeline_figure, torch_words)
-from . import Explorer
+from . import W, Explorer
 
 FAILURES = ("none", "skipped collective", "shape mismatch", "op mismatch", "dead rank",
             "uneven batches")

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ipywidgets as W
 import numpy as np
 
 from ..checks.ring import contributors
 from ..group import LocalGroup
 from ..plots.ring import RingStepsPlot
-from . import Explorer
+from . import W, Explorer
 
 MIN_WORLD_SIZE, MAX_WORLD_SIZE = 2, 8
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ipywidgets as W
 import numpy as np
 import torch
 
@@ -23,7 +22,7 @@ from ..determinism import within
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.sharded import COLLECTIVES, ShardingFigure, memory_formula, sent_formula
-from . import Explorer
+from . import W, Explorer
 
 SHARDINGS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
 """Every sharding the explorer can offer: what each rank keeps between steps. FSDP2 is

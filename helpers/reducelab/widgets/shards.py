@@ -18,7 +18,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-import ipywidgets as W
 import torch
 
 from ..checks.sharded import LAYOUT, initial_flat
@@ -26,7 +25,7 @@ from ..checks.shards import checkpoint_round_trip
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.shards import CheckpointFigure
-from . import Explorer
+from . import W, Explorer
 
 PARAMETERS = tuple(name for name, _, _ in LAYOUT)
 """The model's parameters, as the explorer names them: ``0.weight``, ``0.bias``,

@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import ipywidgets as W
 
 from ..group import LocalGroup
 from ..plots.transformer_layer import Hop, layer_figure, outside_bytes
-from . import Explorer
+from . import W, Explorer
 
 PLANS = ("tp only", "tp + sp")
 """The plans the explorer offers: tensor parallelism alone, or with sequence parallelism."""
