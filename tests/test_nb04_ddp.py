@@ -237,6 +237,31 @@ def test_ddp_itself_divides_first_in_float16(group):
     assert group.run(ddp_float16_gradient, sum_then_divide) == [float("inf")] * 4
 
 
+def sum_only(state, bucket):
+    """A comm hook that all_reduces the bucket and divides by nothing."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def hooked_gradient(use_hook):
+    """Rank r's local gradient is r + 1; DDP's gradient, with sum_only registered or no hook."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(1, 1, bias=False))
+    if use_hook:
+        model.register_comm_hook(None, sum_only)
+    ((dist.get_rank() + 1.0) * model(torch.ones(1, 1))).sum().backward()
+    return model.module.weight.grad.item()
+
+
+def test_a_registered_hook_gets_the_gradients_undivided_and_must_divide_them_itself(group):
+    """Step 3 (review 8): "A registered hook gets the gradients undivided, and must divide
+    them itself." On 4 ranks with local gradients 1, 2, 3 and 4: no hook gives the mean,
+    2.5; a hook that only sums gives the sum, 10, so nothing divided before the hook."""
+    assert group.run(hooked_gradient, False) == [2.5] * 4
+    assert group.run(hooked_gradient, True) == [10.0] * 4
+    step = next(c for c in notebook_cells() if c.startswith("## Step 3: what DDP does with your gradients"))
+    assert "A registered hook gets the gradients undivided, and must divide them itself." in step
+
+
 def test_the_first_bucket_is_1_mib_by_default_once_buckets_are_rebuilt(group):
     """Step 3's sentence on bucket_cap_mb: 25 MiB, the first bucket 1 MiB (after DDP rebuilds
     its buckets in the 2nd iteration; the 1st has one bucket for all)."""
