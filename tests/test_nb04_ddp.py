@@ -972,6 +972,8 @@ def test_step_1_says_which_walks_of_the_module_warn():
     assert "a tool that walks a module (`dir`, `inspect.getmembers`) warns" not in step
     assert "`inspect.getmembers(dist, inspect.isfunction)`" in step and "(`isinstance` reads `__class__`)" in step
     assert "listing the module, `dir(dist)`, does not" in step
+    summary = next(c for c in notebook_cells() if c.startswith("## Summary"))
+    assert "(`hasattr`, `isinstance` and `dir(dist.reduce_op)` too; `dir(dist)` does not warn)" in summary
 
 
 def test_minus_w_error_turns_the_warning_into_a_traceback_that_names_the_reader(tmp_path):
