@@ -237,6 +237,31 @@ def test_ddp_itself_divides_first_in_float16(group):
     assert group.run(ddp_float16_gradient, sum_then_divide) == [float("inf")] * 4
 
 
+def sum_only(state, bucket):
+    """A comm hook that all_reduces the bucket and divides by nothing."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def hooked_gradient(use_hook):
+    """Rank r's local gradient is r + 1; DDP's gradient, with sum_only registered or no hook."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(1, 1, bias=False))
+    if use_hook:
+        model.register_comm_hook(None, sum_only)
+    ((dist.get_rank() + 1.0) * model(torch.ones(1, 1))).sum().backward()
+    return model.module.weight.grad.item()
+
+
+def test_a_registered_hook_gets_the_gradients_undivided_and_must_divide_them_itself(group):
+    """Step 3 (review 8): "A registered hook gets the gradients undivided, and must divide
+    them itself." On 4 ranks with local gradients 1, 2, 3 and 4: no hook gives the mean,
+    2.5; a hook that only sums gives the sum, 10, so nothing divided before the hook."""
+    assert group.run(hooked_gradient, False) == [2.5] * 4
+    assert group.run(hooked_gradient, True) == [10.0] * 4
+    step = next(c for c in notebook_cells() if c.startswith("## Step 3: what DDP does with your gradients"))
+    assert "A registered hook gets the gradients undivided, and must divide them itself." in step
+
+
 def test_the_first_bucket_is_1_mib_by_default_once_buckets_are_rebuilt(group):
     """Step 3's sentence on bucket_cap_mb: 25 MiB, the first bucket 1 MiB (after DDP rebuilds
     its buckets in the 2nd iteration; the 1st has one bucket for all)."""
@@ -922,12 +947,33 @@ def test_any_read_of_the_old_name_warns_and_the_stored_cell_says_so():
     assert warns(lambda: hasattr(dist.reduce_op, "SUM"))
     assert warns(lambda: dist.reduce_op.__doc__)
     assert warns(lambda: dir(dist.reduce_op))
-    assert warns(lambda: inspect_module.getmembers(dist.reduce_op))
+    assert warns(lambda: isinstance(dist.reduce_op, int))
+    assert not warns(lambda: dir(dist))
+    assert not warns(lambda: inspect_module.getmembers(dist))
+    assert warns(lambda: inspect_module.getmembers(dist, inspect_module.isfunction))
     assert not warns(lambda: dist.reduce_op is None)
     nb = json.loads(NOTEBOOK.read_text())
     cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("def warns(read)"))
     rows = _stored(cell).splitlines()
-    assert [r.rsplit(" ", 1)[1] for r in rows] == ["True", "True", "True", "True", "False"], rows
+    assert [(r.split(" warns: ")[0].strip(), r.rsplit(" ", 1)[1]) for r in rows] == [
+        ("hasattr(dist.reduce_op, 'SUM')", "True"), ("dist.reduce_op.__doc__", "True"),
+        ("dir(dist.reduce_op)", "True"), ("isinstance(dist.reduce_op, int)", "True"),
+        ("dir(dist)", "False"), ("inspect.getmembers(dist)", "False"),
+        ("inspect.getmembers(dist, inspect.isfunction)", "True"),
+        ("dist.reduce_op is None (no attribute)", "False")], rows
+
+
+def test_step_1_says_which_walks_of_the_module_warn():
+    """Review 8 (04-1): step 1 said "a tool that walks a module (`dir`, `inspect.getmembers`)
+    warns", but dir(dist) and inspect.getmembers(dist) read no attribute of dist.reduce_op and
+    do not warn (the test above runs both); a walk that tests each member does, because
+    isinstance reads __class__ when the type does not match."""
+    step = next(c for c in notebook_cells() if c.startswith("So the warning means"))
+    assert "a tool that walks a module (`dir`, `inspect.getmembers`) warns" not in step
+    assert "`inspect.getmembers(dist, inspect.isfunction)`" in step and "(`isinstance` reads `__class__`)" in step
+    assert "listing the module, `dir(dist)`, does not" in step
+    summary = next(c for c in notebook_cells() if c.startswith("## Summary"))
+    assert "(`hasattr`, `isinstance` and `dir(dist.reduce_op)` too; `dir(dist)` does not warn)" in summary
 
 
 def test_minus_w_error_turns_the_warning_into_a_traceback_that_names_the_reader(tmp_path):
@@ -989,9 +1035,10 @@ def test_an_optimizer_s_weight_decay_acts_in_step_after_the_all_reduce():
 def test_myth_vs_reality_is_marked_optional_and_counted_in_the_header():
     """A review (12:20) timed 04 at about 55 min against 40; review 5 timed the core at
     50: the myths, the run of every read of the old name, DDP's own float16 run with the
-    bucket rules, and the explorer are optional, after the exercise."""
+    bucket rules, and the explorer are optional, after the exercise. Review 8 added three
+    module walks to the run of every read of the old name: 13 min."""
     cells = notebook_cells()
-    assert "· parts marked optional: about 12 min more, after the lesson*" in cells[0]
+    assert "· parts marked optional: about 13 min more, after the lesson*" in cells[0]
     parts = optional_parts()
     exercise = next(i for i, c in enumerate(cells) if c.startswith("# %load solutions/04_ddp_loss.py"))
     summary = next(i for i, c in enumerate(cells) if c.startswith("## Summary"))

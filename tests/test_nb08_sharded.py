@@ -1049,3 +1049,23 @@ def test_the_review_6_zero3_bytes_say_whose_stage():
     ddp, ours = (int(rows[k].replace(",", "")) for k in ("DDP", "ZeRO-3"))
     assert ours == ddp                                                # ours gathers once
     assert 3 * 0.75 * 9648 == 1.5 * ddp                              # the paper's: three passes of (n-1)/n·S
+
+
+def test_review_8_says_why_the_paper_s_stage_3_gathers_twice_and_names_the_page():
+    """Review 8 (08-2): the bytes paragraph said the paper's stage 3 gathers for forward and
+    again for backward, not why: it frees gathered parameters once their forward is done,
+    so that no rank holds the whole model (Rajbhandari et al. 2020, section 7.2.2), where
+    ours keeps them through backward. (08-3) The header quoted "the knowledge-base page
+    behind notebook 05", which a learner who skipped 05 cannot place: it names the page."""
+    memory = cell_with("**Memory.** The measured bars sit on the formulas")
+    assert ("The paper's stage 3 frees gathered parameters as soon as their forward is done, so "
+            "that no rank ever holds the whole model, and so gathers the parameters for forward "
+            "and again for backward") in memory
+    header = "".join(CELLS[0]["source"])
+    assert "behind notebook 05" not in header
+    assert "A knowledge-base page on `all_reduce` for gradient synchronization in Hugging Face Transformers" in header
+    assert "Hugging Face Transformers" in cell_with("## Further reading")
+    # (08-4) the explorer's cells print values in the unit of their panel's title (x10^-2):
+    # the text gives an example rather than "a whole number in the unit of its panel's title"
+    explorer = cell_with("## Explore the stages (optional, after the lesson)")
+    assert "12 under ×10⁻² is 0.12" in explorer
