@@ -1009,3 +1009,14 @@ def test_the_pipelined_chain_s_time_is_derived_where_it_is_stated():
     text = _src(_cells()[_index_of("## Exercise: a broadcast that spreads its bytes")])
     assert ("`P + N - 2`: piece 0 reaches the last rank after `N - 1` piece-times, and the "
             "other `P - 1` follow one piece-time apart") in text
+
+
+def test_step_1_quotes_what_torch_s_docstrings_say_of_send_and_isend():
+    """Teach-c review: step 1 said "the torch docs call dist.send blocking"; torch 2.13's
+    docstrings say "Send a tensor synchronously." and "Send a tensor asynchronously." (send
+    and isend in torch/distributed/distributed_c10d.py). The text quotes them."""
+    assert dist.send.__doc__.strip().startswith("Send a tensor synchronously.")
+    assert dist.isend.__doc__.strip().startswith("Send a tensor asynchronously.")
+    text = _src(_cells()[_index_of("## Step 1: one ring step")])
+    assert '`dist.send` sends "synchronously" and `dist.isend` "asynchronously"' in text
+    assert "call `dist.send` blocking" not in text
