@@ -1020,3 +1020,15 @@ def test_step_1_quotes_what_torch_s_docstrings_say_of_send_and_isend():
     text = _src(_cells()[_index_of("## Step 1: one ring step")])
     assert '`dist.send` sends "synchronously" and `dist.isend` "asynchronously"' in text
     assert "call `dist.send` blocking" not in text
+
+
+def test_step_4_names_the_diagonal_the_figure_shows(group):
+    """Teach-c review: step 4 said "the diagonal of complete chunks appears", but the
+    complete chunks sit at chunk r + 1 of rank r, off the main diagonal and wrapping round
+    (the figure at step N - 1). The text names where; the run is read here."""
+    group.resize(4)
+    held = group.run(NB["after_reduce_scatter"])
+    assert [[c for c, v in enumerate(x.tolist()) if v == 15] for x in held] == [[1], [2], [3], [0]]
+    text = _src(_cells()[_index_of("At step `N - 1` (the last reduce-scatter step)")])
+    assert "the diagonal of complete chunks appears" not in text
+    assert "chunk `r + 1` of each rank `r` is complete: the diagonal just right of the main one" in text
