@@ -992,6 +992,8 @@ def test_why_no_all_reduce_sends_less_than_the_ring():
     assert "at least `N - 1` transfers" in text and "one more transfer into each" in text
     assert "at least `2 (N - 1) × S` bytes in all" in text and "*bandwidth optimal*" in text
     assert "no all_reduce can do with less" in _src(_cells()[_index_of("## Summary")])
+    assert "`2 (N - 1) × S`, the least any all_reduce moves (step 5)" in \
+        _src(_cells()[_index_of("## Common misconceptions")])
     for n in (2, 3, 4, 8):
         size = 4_000
         assert ring_bytes_per_rank(n, size) * n == pytest.approx(2 * (n - 1) * size)
