@@ -1103,3 +1103,15 @@ def test_question_3_shows_why_the_gradient_passes_through_the_all_reduce(group):
     assert "autograd recorded nothing for it" in WHY["03"][3]
     assert "reduced.grad_fn is CloneBackward0, the clone's" in WHY["03"][3]
     assert "CloneBackward0" not in "\n".join(s for s, c in cells[:q + 1] if c["cell_type"] == "markdown")
+
+
+def test_step_5_names_the_condition_under_which_ddp_matches_one_process():
+    """Teach-c review: step 5 said DDP's gradients "equal one process's gradient over the
+    global batch" without the condition, equal local batches (8 samples on every rank), that
+    the exercise then drops; with unequal ones DDP of local means weighs samples as the mean of
+    means does (the exercise's stored check message)."""
+    cells = notebook_cells()
+    text = next(s for s, _ in cells if s.startswith("The local losses differ;"))
+    assert "with 8 samples on every rank, equal one process's gradient" in text
+    cell = next(s for s, _ in cells if "def ddp_local_backward" in s)
+    assert "x, y = torch.randn(8, 3), torch.randn(8, 1)" in cell
