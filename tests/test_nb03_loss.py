@@ -1073,3 +1073,45 @@ def test_review_7_question_3_states_that_all_reduce_has_no_backward_and_step_1_s
     rule = next(s for s, _ in cells if s.startswith('`"/ micro_batches"` and'))
     assert "with token-level losses the global token count: optional part on tokens" in rule
     assert any(s.startswith("## Token-level losses: count tokens, not samples (optional") for s, _ in cells)
+
+
+def grad_fn_around_all_reduce():
+    w = torch.ones(3, requires_grad=True)
+    reduced = (w * 2).sum().clone()
+    before = type(reduced.grad_fn).__name__
+    dist.all_reduce(reduced)
+    return before, type(reduced.grad_fn).__name__
+
+
+def test_question_3_shows_why_the_gradient_passes_through_the_all_reduce(group):
+    """Teach-c review: question 3's reveal said autograd passes the gradient through
+    dist.all_reduce "as if it were the identity" without saying why a learner should not
+    expect a zero gradient instead. With no autograd kernel for c10d::allreduce_, the in-place
+    all_reduce records nothing: reduced's grad_fn is the clone's before and after, so
+    backward() goes through the clone. Measured here; the stored evidence shows it and the
+    why says it, after the question only."""
+    from reducelab.checks.answers import WHY
+    group.resize(2)
+    for before, after in group.run(grad_fn_around_all_reduce):
+        assert before == after == "CloneBackward0"
+    group.resize(4)
+    cells = notebook_cells()
+    q = next(i for i, (s, _) in enumerate(cells) if s.startswith("answer_3 = None"))
+    shown = "".join("".join(o["data"].get("text/html", "")) for o in cells[q + 1][1]["outputs"]
+                    if "data" in o)
+    assert "reduced.grad_fn after dist.all_reduce, rank 0: CloneBackward0" in shown
+    assert "autograd recorded nothing for it" in WHY["03"][3]
+    assert "reduced.grad_fn is CloneBackward0, the clone's" in WHY["03"][3]
+    assert "CloneBackward0" not in "\n".join(s for s, c in cells[:q + 1] if c["cell_type"] == "markdown")
+
+
+def test_step_5_names_the_condition_under_which_ddp_matches_one_process():
+    """Teach-c review: step 5 said DDP's gradients "equal one process's gradient over the
+    global batch" without the condition, equal local batches (8 samples on every rank), that
+    the exercise then drops; with unequal ones DDP of local means weighs samples as the mean of
+    means does (the exercise's stored check message)."""
+    cells = notebook_cells()
+    text = next(s for s, _ in cells if s.startswith("The local losses differ;"))
+    assert "with 8 samples on every rank, equal one process's gradient" in text
+    cell = next(s for s, _ in cells if "def ddp_local_backward" in s)
+    assert "x, y = torch.randn(8, 3), torch.randn(8, 1)" in cell

@@ -476,7 +476,8 @@ MISTAKES = [
     (starts_at_zero, (2,), "Rank 1 (src) called recv: src holds the data from the start"),
     (starts_at_zero, (2,), "rank 1's x afterwards: src's own data was overwritten: zeros in every piece;"),
     (store_and_forward, (3,), "rank 1 received all 4 pieces before it sent the first: store and forward"),
-    (one_piece, (2,), "rank 0 sent 1 tensor (all); expected the 4 pieces of x.tensor_split(4)"),
+    (one_piece, (2,), "rank 0 sent 1 tensor (the whole of x); expected the 4 pieces of x.tensor_split(4)"),
+    (one_piece, (2,), "With one piece, no rank can pass x on before the whole of it has arrived"),
     (own_buffers, (2,), "received 4 times but its x still holds zeros: it received into a tensor of its own"),
     (never_waits, (2,), "with irecv, but its x does not hold the data yet: irecv returns before"),
     (forwards_before_receiving, (3,), "Rank 1 sent a tensor of zeros: it passed a piece on before"),
@@ -491,6 +492,16 @@ def test_each_likely_mistake_is_named(fn, sizes, says):
     assert not verdict
     assert says in verdict.message, verdict.message
     assert_no_formula(verdict.message)
+
+
+def test_the_one_piece_message_says_nothing_false_of_the_last_rank():
+    """Teach-c review: at world size 2 the one-piece message said "rank 1 can pass nothing
+    on until the whole of x has arrived", of rank 1, the last rank of the chain, which passes
+    nothing on at all; and it named what rank 0 sent "(all)", the check's own label."""
+    for sizes in ((2,), (3,)):
+        message = check_chain_broadcast(one_piece, world_sizes=sizes).message
+        assert "can pass nothing on" not in message and "(all)" not in message, message
+        assert "(the whole of x)" in message, message
 
 
 def test_a_chain_that_closes_into_a_ring_hangs_and_is_explained_within_seconds():
@@ -786,7 +797,7 @@ def test_the_ring_direction_aside_is_cut_and_gloos_direction_stays_named():
     """Review 6 (06-2) cut cell 9's aside on the direction (time); cell 18 still says gloo's
     ring sends to rank `r - 1`, which the mirrored ring above shows gives the same sums."""
     assert "direction does not matter" not in _src(_cells()[_index_of("In reduce-scatter step `s`")])
-    assert "it sends to rank `r - 1`" in _src(_cells()[_index_of("The sums agree to within float32")])
+    assert "it sends to rank `r - 1`" in _src(_cells()[_index_of("The sums agree within the float32 bound")])
 
 
 def test_question_3_asks_which_elements_keep_a_1_and_nothing_above_it_says():
@@ -940,3 +951,86 @@ def test_a_recv_that_does_not_match_its_send_is_said_and_run_on_gloo():
     assert "rank 1: died: killed by SIGABRT" in shown
     said = _src(cells[i - 1])
     assert "gloo checks only that the bytes fit the receive buffer" in said and "a hang" in said
+
+
+def fewest_transfers_for_all_reduce(n: int) -> int:
+    """The fewest one-way transfers of one element after which every one of n ranks holds a
+    value that depends on all n inputs (a transfer lets the receiver combine what the sender
+    holds with its own): breadth-first over who depends on whom, each rank's set a bitmask."""
+    start = tuple(1 << r for r in range(n))
+    full = (1 << n) - 1
+    seen, frontier, steps = {start}, [start], 0
+    while frontier:
+        if any(all(m == full for m in state) for state in frontier):
+            return steps
+        steps += 1
+        nxt = []
+        for state in frontier:
+            for a in range(n):
+                for b in range(n):
+                    if a != b and state[a] | state[b] != state[b]:
+                        new = list(state)
+                        new[b] |= state[a]
+                        new = tuple(new)
+                        if new not in seen:
+                            seen.add(new)
+                            nxt.append(new)
+        frontier = nxt
+    raise AssertionError("unreachable")
+
+
+def test_why_no_all_reduce_sends_less_than_the_ring():
+    """Teach-c review: step 5 called the ring bandwidth optimal without saying why. It now
+    argues that each element needs at least N - 1 transfers for its inputs to meet and N - 1
+    more for the sum to reach the others, 2 (N - 1) x S bytes in all, which the ring shares
+    out equally. The count is searched here for small N (the one-way gossip bound), and the
+    ring and reduce-then-broadcast of step 5 move exactly that total."""
+    for n in (2, 3, 4, 5):
+        assert fewest_transfers_for_all_reduce(n) == 2 * (n - 1), n
+    text = _src(_cells()[_index_of("## Exercise: a broadcast that spreads its bytes")])
+    assert "Why can no all_reduce do better?" in text
+    assert "at least `N - 1` transfers" in text and "one more transfer into each" in text
+    assert "at least `2 (N - 1) × S` bytes in all" in text and "*bandwidth optimal*" in text
+    assert "no all_reduce can do with less" in _src(_cells()[_index_of("## Summary")])
+    assert "`2 (N - 1) × S`, the least any all_reduce moves (step 5)" in \
+        _src(_cells()[_index_of("## Common misconceptions")])
+    for n in (2, 3, 4, 8):
+        size = 4_000
+        assert ring_bytes_per_rank(n, size) * n == pytest.approx(2 * (n - 1) * size)
+        assert root_bytes(n, size) + (n - 1) * size == 2 * (n - 1) * size   # root + the others
+
+
+def test_the_pipelined_chain_s_time_is_derived_where_it_is_stated():
+    """Teach-c review: the exercise gave P + N - 2 without its reason. It says piece 0 takes
+    N - 1 piece-times to reach the last rank and the other P - 1 follow one piece-time apart;
+    the chain model of test_the_pieces_buy_time_not_bytes is read for both."""
+    for n in range(2, 7):
+        for p in range(1, 7):
+            assert chain_finish_time(n, 1, pipelined=True) == n - 1              # piece 0 alone
+            assert chain_finish_time(n, p, pipelined=True) - (n - 1) == p - 1    # one apart
+    text = _src(_cells()[_index_of("## Exercise: a broadcast that spreads its bytes")])
+    assert ("`P + N - 2`: piece 0 reaches the last rank after `N - 1` piece-times, and the "
+            "other `P - 1` follow one piece-time apart") in text
+
+
+def test_step_1_quotes_what_torch_s_docstrings_say_of_send_and_isend():
+    """Teach-c review: step 1 said "the torch docs call dist.send blocking"; torch 2.13's
+    docstrings say "Send a tensor synchronously." and "Send a tensor asynchronously." (send
+    and isend in torch/distributed/distributed_c10d.py). The text quotes them."""
+    assert dist.send.__doc__.strip().startswith("Send a tensor synchronously.")
+    assert dist.isend.__doc__.strip().startswith("Send a tensor asynchronously.")
+    text = _src(_cells()[_index_of("## Step 1: one ring step")])
+    assert '`dist.send` sends "synchronously" and `dist.isend` "asynchronously"' in text
+    assert "call `dist.send` blocking" not in text
+
+
+def test_step_4_names_the_diagonal_the_figure_shows(group):
+    """Teach-c review: step 4 said "the diagonal of complete chunks appears", but the
+    complete chunks sit at chunk r + 1 of rank r, off the main diagonal and wrapping round
+    (the figure at step N - 1). The text names where; the run is read here."""
+    group.resize(4)
+    held = group.run(NB["after_reduce_scatter"])
+    assert [[c for c, v in enumerate(x.tolist()) if v == 15] for x in held] == [[1], [2], [3], [0]]
+    text = _src(_cells()[_index_of("At step `N - 1` (the last reduce-scatter step)")])
+    assert "the diagonal of complete chunks appears" not in text
+    assert "chunk `r + 1` of each rank `r` is complete: the diagonal just right of the main one" in text

@@ -81,8 +81,11 @@ WHY = {
             "it divides each by world_size = 4 during backward() (notebook 04 shows where in "
             "torch), so a quarter of the reference is left. Multiplying each loss by "
             "world_size undoes that division.",
-        3: "all_reduce changed the loss's value, but autograd has no formula for it and "
-            "passes the gradient through unchanged, as if it were the identity; only the "
+        3: "all_reduce changed the loss's value, but autograd recorded nothing for it: "
+            "without an autograd kernel, the all_reduce wrote into reduced in place and left "
+            "its history as the clone made it (after it, reduced.grad_fn is CloneBackward0, the "
+            "clone's: the evidence). backward() therefore runs from reduced / world_size "
+            "through the clone to the loss, as if the all_reduce were the identity; only the "
             "division by world_size is left, 1 / 2 on both ranks. So each rank gets "
             "its own local gradient divided by 2: the two gradients differ, and no rank "
             "learned from the other's data. Nothing was exchanged in backward(). torch's "

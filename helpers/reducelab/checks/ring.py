@@ -372,6 +372,11 @@ def check_chain_broadcast(fn, world_sizes=EXERCISE_WORLD_SIZES, numel: int = EXE
         f"chain work at the same time?")
 
 
+_HELD = {"all": "the whole of x", "other": "neither x nor a piece of it"}
+"""How a failing verdict names what a send held (``_what``'s labels ``"all"`` and
+``"other"`` read as jargon in a sentence)."""
+
+
 def _check_pieces(n: int, src: int, numel: int, pieces: int, size: int, out) -> Verdict | None:
     """The failing verdict for a chain that delivers the right data with the wrong pieces
     or without a pipeline, or ``None``."""
@@ -385,12 +390,13 @@ def _check_pieces(n: int, src: int, numel: int, pieces: int, size: int, out) -> 
             return failed(f"{at} rank {r} sent {sent} bytes; x is S = {size} bytes, and each "
                           f"rank of the chain but the last sends it once.")
         if [e["held"] for e in sends] != want:
-            held = ", ".join(e["held"] for e in sends)
+            held = ", ".join(_HELD.get(e["held"], e["held"]) for e in sends)
             return failed(f"{at} rank {r} sent {len(sends)} tensor{'s' if len(sends) != 1 else ''} "
                           f"({held}); expected the {pieces} pieces of x.tensor_split({pieces}), "
                           f"piece 0 first."
-                          + (f" With one piece, rank {(r + 1) % n} can pass nothing on until "
-                             f"the whole of x has arrived." if len(sends) == 1 else ""))
+                          + (" With one piece, no rank can pass x on before the whole of it "
+                             "has arrived: the chain cannot work as a pipeline."
+                             if len(sends) == 1 else ""))
     for r in order[1:-1]:
         events = out[r][1]
         recvs = [i for i, e in enumerate(events) if e["kind"] == "recv"]
