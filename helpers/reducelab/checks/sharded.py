@@ -259,14 +259,22 @@ def counting_collectives():
             setattr(dist, attr, call)
 
 
+@contextlib.contextmanager
+def _profile_shapes():
+    """torch's profiler recording each event's input shapes, without Kineto's own start
+    and stop log lines (``KINETO_LOG_LEVEL=99``) in the notebook's output."""
+    os.environ["KINETO_LOG_LEVEL"] = "99"
+    with torch.profiler.profile(record_shapes=True) as prof:
+        yield prof
+
+
 def bytes_gloo_ran(call) -> float:
     """On a rank: :func:`ring_bytes` of the collective gloo itself runs inside ``call()``,
     as torch's profiler records it (its event ``gloo:<collective>`` and that event's input
     shape; an all_gather's input is one rank's piece, so the whole tensor is ``n`` times
     it). gloo's ``reduce_scatter`` records ``gloo:all_reduce`` on the whole input. Bytes.
     (Notebook 08, step 1's last column.)"""
-    os.environ["KINETO_LOG_LEVEL"] = "99"                 # the profiler's own start/stop log lines: off
-    with torch.profiler.profile(record_shapes=True) as prof:
+    with _profile_shapes() as prof:
         call()
     (event,) = [e for e in prof.events() if e.name.startswith("gloo:")]
     name, n = event.name.removeprefix("gloo:"), dist.get_world_size()
@@ -280,9 +288,8 @@ def what_gloo_runs(numel: int) -> list[tuple[str, list]]:
     for the top-level events and the children of ``c10d::_reduce_scatter_base_``.
     (Notebook 08, question 1's evidence: on gloo, a clone, one all_reduce of the whole
     input, a chunk and a copy.)"""
-    os.environ["KINETO_LOG_LEVEL"] = "99"                 # the profiler's own start/stop log lines: off
     shard, grad = torch.empty(numel // dist.get_world_size()), torch.randn(numel)
-    with torch.profiler.profile(record_shapes=True) as prof:
+    with _profile_shapes() as prof:
         dist.reduce_scatter_single(shard, grad)
     return [(e.name, [s for s in e.input_shapes if s]) for e in prof.events()
             if e.cpu_parent is None or e.cpu_parent.name == "c10d::_reduce_scatter_base_"]
