@@ -527,6 +527,15 @@ def deduped_on_own_rank(losses, indices, dataset_size):   # review 7 (12-4)
     return t[0] / t[1]
 
 
+def padding_rule_off_by_one(losses, indices, dataset_size):   # review 8 (12-c)
+    # finds the padding by position, but keeps the first padding position
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    kept = torch.arange(len(indices)) * world_size + rank <= dataset_size
+    t = torch.stack([losses[kept].sum(), kept.sum().to(losses.dtype)])
+    dist.all_reduce(t)
+    return t[0] / t[1]
+
+
 def many_numbers(losses, indices, dataset_size):
     return losses
 
@@ -581,6 +590,9 @@ def test_a_collective_the_function_did_call_is_never_reported_as_none(group):
     (drop_last_everywhere, "That leaves out the last index of every rank, 2 samples, but only 1 of them is padding"),
     (deduped_on_own_rank, "Removing repeats within one rank's indices finds none: the sampler "
                           "puts each repeat on another rank than its first copy."),
+    (padding_rule_off_by_one, "If your function already leaves out what it takes for padding, here it "
+                              "left out nothing: check its rule where the data set's samples end and "
+                              "the padding begins."),
     (many_numbers, "expected one number"),
     (crashes, "your function raised on the ranks"),
 ])
