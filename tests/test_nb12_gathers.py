@@ -946,3 +946,16 @@ def test_the_bound_is_derived_and_the_summary_counts_positions_not_samples():
             "size. `drop_last=True` cuts the list's tail instead: up to `world_size - 1` samples "
             "never evaluated.") in summary
     assert [len(DistributedSampler(range(2), 8, r)) for r in range(8)] == [1] * 8   # 2 samples, 8 positions
+
+
+def test_the_summary_says_which_rank_aborts():
+    """Review 8 (12-d): the summary said slots sized like a rank's own tensor "abort a process
+    when the bytes arrive"; gloo accepts fewer bytes than a slot holds, and question 1's
+    reveal shows only the rank that receives more dies (rank 0, from rank 2)."""
+    summary = " ".join(markdown().split("## Summary")[1].split("## `set_epoch` on one rank only")[0].split())
+    assert "abort a process when the bytes arrive" not in summary
+    assert ("slots sized like the rank's own tensor abort the rank that receives more bytes than its "
+            "slot holds.") in summary
+    assert "The real run gives [0]." in stored_text("def all_gather_own_size(")
+    assert "accepts fewer bytes than a slot holds, but aborts its process when more arrive" in \
+        " ".join(markdown().split())
