@@ -617,6 +617,19 @@ def with_gradients_enabled(model, x, y):     # right numbers, but no torch.no_gr
     return value
 
 
+def averaged_statistics(model, x, y):      # review 8 (13-d): eval mode, but the buffers averaged in place
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    model.eval()
+    for buffer in model.module.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer, op=dist.ReduceOp.AVG)
+    with torch.no_grad():
+        value = _sum_and_count(F.mse_loss(model.module(x), y, reduction="sum"), len(x))
+    model.train()
+    return value
+
+
 def returns_a_list(model, x, y):
     return [0.0]
 
@@ -626,6 +639,8 @@ def returns_a_list(model, x, y):
     (mean_of_means, "the mean of the 4 ranks' own means. It weights every rank alike"),
     (own_batchnorm_statistics, "each rank evaluated its share with its own BatchNorm running statistics"),
     (training_mode, "the model ran in training mode"),
+    (averaged_statistics, "changed during evaluate, though no forward ran in training mode: your "
+                          "function changed them itself (an all_reduce of them, for instance)."),
     (left_in_eval_mode, "the model is still in eval mode"),
     (steps_the_optimizer, "The parameters changed during evaluate"),
     (with_gradients_enabled, "the model's output required grad: evaluate ran with gradients enabled"),
