@@ -527,6 +527,15 @@ def deduped_on_own_rank(losses, indices, dataset_size):   # review 7 (12-4)
     return t[0] / t[1]
 
 
+def padding_rule_off_by_one(losses, indices, dataset_size):   # review 8 (12-c)
+    # finds the padding by position, but keeps the first padding position
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    kept = torch.arange(len(indices)) * world_size + rank <= dataset_size
+    t = torch.stack([losses[kept].sum(), kept.sum().to(losses.dtype)])
+    dist.all_reduce(t)
+    return t[0] / t[1]
+
+
 def many_numbers(losses, indices, dataset_size):
     return losses
 
@@ -581,6 +590,9 @@ def test_a_collective_the_function_did_call_is_never_reported_as_none(group):
     (drop_last_everywhere, "That leaves out the last index of every rank, 2 samples, but only 1 of them is padding"),
     (deduped_on_own_rank, "Removing repeats within one rank's indices finds none: the sampler "
                           "puts each repeat on another rank than its first copy."),
+    (padding_rule_off_by_one, "If your function already leaves out what it takes for padding, here it "
+                              "left out nothing: check its rule where the data set's samples end and "
+                              "the padding begins."),
     (many_numbers, "expected one number"),
     (crashes, "your function raised on the ranks"),
 ])
@@ -893,3 +905,57 @@ def test_a_repeat_never_shares_a_rank_with_its_first_copy_and_the_fallback_count
     from reducelab.checks.gathers import _diagnose
     message = _diagnose(2, 7, 3, [0.5, 0.5], exercise_losses(7).mean().item(), [1, 1])
     assert "1 of the indices the ranks hold is a repeat." in message, message
+
+
+def test_the_bound_is_derived_and_the_summary_counts_positions_not_samples():
+    """Review 8 (12-a): the core stated the bound p / (N + p) without why; it now derives it
+    (padded = (N * exact + p * r) / (N + p), off by p / (N + p) * (r - exact)) and works it
+    on the 10 samples of the table above it. Review 8 (12-b): the summary said "up to
+    world_size - 1 samples count twice" and that drop_last "drops them"; a sample repeats
+    more than twice when N < world_size / 2 (the myth part's 2 samples on 8 ranks), and
+    drop_last cuts the list's tail, not the repeats. Both hold at every small size here."""
+    text = " ".join(markdown().split())
+    assert ("the padded metric is `(N · exact + p · r) / (N + p)`, where `r` is the metric of the "
+            "repeated samples alone, so it is off by `p / (N + p) · (r - exact)`") in text
+    assert "Here `r` = 1/2 (samples 0 and 1): off by 2/12 · (0.5 - 0.8) = -0.05." in text
+    # the worked example, from the notebook's own model on the first 10 validation digits
+    right = (NB.model(NB.X_val[:10]).argmax(1) == NB.y_val[:10]).double()
+    padded_ix = [i for r in range(3) for i in DistributedSampler(range(10), 3, r, shuffle=False)]
+    exact, repeats = right.mean().item(), right[[0, 1]].mean().item()
+    padded = right[padded_ix].mean().item()
+    assert (exact, repeats, len(padded_ix)) == (0.8, 0.5, 12)
+    assert math.isclose(padded - exact, 2 / 12 * (repeats - exact)) and math.isclose(padded - exact, -0.05)
+    assert "0.7500" in stored_text("first_10 = metrics_table(") and padded == 0.75
+    # the identity and the bound, for every padded layout of a metric in [0, 1]
+    g = torch.Generator().manual_seed(0)
+    for world_size in range(2, 9):
+        for n in range(1, 25):
+            values = torch.rand(n, generator=g, dtype=torch.float64)
+            ix = [i for r in range(world_size) for i in DistributedSampler(range(n), world_size, r, shuffle=False)]
+            p = len(ix) - n
+            assert p <= world_size - 1
+            r_mean = values[[j % n for j in range(p)]].mean().item() if p else 0.0   # the list's first indices
+            got = values[ix].mean().item()
+            assert math.isclose(got, (n * values.mean().item() + p * r_mean) / (n + p))
+            assert abs(got - values.mean().item()) <= p / (n + p) + 1e-12
+            kept = [i for r in range(world_size) for i in DistributedSampler(range(n), world_size, r, drop_last=True)]
+            assert n - len(kept) <= world_size - 1 and len(set(kept)) == len(kept)
+    summary = text.split("## Summary")[1].split("## `set_epoch` on one rank only")[0]
+    assert "samples count twice" not in summary and "drops them" not in summary
+    assert ("up to `world_size - 1` positions repeat a sample, and the metric depends on the world "
+            "size. `drop_last=True` cuts the list's tail instead: up to `world_size - 1` samples "
+            "never evaluated.") in summary
+    assert [len(DistributedSampler(range(2), 8, r)) for r in range(8)] == [1] * 8   # 2 samples, 8 positions
+
+
+def test_the_summary_says_which_rank_aborts():
+    """Review 8 (12-d): the summary said slots sized like a rank's own tensor "abort a process
+    when the bytes arrive"; gloo accepts fewer bytes than a slot holds, and question 1's
+    reveal shows only the rank that receives more dies (rank 0, from rank 2)."""
+    summary = " ".join(markdown().split("## Summary")[1].split("## `set_epoch` on one rank only")[0].split())
+    assert "abort a process when the bytes arrive" not in summary
+    assert ("slots sized like the rank's own tensor abort the rank that receives more bytes than its "
+            "slot holds.") in summary
+    assert "The real run gives [0]." in stored_text("def all_gather_own_size(")
+    assert "accepts fewer bytes than a slot holds, but aborts its process when more arrive" in \
+        " ".join(markdown().split())

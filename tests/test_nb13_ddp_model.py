@@ -206,12 +206,25 @@ def test_each_option_handles_what_the_notebook_says(group):
         if works:
             assert text.startswith("same, aux"), (option, text)
         else:
-            assert text.startswith("raises: Your training graph has changed in this iteration")
+            assert text == "raises (below)"
+            assert [e for _, e in out] == [STATIC_GRAPH_ERROR] * 4
     # review 6 (13-3): one table, the 3 steps and "gradients on all ranks" said once in its header
     table = stored_text(cell_with("cases = {"))
     assert table.startswith("gradients after 3 steps; aux used:")
     assert table.count("same, aux") == 5 and "differ" not in table and "raises" in table
+    # review 8 (13-c): the table cut torch's error mid-phrase ("..., e.g., one"); the cell
+    # prints it whole under the table, and the row says "raises (below)"
+    rows = table.splitlines()
+    assert rows[2].split() == ["static_graph=True", "same,", "aux", "none", "same,", "aux", "grad",
+                               "raises", "(below)"], rows[2]
+    assert rows[3:] == ["", STATIC_GRAPH_ERROR], rows[3:]
     assert "Warning" not in table              # each rank's C++ warning is kept for the optional part
+
+
+STATIC_GRAPH_ERROR = ("Your training graph has changed in this iteration, e.g., one parameter is "
+                      "unused in first iteration, but then got used in the second iteration. this "
+                      "is not compatible with static_graph set to True.")
+"""torch's whole error when a static graph's unused parameter is used in step 2 (reducer.cpp)."""
 
 
 def mean_loss_gradient(world_size, aux_used):
@@ -364,7 +377,17 @@ def test_question_3_does_not_say_what_ddp_promises():
     assert "promise" not in question
     # review 7 (13-2): the question needs the one bucket, which step 3's intro now states and
     # WHY["13"][3] says again: Net's parameters, all of them, fit DDP's first bucket (1 MiB)
-    assert "in this small model every parameter shares one bucket." in source_with("## Step 3:", "markdown")
+    step_3 = " ".join(source_with("## Step 3:", "markdown").split())
+    assert "In this small model every parameter shares one bucket." in step_3
+    # review 8 (13-a): step 3 said DDP "at the end of backward() waits for every bucket", from
+    # which a learner predicts a hang at question 3; the wait is queued only once the last
+    # bucket is launched (Reducer::mark_variable_ready), so with a bucket never ready no
+    # collective runs and backward() returns (_collectives_of_one_backward, run below)
+    assert "waits for every bucket" not in step_3
+    assert ("Only when the last bucket has been launched does it queue a wait for them all at the "
+            "end of `backward()`.") in step_3
+    assert "queued the wait at the end of backward()" in WHY["13"][3]
+    assert "Reducer::mark_variable_ready" in source_with("## Further reading", "markdown")
     import torch.distributed as dist
     size = sum(p.numel() * p.element_size() for p in NB.Net().parameters())
     assert size < dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024, size
@@ -594,6 +617,19 @@ def with_gradients_enabled(model, x, y):     # right numbers, but no torch.no_gr
     return value
 
 
+def averaged_statistics(model, x, y):      # review 8 (13-d): eval mode, but the buffers averaged in place
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    model.eval()
+    for buffer in model.module.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer, op=dist.ReduceOp.AVG)
+    with torch.no_grad():
+        value = _sum_and_count(F.mse_loss(model.module(x), y, reduction="sum"), len(x))
+    model.train()
+    return value
+
+
 def returns_a_list(model, x, y):
     return [0.0]
 
@@ -603,6 +639,8 @@ def returns_a_list(model, x, y):
     (mean_of_means, "the mean of the 4 ranks' own means. It weights every rank alike"),
     (own_batchnorm_statistics, "each rank evaluated its share with its own BatchNorm running statistics"),
     (training_mode, "the model ran in training mode"),
+    (averaged_statistics, "changed during evaluate, though no forward ran in training mode: your "
+                          "function changed them itself (an all_reduce of them, for instance)."),
     (left_in_eval_mode, "the model is still in eval mode"),
     (steps_the_optimizer, "The parameters changed during evaluate"),
     (with_gradients_enabled, "the model's output required grad: evaluate ran with gradients enabled"),
@@ -1048,7 +1086,8 @@ def test_moe_experts_without_tokens_are_unused_only_when_skipped():
     expert(torch.empty(0, 4)).sum().backward()
     assert expert.weight.grad is not None and not expert.weight.grad.any()
     text = " ".join(markdown().split())
-    assert "leaves that expert unused on that rank only (an expert run on zero tokens still gets a gradient, of zeros)" in text
+    assert ("A mixture-of-experts layer that skips an expert no token was routed to leaves it unused on that "
+            "rank only (run on zero tokens, it would get a gradient of zeros).") in text
 
 
 # --- review 5: the core is one study unit, the late parts optional ------------------------------------
@@ -1069,3 +1108,26 @@ def test_rule_3_allows_the_copy_of_rank_0_s_buffers_that_rule_1_asks_for():
     import inspect
     from reducelab.checks import ddp_model
     assert "the buffers after fn are this rank's own or rank 0's" in inspect.getsource(ddp_model)
+
+
+def _collectives_of_one_backward(aux_used):
+    """The gloo collectives of the first backward() of step 3's Net under DDP, and whether it
+    returned, on each rank."""
+    import os
+    os.environ["KINETO_LOG_LEVEL"] = "99"
+    torch.manual_seed(0)
+    model = NB.DDP(NB.Net())
+    x, y = NB.local_batch(NB.dist.get_rank())
+    loss = NB.F.mse_loss(model(x, use_aux=aux_used), y)
+    with torch.profiler.profile() as prof:
+        loss.backward()
+    return sorted(e.name for e in prof.events() if e.name.startswith("gloo:"))
+
+
+def test_a_bucket_never_ready_launches_nothing_and_backward_does_not_wait(group):
+    """Review 8 (13-a): with aux unused, the one bucket is never launched and backward()
+    returns at once with no collective; with aux used, its backward all-reduces the bucket
+    (and waits for it). The timeout of the default group would end a wait that never ends."""
+    group.resize(2)
+    assert group.run(_collectives_of_one_backward, False) == [[], []]
+    assert group.run(_collectives_of_one_backward, True) == [["gloo:all_reduce"]] * 2

@@ -312,8 +312,10 @@ WHY = {
             "last batch, (4 x 1 + (r + 1)) / 5. No rank holds 2.5, the mean of the data.",
         3: "aux.weight and aux.bias got no gradient on any rank, and in this small model "
             "every parameter shares one gradient bucket. That bucket never became ready, so "
-            "DDP never all-reduced it: backward() returned with each rank's own, local "
-            "gradient, and the optimizer stepped on it. Nothing raised. From here the four "
+            "DDP never all-reduced it, and never queued the wait at the end of backward() "
+            "(Reducer::mark_variable_ready queues it once the last bucket is launched): "
+            "backward() returned with each rank's own, local gradient, and the optimizer "
+            "stepped on it. Nothing raised. From here the four "
             "replicas differ. The error comes one step later, at the next forward.",
         4: "This is the first forward after the first backward, and with gradients enabled "
             "it rebuilds the gradient buckets: _rebuild_buckets broadcasts rank 0's new bucket "

@@ -108,7 +108,8 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
         training, "parameters_changed", "training_after": every module in training mode
         after fn, "next_step": "" or the error text the next training step raised,
         "through_wrapper": fn called the DDP wrapper, "built_graph": an output of the model
-        required grad during fn (evaluated without torch.no_grad())}``.
+        required grad during fn (evaluated without torch.no_grad()), "trained_forward": a
+        forward of the model during fn ran with a module in training mode}``.
         Computed on copies before fn runs; one broadcast of rank 0's buffers.
     """
     import copy
@@ -149,8 +150,12 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
     wrapper_calls = []                                  # forwards through the DDP wrapper
     hook = model.register_forward_pre_hook(lambda module, args: wrapper_calls.append(1))
     graphs = []                                         # each forward of the model: did it record a graph?
-    graph_hook = model.module.register_forward_hook(
-        lambda module, args, output: graphs.append(bool(getattr(output, "requires_grad", False))))
+    modes = []                                          # each forward of the model: a module in training mode?
+
+    def record(module, args, output):                   # returns None: the output is left as it is
+        graphs.append(bool(getattr(output, "requires_grad", False)))
+        modes.append(any(m.training for m in module.modules()))
+    graph_hook = model.module.register_forward_hook(record)
     try:
         value = fn(model, xv[mine], yv[mine])
     finally:
@@ -177,7 +182,8 @@ def evaluate_on_every_rank(fn, sizes=SHARD_SIZES, steps: int = 2) -> dict:
             "share_rank0": share_rank0, "share_own": share_own, "sizes": tuple(sizes),
             "buffers_ok": buffers_ok, "parameters_changed": parameters_changed,
             "training_after": training_after, "next_step": next_step,
-            "through_wrapper": bool(wrapper_calls), "built_graph": any(graphs)}
+            "through_wrapper": bool(wrapper_calls), "built_graph": any(graphs),
+            "trained_forward": any(modes)}
 
 
 def _close_to(a: float, b: float) -> bool:
@@ -196,6 +202,14 @@ def _judge_evaluation(rows: list[dict]) -> tuple[str, str] | None:
                     f"Python float, the same number on every rank.", "not a number")
     if not all(row["buffers_ok"] for row in rows):
         which = [r for r, row in enumerate(rows) if not row["buffers_ok"]]
+        if not any(row["trained_forward"] for row in rows if not row["buffers_ok"]):
+            return (f"BatchNorm's running statistics on rank(s) {', '.join(map(str, which))} "
+                    f"changed during evaluate, though no forward ran in training mode: your "
+                    f"function changed them itself (an all_reduce of them, for instance). The "
+                    f"model to score is the one rank 0 holds and a rank-0 checkpoint keeps; an "
+                    f"average of the ranks' statistics is a model no rank holds. Leave each "
+                    f"rank's statistics as they were, or make them rank 0's.",
+                    "changed the statistics")
         return (f"BatchNorm's running statistics on rank(s) {', '.join(map(str, which))} were "
                 f"updated during evaluate: the model ran in training mode, so BatchNorm "
                 f"normalised each validation batch with that batch's own statistics and added "

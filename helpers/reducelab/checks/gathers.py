@@ -231,7 +231,9 @@ def _diagnose(world_size, dataset_size, epoch, values, want, calls) -> str:
                 f"the sampler's {p} repeat(s) are counted twice. Removing repeats within "
                 f"one rank's indices finds none: the sampler puts each repeat on another "
                 f"rank than its first copy. Find which of a rank's indices are padding, and "
-                f"leave them out of both the sum and the count.")
+                f"leave them out of both the sum and the count. If your function already "
+                f"leaves out what it takes for padding, here it left out nothing: check its "
+                f"rule where the data set's samples end and the padding begins.")
     if close(v, wrong["padded sum / dataset_size"]):
         return (f"{head} The count is right, but the sum still holds the {p} repeated "
                 f"sample(s): leave the padding out of the sum too.")
