@@ -670,6 +670,16 @@ def returns_nothing(x):
     dist.reduce(x.clone(), dst=0)
 
 
+def keeps_what_reduce_returns(x):                # reduce's return value taken for the sum
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        got = dist.reduce(x[c * k:(c + 1) * k].clone(), dst=c)
+        if c == rank:
+            mine = got
+    return mine
+
+
 def raises(x):
     raise ValueError("not written yet")
 
@@ -685,6 +695,8 @@ MISTAKES = [
     (with_all_reduce, "your function called dist.all_reduce"),
     (whole_sum, "rank 0 returned 4 elements; expected 2"),
     (returns_nothing, "rank 0 returned None"),
+    (keeps_what_reduce_returns, "reduce does not return the sum, it writes it into the tensor "
+                                "you pass it, on dst."),
     (raises, "ValueError: not written yet"),
 ]
 
@@ -731,6 +743,20 @@ def test_one_buffer_counts_ranks_twice_as_the_message_says(group):
     out = group.run(lambda: one_copy_for_all(exercise_input(dist.get_rank(), 2, 2)))
     assert out[0].tolist() == [21.0, 21.0]
     group.resize(4)
+
+
+def test_the_mistakes_messages_point_to_the_step_that_shows_partial_sums():
+    """The one-buffer message sends the learner to where the partial sums on the ranks that
+    were not dst are first shown: Step 2's run (it said Step 4, the explorer). A None returned
+    is named both ways it comes: a missing return, or dist.reduce's own return value."""
+    from reducelab.checks import reduce as checks
+    message = checks._WRONG_SUM["one buffer"][1]
+    assert "(Step 2)" in message and "(Step 4)" not in message
+    step2 = next(c for c in notebook_cells() if c.startswith("## Step 2."))
+    shown = next(c for c in notebook_cells() if c.startswith("`dst` holds the full sum, as promised"))
+    assert "Run it: whose tensor changes?" in step2 and "**partial sums**" in shown
+    assert "without a return statement" in checks._RETURNED_NONE
+    assert "what dist.reduce itself returns" in checks._RETURNED_NONE
 
 
 # --- the notebook itself ------------------------------------------------------------------
