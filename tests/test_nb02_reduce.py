@@ -1071,3 +1071,32 @@ def test_review_7_question_3_has_its_reasoning_handle_and_step_2_its_stake():
     step_2 = next(c for c in cells[:q1] if c.startswith("`dst` holds the full sum"))
     assert "Why it matters" in step_2 and "`ReduceLROnPlateau`" in step_2
     assert "learning rates drift apart" in step_2
+
+
+def sums_on_a_non_dst_rank(n):
+    x = torch.full((n,), 10.0 ** dist.get_rank())
+    before = x.clone()
+    dist.reduce(x, dst=0)
+    return int((x != before).sum())
+
+
+def test_step_5_says_why_gloo_works_in_x_and_the_sums_outgrow_its_scratch(group):
+    """Review 8 (02): the notebook said that gloo uses x as its work buffer, not why. Step 5
+    now says gloo's scratch holds only the two segments in flight (tmpAllocation in
+    gloo/reduce.cc, segments of at most 1 MiB), so the running sums build up in x. On 2
+    ranks with 4M float32 elements (16 MiB: 16 segments of 1 MiB, 262,144 elements each),
+    rank 1 (not dst) ends with sums written into 14 segments of its x, the 14 rounds in which
+    gloo sends (the replay's schedule): seven times what two segments of scratch hold."""
+    group.resize(2)
+    try:
+        changed = group.run(sums_on_a_non_dst_rank, 2 ** 22)[1]
+    finally:
+        group.resize(4)
+    segment = 2 ** 20 // 4                                   # 1 MiB of float32
+    assert changed == 14 * segment and changed > 2 * segment
+    said = next(c for c in notebook_cells() if c.startswith("gloo uses each rank's `x` as its work buffer"))
+    assert ("Why `x`? gloo's scratch holds only the two segments in flight (`tmpAllocation` in "
+            "`gloo/reduce.cc`): the running sums build up in `x`, sparing every rank a second "
+            "buffer of its size.") in said
+    step4 = next(c for c in notebook_cells() if c.startswith("## Step 4. Explore"))
+    assert "coloured and hatched as in Step 3's figure" in step4
