@@ -987,7 +987,8 @@ from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (
 
 def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
     """Review 5: the core fits one study unit. NCCL's contract, the untimed race and the
-    popular answer's three examples follow the summary, each marked optional; the myth
+    popular answer's three examples follow the summary, each marked optional (review 8 adds
+    the sums that count a rank twice above 2 * world_size MiB); the myth
     table stays in the core; no code cell outside them uses a name only they bind."""
     from test_notebooks import OPTIONAL_MARK
     cells = json.loads(NOTEBOOK.read_text())["cells"]
@@ -997,6 +998,7 @@ def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
     reading = next(i for i, t in enumerate(text) if t.startswith("## Further reading"))
     assert [text[i].split("\n")[0] for i in marks] == [
         "## What NCCL does with `x` (optional, after the lesson)",
+        "## Above 2 · `world_size` MiB: sums that count a rank twice (optional, after the lesson)",
         "## A write before `wait()`, left to timing (optional, after the lesson)",
         "## The popular answer's examples, run (optional, after the lesson)"]
     assert summary < marks[0] and marks[-1] < reading
@@ -1100,3 +1102,43 @@ def test_step_5_says_why_gloo_works_in_x_and_the_sums_outgrow_its_scratch(group)
             "buffer of its size.") in said
     step4 = next(c for c in notebook_cells() if c.startswith("## Step 4. Explore"))
     assert "coloured and hatched as in Step 3's figure" in step4
+
+
+def distinct_values(n):
+    x = torch.full((n,), 10.0 ** dist.get_rank())
+    dist.reduce(x, dst=0)
+    values, counts = x.unique(return_counts=True)
+    return {int(v): int(c) for v, c in zip(values, counts)}
+
+
+def test_above_2_world_size_mib_a_non_dst_rank_holds_sums_that_count_a_rank_twice(group):
+    """Review 8 (02): the summary said the other ranks hold partial sums, full sums or their
+    input. Above 2 * world_size MiB gloo's 1 MiB segments make more than 2 a rank, and the
+    extra rounds add a rank's finished chunk into rank r - 1 once more: 21 on 2 ranks (rank 1
+    counted twice), 1121, 1211 and 2111 on 4. At 2 * world_size MiB there is no such value.
+    The summary names it, an optional part runs it, and its stored run shows 21."""
+    MIB = 2 ** 18
+    group.resize(2)
+    try:
+        assert group.run(distinct_values, 4 * MIB)[1] == {10: 2 * MIB, 11: 2 * MIB}
+        assert group.run(distinct_values, 16 * MIB)[1] == {10: 2 * MIB, 11: 8 * MIB, 21: 6 * MIB}
+        group.resize(4)
+        held = group.run(distinct_values, 8 * MIB)
+        assert not [v for h in held for v in h if "2" in str(v)], held     # no rank twice
+        held = group.run(distinct_values, 32 * MIB)
+        assert [max(h) for h in held] == [1111, 1121, 1211, 2111]
+    finally:
+        group.resize(4)
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    summary = next(t for t in text if t.startswith("## Summary"))
+    assert "above 2 · `world_size` MiB also sums that count a rank twice (optional part)" in summary
+    start = next(i for i, t in enumerate(text)
+                 if t.startswith("## Above 2 · `world_size` MiB: sums that count a rank twice "
+                                 "(optional, after the lesson)"))
+    assert start > text.index(summary) and "`kMaxSegmentSize` in `gloo/reduce.h`" in text[start]
+    replay = next(t for t in text if "def ring_reduce_replay" in t)
+    assert "then, if rounds remain, rank c - 1" in replay and "then, if rounds remain, rank c - 1" in text[start]
+    shown = "".join("".join(o.get("text", "")) for o in cells[start + 1]["outputs"])
+    assert "4 MiB: rank 1's x holds 10 in 2 MiB, 11 in 2 MiB\n" in shown, shown
+    assert "16 MiB: rank 1's x holds 10 in 2 MiB, 11 in 8 MiB, 21 in 6 MiB\n" in shown, shown
