@@ -670,6 +670,16 @@ def returns_nothing(x):
     dist.reduce(x.clone(), dst=0)
 
 
+def keeps_what_reduce_returns(x):                # reduce's return value taken for the sum
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // n
+    for c in range(n):
+        got = dist.reduce(x[c * k:(c + 1) * k].clone(), dst=c)
+        if c == rank:
+            mine = got
+    return mine
+
+
 def raises(x):
     raise ValueError("not written yet")
 
@@ -685,6 +695,8 @@ MISTAKES = [
     (with_all_reduce, "your function called dist.all_reduce"),
     (whole_sum, "rank 0 returned 4 elements; expected 2"),
     (returns_nothing, "rank 0 returned None"),
+    (keeps_what_reduce_returns, "reduce does not return the sum, it writes it into the tensor "
+                                "you pass it, on dst."),
     (raises, "ValueError: not written yet"),
 ]
 
@@ -731,6 +743,20 @@ def test_one_buffer_counts_ranks_twice_as_the_message_says(group):
     out = group.run(lambda: one_copy_for_all(exercise_input(dist.get_rank(), 2, 2)))
     assert out[0].tolist() == [21.0, 21.0]
     group.resize(4)
+
+
+def test_the_mistakes_messages_point_to_the_step_that_shows_partial_sums():
+    """The one-buffer message sends the learner to where the partial sums on the ranks that
+    were not dst are first shown: Step 2's run (it said Step 4, the explorer). A None returned
+    is named both ways it comes: a missing return, or dist.reduce's own return value."""
+    from reducelab.checks import reduce as checks
+    message = checks._WRONG_SUM["one buffer"][1]
+    assert "(Step 2)" in message and "(Step 4)" not in message
+    step2 = next(c for c in notebook_cells() if c.startswith("## Step 2."))
+    shown = next(c for c in notebook_cells() if c.startswith("`dst` holds the full sum, as promised"))
+    assert "Run it: whose tensor changes?" in step2 and "**partial sums**" in shown
+    assert "without a return statement" in checks._RETURNED_NONE
+    assert "what dist.reduce itself returns" in checks._RETURNED_NONE
 
 
 # --- the notebook itself ------------------------------------------------------------------
@@ -961,7 +987,8 @@ from test_notebooks import bound_and_loaded as _bound_and_loaded  # noqa: E402 (
 
 def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
     """Review 5: the core fits one study unit. NCCL's contract, the untimed race and the
-    popular answer's three examples follow the summary, each marked optional; the myth
+    popular answer's three examples follow the summary, each marked optional (review 8 adds
+    the sums that count a rank twice above 2 * world_size MiB); the myth
     table stays in the core; no code cell outside them uses a name only they bind."""
     from test_notebooks import OPTIONAL_MARK
     cells = json.loads(NOTEBOOK.read_text())["cells"]
@@ -971,6 +998,7 @@ def test_the_optional_parts_follow_the_summary_and_no_core_cell_needs_them():
     reading = next(i for i, t in enumerate(text) if t.startswith("## Further reading"))
     assert [text[i].split("\n")[0] for i in marks] == [
         "## What NCCL does with `x` (optional, after the lesson)",
+        "## Above 2 · `world_size` MiB: sums that count a rank twice (optional, after the lesson)",
         "## A write before `wait()`, left to timing (optional, after the lesson)",
         "## The popular answer's examples, run (optional, after the lesson)"]
     assert summary < marks[0] and marks[-1] < reading
@@ -1045,3 +1073,72 @@ def test_review_7_question_3_has_its_reasoning_handle_and_step_2_its_stake():
     step_2 = next(c for c in cells[:q1] if c.startswith("`dst` holds the full sum"))
     assert "Why it matters" in step_2 and "`ReduceLROnPlateau`" in step_2
     assert "learning rates drift apart" in step_2
+
+
+def sums_on_a_non_dst_rank(n):
+    x = torch.full((n,), 10.0 ** dist.get_rank())
+    before = x.clone()
+    dist.reduce(x, dst=0)
+    return int((x != before).sum())
+
+
+def test_step_5_says_why_gloo_works_in_x_and_the_sums_outgrow_its_scratch(group):
+    """Review 8 (02): the notebook said that gloo uses x as its work buffer, not why. Step 5
+    now says gloo's scratch holds only the two segments in flight (tmpAllocation in
+    gloo/reduce.cc, segments of at most 1 MiB), so the running sums build up in x. On 2
+    ranks with 4M float32 elements (16 MiB: 16 segments of 1 MiB, 262,144 elements each),
+    rank 1 (not dst) ends with sums written into 14 segments of its x, the 14 rounds in which
+    gloo sends (the replay's schedule): seven times what two segments of scratch hold."""
+    group.resize(2)
+    try:
+        changed = group.run(sums_on_a_non_dst_rank, 2 ** 22)[1]
+    finally:
+        group.resize(4)
+    segment = 2 ** 20 // 4                                   # 1 MiB of float32
+    assert changed == 14 * segment and changed > 2 * segment
+    said = next(c for c in notebook_cells() if c.startswith("gloo uses each rank's `x` as its work buffer"))
+    assert ("Why `x`? gloo's scratch holds only the two segments in flight (`tmpAllocation` in "
+            "`gloo/reduce.cc`): the running sums build up in `x`, sparing every rank a second "
+            "buffer of its size.") in said
+    step4 = next(c for c in notebook_cells() if c.startswith("## Step 4. Explore"))
+    assert "coloured and hatched as in Step 3's figure" in step4
+
+
+def distinct_values(n):
+    x = torch.full((n,), 10.0 ** dist.get_rank())
+    dist.reduce(x, dst=0)
+    values, counts = x.unique(return_counts=True)
+    return {int(v): int(c) for v, c in zip(values, counts)}
+
+
+def test_above_2_world_size_mib_a_non_dst_rank_holds_sums_that_count_a_rank_twice(group):
+    """Review 8 (02): the summary said the other ranks hold partial sums, full sums or their
+    input. Above 2 * world_size MiB gloo's 1 MiB segments make more than 2 a rank, and the
+    extra rounds add a rank's finished chunk into rank r - 1 once more: 21 on 2 ranks (rank 1
+    counted twice), 1121, 1211 and 2111 on 4. At 2 * world_size MiB there is no such value.
+    The summary names it, an optional part runs it, and its stored run shows 21."""
+    MIB = 2 ** 18
+    group.resize(2)
+    try:
+        assert group.run(distinct_values, 4 * MIB)[1] == {10: 2 * MIB, 11: 2 * MIB}
+        assert group.run(distinct_values, 16 * MIB)[1] == {10: 2 * MIB, 11: 8 * MIB, 21: 6 * MIB}
+        group.resize(4)
+        held = group.run(distinct_values, 8 * MIB)
+        assert not [v for h in held for v in h if "2" in str(v)], held     # no rank twice
+        held = group.run(distinct_values, 32 * MIB)
+        assert [max(h) for h in held] == [1111, 1121, 1211, 2111]
+    finally:
+        group.resize(4)
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    summary = next(t for t in text if t.startswith("## Summary"))
+    assert "above 2 · `world_size` MiB also sums that count a rank twice (optional part)" in summary
+    start = next(i for i, t in enumerate(text)
+                 if t.startswith("## Above 2 · `world_size` MiB: sums that count a rank twice "
+                                 "(optional, after the lesson)"))
+    assert start > text.index(summary) and "`kMaxSegmentSize` in `gloo/reduce.h`" in text[start]
+    replay = next(t for t in text if "def ring_reduce_replay" in t)
+    assert "then, if rounds remain, rank c - 1" in replay and "then, if rounds remain, rank c - 1" in text[start]
+    shown = "".join("".join(o.get("text", "")) for o in cells[start + 1]["outputs"])
+    assert "4 MiB: rank 1's x holds 10 in 2 MiB, 11 in 2 MiB\n" in shown, shown
+    assert "16 MiB: rank 1's x holds 10 in 2 MiB, 11 in 8 MiB, 21 in 6 MiB\n" in shown, shown

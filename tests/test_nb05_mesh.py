@@ -996,8 +996,8 @@ def test_the_fixes_are_run_in_a_cell_and_the_prose_follows_the_runs():
     lines = {line.split("  ")[0]: line for line in printed.splitlines()}
     assert "reference: 1 to 1" in lines["rebuild with shape= and stride="]
     assert "reference: 2 to 2" in lines["no rebuild"]
-    assert "reference|: ≤ 1e-06" in lines["rebuild with shape= and stride="]     # rounding, against
-    assert "reference|: 30 (above 1e-06)" in lines["no rebuild"]                 # a stated bound
+    assert "reference|: ≤ 1e-05" in lines["rebuild with shape= and stride="]     # rounding, against
+    assert "reference|: 30 (above 1e-05)" in lines["no rebuild"]                 # a stated bound
     assert "reference: 1 to 1" in lines["no rebuild, SUM then .div_()"]
     prose = "\n".join(_src(c) for c in cells if c["cell_type"] == "markdown")
     assert "the rebuild is not needed at all" not in prose
@@ -1223,3 +1223,129 @@ def test_step_4_keeps_the_same_calls_rule_and_the_async_demo_is_optional():
     assert not any("handles()" in c for c, p in zip(cells, parts) if p is None)
     view = next(c for c in cells if "`to_local()` is a view" in c and c.startswith("Ranks 0 and 1"))
     assert "each filled their own shard, and `weight.grad` now shows both" in view
+
+
+# --- review 8 ------------------------------------------------------------------------------
+def test_the_header_names_every_world_size_the_notebook_runs():
+    """Review 8 (05): the header said world sizes 2, 4 and 8; question 2 runs on 3 ranks.
+    Every literal group.resize(N) and the 8 ranks of step 5's (2, 2, 2) mesh are named."""
+    cells = [_src(c) for c in _cells()]
+    header = re.search(r"world sizes ([\d, and]+) ·", cells[0]).group(1)
+    named = {int(n) for n in re.findall(r"\d+", header)}
+    resized = {int(n) for c in cells for n in re.findall(r"group\.resize\((\d+)\)", c)}
+    assert resized == {2, 3, 4, 8} and resized <= named, (resized, named)
+    step5 = next(c for c in cells if "for dp, tp, cp in (MESH_3D, (2, 2, 2)):" in c)
+    assert "group.resize(dp * tp * cp)" in step5 and 8 in named
+
+
+def test_step_5_compares_flatten_where_dp_x_cp_is_more_than_dp(group):
+    """Review 8 (05): step 5 compared new_subgroups_by_enumeration with _flatten only at
+    (dp, tp, cp) = (2, 2, 1), where cp = 1 makes the dp x cp group the dp group: the run could
+    not tell the two apart. It also runs (2, 2, 2) on 8 ranks, where each group holds 4 ranks
+    of two dp and two cp indices; the stored output shows both, the same on every rank."""
+    group.resize(8)
+    try:
+        out = group.run(run_and_release, compare_flatten, (2, 2, 2))
+        dp_groups = group.run(run_and_release, mesh_groups_3d, (2, 2, 2))
+    finally:
+        group.resize(4)
+    wanted = [[0, 1, 4, 5], [0, 1, 4, 5], [2, 3, 6, 7], [2, 3, 6, 7]] * 2
+    assert [private for private, _ in out] == wanted and [public for _, public in out] == wanted
+    assert all(len(d) == 2 and set(d) < set(w) for d, w in zip(dp_groups, wanted))
+    cells = _cells()
+    said = next(_src(c) for c in cells if _src(c).startswith("`_flatten` has no public twin"))
+    assert "where `cp = 1` makes the `dp x cp` group the `dp` group" in said
+    assert "on 8 ranks at `(2, 2, 2)`" in said
+    ran = next(c for c in cells if "for dp, tp, cp in (MESH_3D, (2, 2, 2)):" in _src(c))
+    shown = "".join("".join(o.get("text", [])) for o in ran["outputs"])
+    assert ("(dp, tp, cp) = (2, 2, 1): groups [(0, 2), (1, 3)], as _flatten's (same order) "
+            "on every rank: True") in shown
+    assert ("(dp, tp, cp) = (2, 2, 2): groups [(0, 1, 4, 5), (2, 3, 6, 7)], as _flatten's "
+            "(same order) on every rank: True") in shown
+    assert _src(ran).rstrip().endswith("group.resize(4)")
+
+
+def mesh_groups_3d(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp", "cp"))
+    return dist.get_process_group_ranks(world["dp"].get_group())
+
+
+def skip_the_first_same_shaped_gradient(path):
+    """The page's loop when rank 1 has no gradient for the first of three same-shaped
+    parameters (an MoE expert no token of its was routed to): rank 1 records what it got."""
+    rank = dist.get_rank()
+    grads = {"a": torch.full((3,), 1.0), "b": torch.full((3,), 10.0), "c": torch.full((3,), 100.0)}
+    if rank == 1:
+        grads.pop("a")
+    for g in grads.values():
+        dist.all_reduce(g)
+    pathlib.Path(path, f"rank{rank}.json").write_text(
+        json.dumps({k: v.tolist() for k, v in grads.items()}))
+
+
+def test_step_4_a_skipped_gradient_mixes_same_shaped_ones_then_hangs(tmp_path):
+    """Review 8 (05): step 4 said only that the rank with a call more waits. Before that, every
+    call after the skipped one pairs with another parameter's: same-shaped gradients are summed
+    together without an error. Run on 2 ranks: rank 1's b holds a + b (1 + 10) and its c holds
+    b + c, and it returns; rank 0 waits in its third all_reduce until the timeout."""
+    from reducelab import LocalGroup
+    g = LocalGroup(world_size=2, timeout=3)
+    try:
+        with pytest.raises(RankError) as err:
+            g.run(skip_the_first_same_shaped_gradient, str(tmp_path))
+    finally:
+        g.close()
+    states = {r.rank: r.state for r in err.value.reports}
+    assert states == {0: "stuck", 1: "returned"}, states
+    assert "all_reduce" in err.value.reports[0].summary
+    got = json.loads((tmp_path / "rank1.json").read_text())
+    assert got == {"b": [11.0] * 3, "c": [110.0] * 3}
+    assert not (tmp_path / "rank0.json").exists()
+    step4 = next(_src(c) for c in _cells() if _src(c).startswith("## Step 4: the same calls"))
+    assert ("each call meets another parameter's call on the other ranks: two gradients of the "
+            "same shape (two experts) are summed together without an error") in step4
+    assert "at the end the rank with a call more waits for a partner that never comes" in step4
+    assert "Notebook 11 (step 1) finds the rank that waits." in step4
+
+
+def test_question_3s_why_quotes_from_locals_docstring_and_says_it_sends_nothing():
+    """Review 8 (05): the reveal said that from_local assumes even shards, not why a rank
+    cannot know better: by default it sends nothing to the other ranks (run_check=False),
+    and its docstring says the shape is computed assuming even sharding. Both read from the
+    installed torch."""
+    import inspect as inspect_
+    from torch.distributed.tensor import DTensor
+    assert inspect_.signature(DTensor.from_local).parameters["run_check"].default is False
+    doc = " ".join(DTensor.from_local.__doc__.split())
+    quoted = "assuming the given distributed tensor is evenly sharded across ranks"
+    assert f"``shape`` will be computed {quoted}" in doc
+    text = why("05", 3)
+    assert f'"{quoted}" (its docstring)' in text
+    assert "sends nothing to the other ranks (run_check=False by default)" in text
+    solution = (NOTEBOOK.parent / "solutions" / "05_token_weighted_sync.py").read_text()
+    assert "(step 4: one" not in solution and "(the optional part on the loop's cost)" in solution
+    assert next(_src(c) for c in _cells()
+                if _src(c).startswith("## What the page's loop costs (optional, after the lesson)"))
+
+
+def test_the_dtensor_runs_compare_at_a_tolerance_of_several_units_in_the_last_place():
+    """Review 8 (05): step 6 and the two DTensor parts after the lesson compared gradients that
+    reach about 31 with the one-process reference at 1e-6, below float32's last place there
+    (2**-19 ≈ 1.9e-6): a run on this CPU, in both CPU passes, differs by that one unit and
+    printed "2e-06 (above 1e-06)" where the prose says the rebuild gives the reference. TOL,
+    stated once in step 6, is at least 4 units in the last place at the largest gradient;
+    every DTensor comparison uses it, and the stored runs are within it."""
+    cells = _cells()
+    defined = next(_src(c) for c in cells if _src(c).startswith("def page_dtensor_sync"))
+    tol = float(re.search(r"^TOL = ([0-9.e-]+)", defined, re.M).group(1))
+    for rows in (4, 5):
+        largest = notebook_function("reference_grad")(rows).abs().max()
+        ulp = torch.finfo(torch.float32).eps * 2.0 ** math.floor(math.log2(largest))
+        assert 4 * ulp <= tol < 1, (rows, largest, ulp, tol)
+    for start in ("def page_dtensor_sync", "def page_branch_ending", "def public_dtensor_sync"):
+        cell = next(c for c in cells if _src(c).startswith(start))
+        assert "1e-6" not in _src(cell) and ", TOL)" in _src(cell), start
+        shown = "".join("".join(o.get("text", [])) for o in cell["outputs"])
+        assert "(above 1e-05)" not in shown.replace("30 (above 1e-05)", ""), shown
+        assert "≤ 1e-05" in shown, shown

@@ -7,8 +7,8 @@ import torch.distributed as dist
 def sync_grads(model, mesh, n_tokens):
     # This rank's loss is a mean over its n_tokens real tokens, so n_tokens * p.grad is the
     # gradient of their SUM. Sums add up across ranks; means of different counts do not.
-    # One flat buffer holds every weighted gradient and, last, the count (step 4: one
-    # all_reduce of everything, not one per parameter). init_device_mesh already made one
+    # One flat buffer holds every weighted gradient and, last, the count: one all_reduce
+    # of everything, not one per parameter (the optional part on the loop's cost). init_device_mesh already made one
     # process group per mesh dimension: a SUM along dp, then along cp, covers the dp x cp
     # ranks without making a new group (and never the tp ranks, which hold other parameters).
     # Give every parameter a gradient, zeros if need be, before the sync: a parameter that

@@ -122,7 +122,7 @@ _WRONG_SUM = {
     "one buffer": (
         _one_buffer,
         "That is what one buffer sent through every reduce gives. After a reduce, the "
-        "buffer holds gloo's partial sums on the ranks that were not its dst (Step 4), "
+        "buffer holds gloo's partial sums on the ranks that were not its dst (Step 2), "
         "and the next reduce adds them in again: some ranks are counted more than once "
         "(read the digits). A buffer must go into one reduce only, or each reduce must "
         "touch elements no earlier reduce wrote."),
@@ -136,6 +136,12 @@ _WRONG_SUM = {
         _own_chunk,
         "That is this rank's own chunk of x, with nothing reduced into it."),
 }
+
+
+_RETURNED_NONE = (
+    " None is what a function without a return statement gives, and what dist.reduce "
+    "itself returns (a work handle only with async_op=True): reduce does not return the "
+    "sum, it writes it into the tensor you pass it, on dst.")
 
 
 def _on_rank(fn, k: int, record: bool):
@@ -300,7 +306,8 @@ def _check_at(group: LocalGroup, fn, ws: int, k: int) -> Verdict | None:
         got = o[2]
         if not isinstance(got, torch.Tensor):
             return failed(f"{at}, rank {r} returned {got!r}; expected a tensor of {k} "
-                          f"elements, the sum over ranks of chunk {r}: {_values(want[r])}.")
+                          f"elements, the sum over ranks of chunk {r}: {_values(want[r])}."
+                          + (_RETURNED_NONE if got is None else ""))
         if got.numel() != k:
             return failed(f"{at}, rank {r} returned {got.numel()} elements; expected {k}: "
                           f"chunk {r} of the sum only, {_values(want[r])}.")
