@@ -483,8 +483,11 @@ WRONG_ANSWERS = [
      "set for the shell only: without `export`"),                          # review 7 (07-5)
     ((RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", "cd /scratch && "), RANKS), "The command starts with 'cd /scratch'"),
     ((RIGHT.replace("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"), RANKS), "pins gloo's sockets only"),
-    ((RIGHT.replace("eth1", "eth0"), RANKS), "NCCL_SOCKET_IFNAME is 'eth0'"),
-    ((RIGHT.replace("eth1", "eth"), RANKS), "the start of the interface names"),
+    # teach-f review: one message served all three ("...so that is not the interface node 2
+    # shares with the others, or not it alone"); each now names its own mistake
+    ((RIGHT.replace("eth1", "eth0"), RANKS), "NCCL_SOCKET_IFNAME is 'eth0', node 2's network of its own"),
+    ((RIGHT.replace("eth1", "eth"), RANKS), "the start of the interface names it may use, so 'eth' lets it pick eth0 too"),
+    ((RIGHT.replace("eth1", "ib0"), RANKS), "'ib0', which does not name eth1"),
     ((RIGHT, RANKS, (5, 1)), "the other way round"),
     ((RIGHT, RANKS, (1, 13)), "LOCAL_RANK counts within a node"),
     ((RIGHT, RANKS, (2, 5)), "Node ranks count from 0"),
