@@ -483,8 +483,11 @@ WRONG_ANSWERS = [
      "set for the shell only: without `export`"),                          # review 7 (07-5)
     ((RIGHT.replace("NCCL_SOCKET_IFNAME=eth1 ", "cd /scratch && "), RANKS), "The command starts with 'cd /scratch'"),
     ((RIGHT.replace("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"), RANKS), "pins gloo's sockets only"),
-    ((RIGHT.replace("eth1", "eth0"), RANKS), "NCCL_SOCKET_IFNAME is 'eth0'"),
-    ((RIGHT.replace("eth1", "eth"), RANKS), "the start of the interface names"),
+    # teach-f review: one message served all three ("...so that is not the interface node 2
+    # shares with the others, or not it alone"); each now names its own mistake
+    ((RIGHT.replace("eth1", "eth0"), RANKS), "NCCL_SOCKET_IFNAME is 'eth0', node 2's network of its own"),
+    ((RIGHT.replace("eth1", "eth"), RANKS), "the start of the interface names it may use, so 'eth' lets it pick eth0 too"),
+    ((RIGHT.replace("eth1", "ib0"), RANKS), "'ib0', which does not name eth1"),
     ((RIGHT, RANKS, (5, 1)), "the other way round"),
     ((RIGHT, RANKS, (1, 13)), "LOCAL_RANK counts within a node"),
     ((RIGHT, RANKS, (2, 5)), "Node ranks count from 0"),
@@ -842,8 +845,10 @@ def test_review_7_question_1_s_way_to_reason_question_2_s_node_and_c10d_s_node_r
     assert "only used for static rendezvous" in action.help.replace("\n", " ")
     cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
     q1 = next(s for s in cells if s.startswith("**Question 1.**"))
-    assert "A way to reason: for each, is the host or interface it was given the address it binds " \
-           "to, or only where its clients connect?" in q1
+    # teach-f review: the earlier way to reason ("the address it binds to, or only where its
+    # clients connect?") named the answer's mechanism; it now asks who must reach each listener
+    assert "A way to reason: who must reach each listener?" in q1
+    assert "only where its clients connect" not in q1 and "binds" not in q1
     step6 = next(s for s in cells if s.startswith("## Step 6: several nodes"))
     assert "the rendezvous then hands out the node ranks itself, and ignores `--node-rank` " \
            "(torchrun's help: \"only used for static rendezvous\")" in step6
@@ -887,3 +892,25 @@ def test_the_review_6_wording_holds():
     assert "`LocalGroup` wraps `dist.init_process_group` on its ranks to allow that" in step3
     said = re.search(r"a second call raises `ValueError: ([^`]+)`", step3).group(1)
     assert f'raise ValueError("{said}")' in _inspect.getsource(dist.distributed_c10d.init_process_group)
+
+
+def test_teach_f_the_claims_the_header_counts_the_store_s_docstring_and_who_listens():
+    """teach-f review (07): the header promised four claims and the optional part checked
+    five, the fifth (GLOO_SOCKET_IFNAME=lo) repeating the first; it is folded into the first,
+    beside the docstring that makes the myth believable (quoted from torch's TCPStore). Step
+    6's table said one TCPStore listens on one node (step 4 measured two) and, on several, "on
+    the head node" (with c10d the ranks' store is on node 0's agent, the rendezvous's on the
+    endpoint's host: _create_tcp_store_server in dynamic_rendezvous.py). The explorer's text
+    no longer prints the sum it asks the learner to find."""
+    import torch.distributed as dist
+    cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]]
+    assert "four claims about `torchrun` checked" in cells[0]
+    myths = markdown().split("## Common misconceptions (optional, after the lesson)")[1].split("\n## ")[0]
+    assert len(re.findall(r"^\*\*Claim: ", myths, re.M)) == 4
+    quote = "The hostname or IP Address the server store should run on"
+    assert quote in " ".join(dist.TCPStore.__doc__.split()) and f'`host_name`: "{quote}"' in myths
+    assert "ignore it" in myths and "GLOO_SOCKET_IFNAME" in myths
+    row = next(line for line in markdown().splitlines() if line.startswith("| what listens |"))
+    assert "two `TCPStore`s" in row and "node 0's agent's `TCPStore`" in row and "head node" not in row
+    explore = next(s for s in cells if s.startswith("Try `--nnodes 2 --nproc-per-node 2`"))
+    assert "15" not in explore and "work out node 3's sum" in explore

@@ -832,3 +832,23 @@ def test_review_7_intro_rule_bullets_and_flat_buffer():
             "buffer for one call (the exercise):") in step_1
     loop = next(s for s, c in cells() if c["cell_type"] == "code" and "def sp_step" in s)
     assert "for name in SEQUENCE_PARALLEL:" in loop and "dist.all_reduce(grads[name])" in loop   # one per gradient
+
+
+def test_teach_f_the_rule_after_question_2_names_its_tp_case_before_the_sum_and_the_mean():
+    """teach-f review (18): the paragraph after question 2 stated "average over the dimensions
+    whose ranks hold the same parameters and see different data; never over tp", then the next
+    bullet met tp ranks that hold the same parameter and see different tokens (question 1's)
+    and are summed: the stated rule contradicted itself two lines on. It now says combine,
+    names question 1's parameters as the one case on tp before asking sum or mean, and keeps
+    "never" for the sharded weights. The myth repeated step 3 word for word; it is cut to
+    the question 2 it points to."""
+    rule = next(s for s, _ in cells() if s.startswith("This is notebook 05's rule seen from the other side"))
+    first = rule.split("\n\n")[0]
+    assert first.count("Average") == 0 and "Combine a gradient over the mesh dimensions" in first
+    assert "A sharded weight is never combined over `tp`" in first
+    assert "Question 1's parameters are the one case on `tp`" in first
+    assert "look like an exception" not in rule
+    assert "- **A sum over `tp`.** Question 1's `tp` ranks share one loss" in rule
+    myth = next(s for s, _ in cells() if s.startswith("## Myth vs reality"))
+    assert "One exception sits inside" not in myth and "question 1's parameters also need a sum" in myth
+    assert "Dropout takes this rank's tokens of one mask" in markdown()

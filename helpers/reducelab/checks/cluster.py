@@ -245,9 +245,19 @@ def _check_interface(env: dict, shell_only: dict) -> Verdict:
         return failed(f"The options are right, but nothing names the network interface. "
                       f"Where it is not told, NCCL picks one itself, and on node {NODE_RANK} "
                       f"it may pick {OWN_IFNAME}, a network the other nodes cannot reach.")
-    return failed(f"The options are right, but NCCL_SOCKET_IFNAME is {nccl!r}: NCCL reads a "
-                  f"plain value as the start of the interface names it may use, so that is "
-                  f"not the interface node {NODE_RANK} shares with the others, or not it alone.")
+    if nccl.lstrip("=") == OWN_IFNAME:
+        return failed(f"The options are right, but NCCL_SOCKET_IFNAME is {nccl!r}, node "
+                      f"{NODE_RANK}'s network of its own: NCCL there would listen and connect "
+                      f"where the other nodes cannot reach it.")
+    if nccl and not nccl.startswith(("=", "^")) and OWN_IFNAME.startswith(nccl):
+        return failed(f"The options are right, but NCCL_SOCKET_IFNAME is {nccl!r}: NCCL reads a "
+                      f"plain value as the start of the interface names it may use, so "
+                      f"{nccl!r} lets it pick {OWN_IFNAME} too, a network the other nodes "
+                      f"cannot reach.")
+    return failed(f"The options are right, but NCCL_SOCKET_IFNAME is {nccl!r}, which does not "
+                  f"name {IFNAME}, the interface node {NODE_RANK} shares with the others "
+                  f"(a plain value is the start of the names NCCL may use, '=name' one exact "
+                  f"name).")
 
 
 def _check_where(where) -> Verdict:
