@@ -802,11 +802,11 @@ def test_step_4_says_why_the_copies_of_a_tp_group_need_one_mask():
 
 def test_the_myth_says_what_larger_local_batches_leave():
     """teach-e review (17, myth 2): "Larger local batches leave fewer independent masks, not zero
-    rows" read as a riddle. It now says the zero rows vanish and sample k keeps one mask on every
+    rows" read as a riddle. It now says the zero rows become rare and sample k keeps one mask on every
     rank; checked here for 4 ranks of 8 samples seeded alike (one process standing in for each):
     sample k's mask is the same on all 4, and no more than 2 of 64 units are dropped for all 32."""
     text = " ".join(markdown().split())
-    assert ("With larger local batches the zero rows vanish, but sample k still gets the same mask on every "
+    assert ("With larger local batches the zero rows become rare, but sample k still gets the same mask on every "
             "rank (step 2).") in text
     assert "not zero rows" not in text
     ranks = []
