@@ -850,7 +850,9 @@ def test_the_tp_result_leads_and_the_internals_sit_in_further_reading():
     assert "_NormPartial._partition_value" in further and "pytorch/pytorch#121945" in further
     # review 5 (14-3): the split of a copy's norm into tp parts of norm/√tp is taught in the core too
     core = text.split("## Exercise")[0]
-    assert ("`clip_grad_norm_` splits it into `tp` parts of norm/√`tp`, one per tp rank: their squares add up "
+    # teach-e review: clip_grad.py has no split; DTensor's torch.stack does it (the test below runs it)
+    assert ("DTensor's `torch.stack` in `clip_grad_norm_` splits it into `tp` parts of norm/√`tp`, one per tp "
+            "rank: their squares add up "
             "to the copy's square once") in core
 
 
@@ -868,7 +870,7 @@ def test_the_split_of_a_copy_s_norm_is_shown_from_a_run(group):
     stored = stored_text("def a_copy_in_the_stack(")
     assert f"rank 0, 2.weight's norm: (_NormPartial(2), Replicate()), local {local:.4f}" in stored
     assert f"(_NormPartial(2), _NormPartial(2)), local {part:.4f} (local / √2 = {local / 2 ** 0.5:.4f})" in stored
-    split = markdown().index("`clip_grad_norm_` splits it into `tp` parts")
+    split = markdown().index("`torch.stack` in `clip_grad_norm_` splits it into `tp` parts")
     cell = next(i for i, c in enumerate(CELLS) if "def a_copy_in_the_stack(" in "".join(c["source"]))
     assert "".join(CELLS[cell - 1]["source"]) in markdown()[split - 2000:split + 2000]
     clip = (TORCH / "nn" / "utils" / "clip_grad.py").read_text()
