@@ -850,7 +850,9 @@ def test_the_tp_result_leads_and_the_internals_sit_in_further_reading():
     assert "_NormPartial._partition_value" in further and "pytorch/pytorch#121945" in further
     # review 5 (14-3): the split of a copy's norm into tp parts of norm/√tp is taught in the core too
     core = text.split("## Exercise")[0]
-    assert ("`clip_grad_norm_` splits it into `tp` parts of norm/√`tp`, one per tp rank: their squares add up "
+    # teach-e review: clip_grad.py has no split; DTensor's torch.stack does it (the test below runs it)
+    assert ("DTensor's `torch.stack` in `clip_grad_norm_` splits it into `tp` parts of norm/√`tp`, one per tp "
+            "rank: their squares add up "
             "to the copy's square once") in core
 
 
@@ -868,7 +870,7 @@ def test_the_split_of_a_copy_s_norm_is_shown_from_a_run(group):
     stored = stored_text("def a_copy_in_the_stack(")
     assert f"rank 0, 2.weight's norm: (_NormPartial(2), Replicate()), local {local:.4f}" in stored
     assert f"(_NormPartial(2), _NormPartial(2)), local {part:.4f} (local / √2 = {local / 2 ** 0.5:.4f})" in stored
-    split = markdown().index("`clip_grad_norm_` splits it into `tp` parts")
+    split = markdown().index("`torch.stack` in `clip_grad_norm_` splits it into `tp` parts")
     cell = next(i for i, c in enumerate(CELLS) if "def a_copy_in_the_stack(" in "".join(c["source"]))
     assert "".join(CELLS[cell - 1]["source"]) in markdown()[split - 2000:split + 2000]
     clip = (TORCH / "nn" / "utils" / "clip_grad.py").read_text()
@@ -948,9 +950,24 @@ def test_a_pending_norm_stays_pending_through_stack_and_is_completed_before_the_
     assert steps[2] == ("norm of norms", "(Replicate(),)", 1)
     q2 = next(i for i, c in enumerate(CELLS) if "**Question 2.**" in "".join(c["source"]))
     rule = ("A pending value stays pending through operations that act on each piece alike, such as "
-            "`torch.stack`; before one that needs the value itself, DTensor completes it with an "
-            "`all_reduce` on every rank")
+            "`torch.stack`; before a reduction of another kind, DTensor completes it with an "
+            "`all_reduce` on every rank (`common_reduction_strategy` in `_math_ops.py`)")
     assert rule in "".join(CELLS[q2]["source"]).split("**Question 2.**")[0]
+    # teach-e review: the reveal said "the norm of those norms needs their values", which question 1
+    # refutes (norms of pieces add as squares, so it could stay pending). torch 2.13 completes it
+    # because _NormPartial's pending reduction is a sum, not the norm's, and common_reduction_strategy
+    # completes a pending value whose reduction differs: both read from the installed torch here.
+    from torch.distributed.tensor._ops._math_ops import _NormPartial, _get_norm_reduction_op
+    assert _NormPartial(2).reduce_op == "sum" != _get_norm_reduction_op(2)
+    math_ops = (TORCH / "distributed" / "tensor" / "_ops" / "_math_ops.py").read_text()
+    strategy = math_ops.split("def common_reduction_strategy(")[1].split("\ndef ")[0]
+    assert "if isinstance(p, Partial) and p.reduce_op != reduction_op:" in strategy
+    assert "replicate_reduction_dims(" in strategy
+    text = " ".join(WHY["14"][2].split())
+    assert "needs their values" not in text
+    assert ("The norm of those norms could stay pending too, since norms of disjoint pieces add as squares "
+            "(question 1), but torch 2.13 does not defer it: _NormPartial records its pending reduction as a "
+            "sum (of squares), not a norm, and common_reduction_strategy") in text
     assert "Nothing in that file calls `torch.distributed`" not in markdown()
     group.resize(4)
 

@@ -698,7 +698,8 @@ def test_reset_parameters_after_sharding_repeats_one_shard_on_a_cpu_mesh(group):
     ran = inspect.getsource(meta_then_reset_parameters)
     assert ran.index('torch.device("meta")') < ran.index("fully_shard(model") < ran.index("model.to_empty(") \
         < ran.index("model.reset_parameters()")
-    assert ("On a CPU mesh, like this one, that fails silently: with one seed, every rank fills its rows with "
+    # teach-e review: "fails silently" then "torch only warns" contradicted itself; it raises nothing
+    assert ("On a CPU mesh, like this one, that raises nothing: with one seed, every rank fills its rows with "
             f'the same values, and torch only warns "{warning}".') in bullets[1]
     assert "broadcast_from_rank0=True" in bullets[2]
     step_4 = " ".join(source_with("`OffsetBasedRNGTracker`", kind="markdown").split())
@@ -773,3 +774,44 @@ def test_the_summary_says_random_control_flow_must_match_and_what_sequence_paral
     # the quoted error is the one notebook 13 stores from the installed torch
     nb13 = next((ROOT / "notebooks").glob("13_*.ipynb")).read_text()
     assert "Expected to have finished reduction in the prior iteration" in nb13
+
+
+def test_step_4_says_why_the_copies_of_a_tp_group_need_one_mask():
+    """teach-e review (17, step 4): "or their copies stop being copies" said what, not why. The
+    cell now says each tp rank goes on from its own copy into its shard of the next layer, so
+    different masks feed the shards different activations: no one model's forward pass. Run
+    here without ranks: a whole activation, dropout with each tp rank's mask, then a
+    column-parallel Linear split over 2 tp ranks. With one mask the shards make up one
+    process's output; with a mask per rank they make up neither rank's."""
+    text = " ".join(source_with("## Step 4: data parallel and tensor parallel together", kind="markdown").split())
+    assert ("each tp rank goes on from its own copy (the residual sum, the next column-parallel layer), so "
+            "different masks would feed the tp ranks' shards different activations: no one model's forward "
+            "pass.") in text
+    assert "or their copies stop being copies" not in text
+    torch.manual_seed(0)
+    h, layer = torch.randn(3, 16), torch.nn.Linear(16, 8)
+    masks = [torch.nn.functional.dropout(torch.ones(3, 16), p=0.5) for _ in range(2)]   # tp ranks 0 and 1
+    def column_parallel(per_rank_masks):       # tp rank t computes output columns 4t .. 4t + 3
+        return torch.cat([torch.nn.functional.linear(h * m, layer.weight[4 * t:4 * t + 4], layer.bias[4 * t:4 * t + 4])
+                          for t, m in enumerate(per_rank_masks)], dim=1)
+    with torch.no_grad():
+        assert torch.allclose(column_parallel([masks[0], masks[0]]), layer(h * masks[0]))
+        mixed = column_parallel(masks)
+        assert not any(torch.allclose(mixed, layer(h * m)) for m in masks)
+
+
+def test_the_myth_says_what_larger_local_batches_leave():
+    """teach-e review (17, myth 2): "Larger local batches leave fewer independent masks, not zero
+    rows" read as a riddle. It now says the zero rows become rare and sample k keeps one mask on every
+    rank; checked here for 4 ranks of 8 samples seeded alike (one process standing in for each):
+    sample k's mask is the same on all 4, and no more than 2 of 64 units are dropped for all 32."""
+    text = " ".join(markdown().split())
+    assert ("With larger local batches the zero rows become rare, but sample k still gets the same mask on every "
+            "rank (step 2).") in text
+    assert "not zero rows" not in text
+    ranks = []
+    for _ in range(4):
+        torch.manual_seed(0)
+        ranks.append(torch.nn.functional.dropout(torch.ones(8, 64), p=0.5) == 0)
+    assert all(torch.equal(r, ranks[0]) for r in ranks)
+    assert int(torch.cat(ranks).all(dim=0).sum()) <= 2
