@@ -35,11 +35,9 @@ def fresh(code: str) -> dict:
     return json.loads(line[-1][7:])
 
 
-def test_no_setup_cell_imports_matplotlib_or_ipywidgets():
-    """Every notebook's setup-cell imports leave matplotlib and ipywidgets unimported, and
-    so does every plot, explorer and check module a later cell may import (all but
-    ``plots.agg``): an explorer imports ipywidgets when it makes its controls
-    (``reducelab.widgets.W``)."""
+def test_no_setup_cell_imports_matplotlib():
+    """Every notebook's setup-cell imports leave matplotlib unimported, and so does every
+    plot, explorer and check module a later cell may import (all but ``plots.agg``)."""
     assert len(NOTEBOOKS) >= 18
     code = "import json, sys\n"
     for path in NOTEBOOKS:
@@ -51,7 +49,7 @@ def test_no_setup_cell_imports_matplotlib_or_ipywidgets():
                 importlib.import_module(m.name)
         """)
     code += ("print('RESULT', json.dumps(sorted(m for m in sys.modules "
-             "if m.split('.')[0] in ('matplotlib', 'PIL', 'ipywidgets'))))\n")
+             "if m.split('.')[0] in ('matplotlib', 'PIL'))))\n")
     assert "reducelab.plots" in code and "reducelab.widgets" in code
     assert fresh(code) == []
 

@@ -70,25 +70,13 @@ import pickle
 import sys
 import time
 
+import ipywidgets as W
+
 from ..errors import GroupClosedError, RankError
 from ..group import current_group
 from ..palette import WRONG
 from ..plots import message_png
 from ..progress import current_kernel
-
-class _Ipywidgets:
-    """``ipywidgets``, imported at its first use: when an explorer makes its controls, not
-    when a notebook's setup cell imports an explorer module for its constants (issue 23: a
-    setup cell within 1.3 times a bare ``import torch``; importing ipywidgets in a kernel
-    that has imported torch took 50 to 80 ms of CPU, three runs on the busy 2-core
-    machine). Every explorer module reads ipywidgets through this object as ``W``."""
-
-    def __getattr__(self, name: str):
-        import ipywidgets
-        return getattr(ipywidgets, name)
-
-
-W = _Ipywidgets()
 
 QUIET = 0.004
 """Seconds without a further change from the browser before a deferred refresh runs:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots import RankHeatmaps, fmt_value
-from . import W, Explorer
+from . import Explorer
 
 REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
 """The ``dist.ReduceOp`` names the explorer offers (PREMUL_SUM is NCCL/XCCL only)."""

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..checks.cost import seconds_label, size_label
 from ..determinism import within
 from ..group import LocalGroup
 from ..plots.buckets import explorer_figure
-from . import W, Explorer
+from . import Explorer
 
 CAPS = ("None", "1", "0.25", "0.05")
 """The ``bucket_cap_mb`` values offered, as the dropdown shows them (``"None"``: DDP's

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 from ..group import LocalGroup
 from ..plots.cluster import node_layout_figure
-from . import W, Explorer
+from . import Explorer
 
 MAX_WORLD_SIZE = 8
 """The most ranks the explorer starts (a laptop's limit, not torchrun's)."""

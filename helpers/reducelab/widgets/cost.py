@@ -24,13 +24,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import ipywidgets as W
 import numpy as np
 
 from ..checks.cost import (COLLECTIVES, available_cores, busbw, crossover_bytes, gloo_factor,
                            model_seconds, seconds_label, size_label)
 from ..group import LocalGroup
 from ..plots.cost import explorer_figure
-from . import W, Explorer
+from . import Explorer
 
 SIZES = tuple(4 * 16 ** k for k in range(7))
 """The notebook's message sizes, bytes: 4 B, 64 B, 1 KiB, 16 KiB, 256 KiB, 4 MiB, 64 MiB."""

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import torch
 
-from . import W, Explorer
+from . import Explorer
 from ..checks.ddp import (REDUCTIONS, GradientComparison, compare_gradients, expected_factor,
                           explain)
 from ..data import SPLITS, split_sizes

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..errors import RankError
-from . import W, Explorer
+from . import Explorer
 
 AUX_USED_ON = ("every rank", "no rank", "rank 0 only")
 """Where the model's auxiliary head takes part in the loss, by the names the rank

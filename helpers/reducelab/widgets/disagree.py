@@ -32,6 +32,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
+import ipywidgets as W
 
 from ..checks.disagree import record_on_rank
 from ..errors import RankError
@@ -39,7 +40,7 @@ from ..group import LocalGroup, current_group
 from ..plots import fmt_value
 from ..plots.disagree import (TimelineEntry, TimelineRow, clean_summary, fingerprint,
                               full_message, timeline_figure, torch_words)
-from . import W, Explorer
+from . import Explorer
 
 FAILURES = ("none", "skipped collective", "shape mismatch", "op mismatch", "dead rank",
             "uneven batches")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.gathers import METHODS, SamplerFigure
-from . import W, Explorer
+from . import Explorer
 
 MAX_DATASET_SIZE = 60
 MAX_WORLD_SIZE = 8

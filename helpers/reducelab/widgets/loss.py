@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..group import LocalGroup
 from ..plots.loss import LossAggregationPlot
-from . import W, Explorer
+from . import Explorer
 
 MAX_WORLD_SIZE = 8
 """Most ranks the explorer starts (one local batch size per rank)."""

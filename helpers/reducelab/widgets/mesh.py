@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..checks.mesh import run_and_release
 from ..group import LocalGroup
 from ..plots.mesh import MeshGrid
-from . import W, Explorer
+from . import Explorer
 
 MESH_SHAPES = ((1, 4), (2, 2), (4, 1), (2, 4), (4, 2))
 """The (dp, cp) shapes the explorer offers; world_size = dp * cp."""

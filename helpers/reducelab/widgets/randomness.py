@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..checks.mesh import run_and_release
 from ..group import LocalGroup
 from ..plots.randomness import MaskAgreement, mask_names
-from . import W, Explorer
+from . import Explorer
 
 SCHEMES = ("one seed", "seed = rank", "seed = dp rank", "seed = tp rank")
 """The seeding schemes the explorer offers; the notebook's rank function maps each to a

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.reduce import FULL, PARTIAL, UNCHANGED, ReduceGrid
-from . import W, Explorer
+from . import Explorer
 
 PATTERNS = ("10**rank", "rank + 1", "random ints")
 """Input patterns: ``10.0 ** rank`` everywhere (the digits of a sum say which ranks are in

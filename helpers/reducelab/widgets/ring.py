@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 
 from ..checks.ring import contributors
 from ..group import LocalGroup
 from ..plots.ring import RingStepsPlot
-from . import W, Explorer
+from . import Explorer
 
 MIN_WORLD_SIZE, MAX_WORLD_SIZE = 2, 8
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import numpy as np
 import torch
 
@@ -22,7 +23,7 @@ from ..determinism import within
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.sharded import COLLECTIVES, ShardingFigure, memory_formula, sent_formula
-from . import W, Explorer
+from . import Explorer
 
 SHARDINGS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
 """Every sharding the explorer can offer: what each rank keeps between steps. FSDP2 is

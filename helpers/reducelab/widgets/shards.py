@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+import ipywidgets as W
 import torch
 
 from ..checks.sharded import LAYOUT, initial_flat
@@ -25,7 +26,7 @@ from ..checks.shards import checkpoint_round_trip
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.shards import CheckpointFigure
-from . import W, Explorer
+from . import Explorer
 
 PARAMETERS = tuple(name for name, _, _ in LAYOUT)
 """The model's parameters, as the explorer names them: ``0.weight``, ``0.bias``,

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ipywidgets as W
 import torch
 
 from ..errors import RankError
 from ..group import LocalGroup
 from ..plots.tensor_parallel import Diagram, Operator, Stage, draw_diagram
-from . import W, Explorer
+from . import Explorer
 
 TP_DEGREES = (1, 2, 3, 4)
 """The tp degrees (world sizes) the explorer offers."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import ipywidgets as W
 
 from ..group import LocalGroup
 from ..plots.transformer_layer import Hop, layer_figure, outside_bytes
-from . import W, Explorer
+from . import Explorer
 
 PLANS = ("tp only", "tp + sp")
 """The plans the explorer offers: tensor parallelism alone, or with sequence parallelism."""
