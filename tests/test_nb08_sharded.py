@@ -515,7 +515,7 @@ def test_the_late_parts_are_marked_optional_and_the_header_counts_them():
     part, the GPU part and Myth vs reality are marked optional where they start, and the
     header counts them in the form every notebook uses (test_notebooks.py holds the form)."""
     header = "".join(CELLS[0]["source"]).splitlines()[2]
-    assert header.endswith("· torch 2.13 · parts marked optional: about 12 min more, after the lesson*")
+    assert header.endswith("· torch 2.13 · parts marked optional: about 13 min more, after the lesson*")
     headings = [line for c in CELLS if c["cell_type"] == "markdown"
                 for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
     optional = [h for h in headings if h.endswith(" (optional, after the lesson)")]
